@@ -1,0 +1,52 @@
+#include "comm/ring.h"
+
+#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+
+namespace tdx::comm {
+
+c10::intrusive_ptr<c10d::ProcessGroup> group_by_name(c10::string_view group_name) {
+  try {
+    return c10d::resolve_process_group(std::string(group_name));
+  } catch (const std::exception& e) {
+    TORCH_CHECK(
+        false, "group_name '", group_name,
+        "' names no registered process group (pass mesh.get_group().group_name): ", e.what());
+  }
+}
+
+void PendingExchange::wait() {
+  for (auto& work : works_) {
+    work->wait();
+  }
+  works_.clear();
+}
+
+Ring::Ring(c10::string_view group_name)
+    : group_(group_by_name(group_name)), rank_(group_->getRank()), size_(group_->getSize()) {}
+
+PendingExchange Ring::exchange(const at::Tensor& send, const at::Tensor& recv, int tag) {
+  std::vector<at::Tensor> send_list{send};
+  std::vector<at::Tensor> recv_list{recv};
+  const auto device = send.device().type();
+  const bool coalesce = group_->getBackend(device)->supportsCoalescing();
+  if (coalesce) {
+    group_->startCoalescing(device);
+  }
+  // With an even rank sending first and an odd one receiving first, two ranks
+  // that are each other's next and prev match their calls in order.
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  if (rank_ % 2 == 0) {
+    works.push_back(group_->send(send_list, next(), tag));
+    works.push_back(group_->recv(recv_list, prev(), tag));
+  } else {
+    works.push_back(group_->recv(recv_list, prev(), tag));
+    works.push_back(group_->send(send_list, next(), tag));
+  }
+  if (coalesce) {
+    auto work = group_->endCoalescing(device);
+    return PendingExchange(work ? std::vector{work} : std::vector<c10::intrusive_ptr<c10d::Work>>{});
+  }
+  return PendingExchange(std::move(works));
+}
+
+}  // namespace tdx::comm

@@ -1,0 +1,156 @@
+#include "kernels/cuda/cross_entropy.cuh"
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+
+#include <stdexcept>
+#include <string>
+#include <type_traits>
+
+namespace tdx::kernels::cuda {
+namespace {
+
+constexpr int kThreads = 256;
+constexpr int kWarps = kThreads / 32;
+
+__device__ __forceinline__ float load(float v) { return v; }
+__device__ __forceinline__ double load(double v) { return v; }
+__device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
+__device__ __forceinline__ float load(__half v) { return __half2float(v); }
+
+template <typename T, typename Acc>
+__device__ __forceinline__ T store_as(Acc v) {
+  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
+    return __float2bfloat16(static_cast<float>(v));
+  } else if constexpr (std::is_same_v<T, __half>) {
+    return __float2half(static_cast<float>(v));
+  } else {
+    return static_cast<T>(v);
+  }
+}
+
+// Merges two (max, sum of exp(x - max)) pairs.
+template <typename Acc>
+__device__ __forceinline__ void merge(Acc& max, Acc& sum, Acc other_max, Acc other_sum) {
+  const Acc new_max = max > other_max ? max : other_max;
+  if (new_max == -INFINITY) return;
+  sum = sum * exp(max - new_max) + other_sum * exp(other_max - new_max);
+  max = new_max;
+}
+
+// One block per row: every thread keeps an online (max, sumexp) over its
+// strided columns, then warps and the block merge the pairs.
+template <typename T, typename Acc>
+__global__ void stats_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
+                             int64_t vocab_local, int64_t vocab_start, Acc* __restrict__ row_max,
+                             Acc* __restrict__ row_sumexp, Acc* __restrict__ target_logit) {
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * vocab_local;
+  Acc max = -INFINITY;
+  Acc sum = 0;
+  for (int64_t v = threadIdx.x; v < vocab_local; v += blockDim.x) {
+    const Acc value = static_cast<Acc>(load(x[v]));
+    if (value > max) {
+      sum = sum * exp(max - value) + Acc(1);
+      max = value;
+    } else {
+      sum += exp(value - max);
+    }
+  }
+  for (int offset = 16; offset > 0; offset /= 2) {
+    const Acc other_max = __shfl_down_sync(0xffffffffu, max, offset);
+    const Acc other_sum = __shfl_down_sync(0xffffffffu, sum, offset);
+    merge(max, sum, other_max, other_sum);
+  }
+  __shared__ Acc warp_max[kWarps];
+  __shared__ Acc warp_sum[kWarps];
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  if (lane == 0) {
+    warp_max[warp] = max;
+    warp_sum[warp] = sum;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    for (int w = 1; w < kWarps; ++w) merge(max, sum, warp_max[w], warp_sum[w]);
+    row_max[row] = max;
+    row_sumexp[row] = sum;
+    const int64_t local_target = target[row] - vocab_start;
+    target_logit[row] =
+        (local_target >= 0 && local_target < vocab_local) ? static_cast<Acc>(load(x[local_target])) : Acc(0);
+  }
+}
+
+template <typename T, typename Acc>
+__global__ void grad_kernel(const T* __restrict__ grad_loss, const T* __restrict__ logits,
+                            const int64_t* __restrict__ target, const Acc* __restrict__ lse,
+                            int64_t vocab_local, int64_t vocab_start, int64_t ignore_index,
+                            T* __restrict__ grad_logits) {
+  const int64_t row = blockIdx.x;
+  const T* x = logits + row * vocab_local;
+  T* dx = grad_logits + row * vocab_local;
+  const bool ignored = target[row] == ignore_index;
+  const Acc g = ignored ? Acc(0) : static_cast<Acc>(load(grad_loss[row]));
+  const Acc row_lse = lse[row];
+  const int64_t local_target = target[row] - vocab_start;
+  for (int64_t v = threadIdx.x; v < vocab_local; v += blockDim.x) {
+    const Acc is_target = v == local_target ? Acc(1) : Acc(0);
+    dx[v] = store_as<T>(g * (exp(static_cast<Acc>(load(x[v])) - row_lse) - is_target));
+  }
+}
+
+void check_launch(const char* name) {
+  const cudaError_t error = cudaGetLastError();
+  if (error != cudaSuccess) {
+    throw std::runtime_error(std::string(name) + ": " + cudaGetErrorString(error));
+  }
+}
+
+template <typename Acc, typename Launch>
+void dispatch(ElementType type, const char* name, Launch&& launch) {
+  switch (type) {
+    case ElementType::kFloat32: launch(static_cast<float*>(nullptr)); break;
+    case ElementType::kFloat64: launch(static_cast<double*>(nullptr)); break;
+    case ElementType::kBFloat16: launch(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case ElementType::kFloat16: launch(static_cast<__half*>(nullptr)); break;
+  }
+  check_launch(name);
+}
+
+}  // namespace
+
+template <typename Acc>
+void vocab_shard_stats(ElementType type, const void* logits, const int64_t* target, int64_t rows,
+                       int64_t vocab_local, int64_t vocab_start, Acc* row_max, Acc* row_sumexp,
+                       Acc* target_logit, cudaStream_t stream) {
+  if (rows == 0) return;
+  dispatch<Acc>(type, "vocab_shard_stats", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    stats_kernel<T, Acc><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(logits), target, vocab_local,
+                                                        vocab_start, row_max, row_sumexp, target_logit);
+  });
+}
+
+template <typename Acc>
+void vocab_shard_grad(ElementType type, const void* grad_loss, const void* logits, const int64_t* target,
+                      const Acc* lse, int64_t rows, int64_t vocab_local, int64_t vocab_start,
+                      int64_t ignore_index, void* grad_logits, cudaStream_t stream) {
+  if (rows == 0) return;
+  dispatch<Acc>(type, "vocab_shard_grad", [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    grad_kernel<T, Acc><<<rows, kThreads, 0, stream>>>(
+        static_cast<const T*>(grad_loss), static_cast<const T*>(logits), target, lse, vocab_local,
+        vocab_start, ignore_index, static_cast<T*>(grad_logits));
+  });
+}
+
+template void vocab_shard_stats<float>(ElementType, const void*, const int64_t*, int64_t, int64_t, int64_t,
+                                       float*, float*, float*, cudaStream_t);
+template void vocab_shard_stats<double>(ElementType, const void*, const int64_t*, int64_t, int64_t, int64_t,
+                                        double*, double*, double*, cudaStream_t);
+template void vocab_shard_grad<float>(ElementType, const void*, const void*, const int64_t*, const float*,
+                                      int64_t, int64_t, int64_t, int64_t, void*, cudaStream_t);
+template void vocab_shard_grad<double>(ElementType, const void*, const void*, const int64_t*, const double*,
+                                       int64_t, int64_t, int64_t, int64_t, void*, cudaStream_t);
+
+}  // namespace tdx::kernels::cuda

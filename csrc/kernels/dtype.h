@@ -1,0 +1,96 @@
+#pragma once
+// Torch-free element types shared by the CPU and CUDA kernels. The ops layer
+// maps at::ScalarType onto ElementType and passes raw pointers.
+
+#include <cstdint>
+#include <cstring>
+
+namespace tdx::kernels {
+
+enum class ElementType { kFloat32, kFloat64, kBFloat16, kFloat16 };
+
+// Storage-only 16-bit floats (bit-compatible with at::BFloat16 / at::Half):
+// kernels load() them as float and store() from float.
+struct BFloat16 {
+  uint16_t bits;
+};
+struct Float16 {
+  uint16_t bits;
+};
+
+inline float load(float v) { return v; }
+inline double load(double v) { return v; }
+
+inline float load(BFloat16 v) {
+  const uint32_t word = static_cast<uint32_t>(v.bits) << 16;
+  float out;
+  std::memcpy(&out, &word, sizeof(out));
+  return out;
+}
+
+// IEEE 754 binary16 -> binary32, exact (normals, subnormals, inf, nan).
+inline float load(Float16 v) {
+  const uint32_t sign = static_cast<uint32_t>(v.bits & 0x8000u) << 16;
+  uint32_t exponent = (v.bits >> 10) & 0x1fu;
+  uint32_t mantissa = v.bits & 0x3ffu;
+  uint32_t word;
+  if (exponent == 0x1fu) {
+    word = sign | 0x7f800000u | (mantissa << 13);
+  } else if (exponent != 0) {
+    word = sign | ((exponent + 112u) << 23) | (mantissa << 13);
+  } else if (mantissa == 0) {
+    word = sign;
+  } else {
+    exponent = 113u;
+    while ((mantissa & 0x400u) == 0) {
+      mantissa <<= 1;
+      --exponent;
+    }
+    word = sign | (exponent << 23) | ((mantissa & 0x3ffu) << 13);
+  }
+  float out;
+  std::memcpy(&out, &word, sizeof(out));
+  return out;
+}
+
+// Round to nearest even; nan stays nan.
+inline BFloat16 to_bfloat16(float v) {
+  uint32_t word;
+  std::memcpy(&word, &v, sizeof(word));
+  if ((word & 0x7fffffffu) > 0x7f800000u) return BFloat16{0x7fc0};
+  word += 0x7fffu + ((word >> 16) & 1u);
+  return BFloat16{static_cast<uint16_t>(word >> 16)};
+}
+
+// Round to nearest even, overflow to inf, underflow through subnormals.
+inline Float16 to_float16(float v) {
+  uint32_t word;
+  std::memcpy(&word, &v, sizeof(word));
+  const uint16_t sign = static_cast<uint16_t>((word >> 16) & 0x8000u);
+  const uint32_t magnitude = word & 0x7fffffffu;
+  if (magnitude > 0x7f800000u) return Float16{static_cast<uint16_t>(sign | 0x7e00u)};
+  if (magnitude >= 0x477ff000u) return Float16{static_cast<uint16_t>(sign | 0x7c00u)};
+  if (magnitude < 0x38800000u) {  // below the smallest normal half: subnormal or zero
+    if (magnitude < 0x33000000u) return Float16{sign};
+    const uint32_t exponent = magnitude >> 23;
+    const uint32_t mantissa = (magnitude & 0x7fffffu) | 0x800000u;
+    const uint32_t shift = 126u - exponent;  // 14..24
+    uint32_t half_mantissa = mantissa >> shift;
+    const uint32_t remainder = mantissa & ((1u << shift) - 1u);
+    const uint32_t halfway = 1u << (shift - 1u);
+    if (remainder > halfway || (remainder == halfway && (half_mantissa & 1u))) ++half_mantissa;
+    return Float16{static_cast<uint16_t>(sign | half_mantissa)};
+  }
+  uint32_t rebased = magnitude - 0x38000000u;  // exponent bias 127 -> 15
+  rebased += 0xfffu + ((rebased >> 13) & 1u);
+  return Float16{static_cast<uint16_t>(sign | (rebased >> 13))};
+}
+
+// store(dst, value): writes an accumulator value into an element, rounding to
+// the element type.
+inline void store(float& dst, double v) { dst = static_cast<float>(v); }
+inline void store(double& dst, double v) { dst = v; }
+inline void store(BFloat16& dst, float v) { dst = to_bfloat16(v); }
+inline void store(Float16& dst, float v) { dst = to_float16(v); }
+
+}  // namespace tdx::kernels

@@ -1,0 +1,45 @@
+// The index of every tdx op: one TORCH_LIBRARY with all schemas, grouped by
+// family. Implementations live in csrc/ops/<family>.cpp (CPU) and
+// csrc/ops/<family>_cuda.cpp (CUDA); fake impls and autograd in
+// torchdist_ext/ops/<family>.py.
+//
+// Conventions: tensors are batch-first; an op that communicates takes
+// `str group_name` (torch.distributed's registered name of the process group,
+// `mesh.get_group().group_name`) and resolves it in C++.
+
+#include <Python.h>
+#include <torch/library.h>
+
+TORCH_LIBRARY(tdx, m) {
+  // ---- collective_matmul: sequence-parallel GEMMs as overlapped rings ----
+  // out = all_gather(x, gather_dim) @ weight.T. `gathered` is the all-gathered
+  // x when return_gathered (else an empty tensor); it carries no gradient.
+  m.def(
+      "all_gather_matmul(Tensor x, Tensor weight, str group_name, int gather_dim, "
+      "bool return_gathered=False) -> (Tensor out, Tensor gathered)");
+  // out = reduce_scatter(x @ weight.T, scatter_dim), summed over the group.
+  m.def(
+      "matmul_reduce_scatter(Tensor x, Tensor weight, str group_name, int scatter_dim) -> Tensor");
+  // out[a, b] = sum over rows of dense[..., a] * all_gather(shard, gather_dim)[..., b]:
+  // the weight gradient of the two ops above, without materialising the gather.
+  m.def(
+      "all_gather_weight_grad(Tensor dense, Tensor shard, str group_name, int gather_dim) -> Tensor");
+
+  // ---- cross_entropy: vocab-parallel softmax cross-entropy ----
+  // logits: this rank's vocab shard [..., V/tp], covering [vocab_start, vocab_start + V/tp)
+  // of a vocabulary of vocab_size. Returns the per-row loss (0 where target ==
+  // ignore_index) and the global log-sum-exp (fp32, fp64 for fp64 logits).
+  m.def(
+      "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, int vocab_size, "
+      "int ignore_index, str group_name) -> (Tensor loss, Tensor lse)");
+  m.def(
+      "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
+      "Tensor lse, int vocab_start, int ignore_index) -> Tensor");
+}
+
+// `import torchdist_ext._C` loads this library, which registers the ops above;
+// the module itself has no Python members.
+PyMODINIT_FUNC PyInit__C(void) {
+  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,1 @@
+pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]

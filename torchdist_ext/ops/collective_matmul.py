@@ -1,0 +1,164 @@
+"""Sequence-parallel GEMMs as overlapped rings (``tdx::all_gather_matmul`` family).
+
+Along the sharded dim every rank holds one equal contiguous block, rank ``r``
+the ``r``-th (``torch.chunk`` order). ``group_name`` is the registered name of
+the process group (``mesh.get_group().group_name``). The three ops are each
+other's gradients:
+
+    all_gather_matmul      Y = AG(x) @ W.T     dx = matmul_reduce_scatter(dY, W.T)
+                                               dW = all_gather_weight_grad(dY, x)
+    matmul_reduce_scatter  Y = RS(x @ W.T)     dx, AG(dY) = all_gather_matmul(dY, W.T)
+                                               dW = AG(dY).T @ x
+    all_gather_weight_grad G = D.T @ AG(s)     dD = all_gather_matmul(s, dG)
+                                               ds = matmul_reduce_scatter(D, dG.T)
+"""
+
+import torch
+from torch import Tensor
+from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_weight_grad"]
+
+
+def all_gather_matmul(
+    x: Tensor, weight: Tensor, group_name: str, gather_dim: int, return_gathered: bool = False
+) -> tuple[Tensor, Tensor]:
+    """``all_gather(x, gather_dim) @ weight.T``, overlapping each block's GEMM with the next block's transfer.
+
+    Args:
+        x: this rank's block ``[..., S/n, ..., in]`` along ``gather_dim`` (not the last dim).
+        weight: ``[out, in]``.
+    Returns:
+        ``(out, gathered)``: ``out`` is ``[..., S, ..., out]``; ``gathered`` is the
+        all-gathered ``x`` if ``return_gathered`` else an empty tensor.
+    """
+    return torch.ops.tdx.all_gather_matmul(x, weight, group_name, gather_dim, return_gathered)
+
+
+def matmul_reduce_scatter(x: Tensor, weight: Tensor, group_name: str, scatter_dim: int) -> Tensor:
+    """This rank's block of ``sum_over_ranks(x @ weight.T)`` along ``scatter_dim``, as a ring.
+
+    Args:
+        x: ``[..., S, ..., in]`` with ``S`` divisible by the group size.
+        weight: ``[out, in]``.
+    Returns:
+        ``[..., S/n, ..., out]``.
+    """
+    return torch.ops.tdx.matmul_reduce_scatter(x, weight, group_name, scatter_dim)
+
+
+def all_gather_weight_grad(dense: Tensor, shard: Tensor, group_name: str, gather_dim: int) -> Tensor:
+    """``dense.flatten(0, -2).T @ all_gather(shard, gather_dim).flatten(0, -2)`` without materialising the gather.
+
+    Args:
+        dense: ``[..., S, ..., a]``, full along ``gather_dim``.
+        shard: ``[..., S/n, ..., b]``, this rank's block.
+    Returns:
+        ``[a, b]`` (accumulated in fp32 for 16-bit inputs).
+    """
+    return torch.ops.tdx.all_gather_weight_grad(dense, shard, group_name, gather_dim)
+
+
+def _gathered_shape(shard: Tensor, dim: int, group_name: str) -> list[int]:
+    shape = list(shard.shape)
+    shape[dim] *= _get_group_size_by_name(group_name)
+    return shape
+
+
+@torch.library.register_fake("tdx::all_gather_matmul")
+def _(x, weight, group_name, gather_dim, return_gathered=False):
+    gathered_shape = _gathered_shape(x, gather_dim, group_name)
+    out = x.new_empty([*gathered_shape[:-1], weight.shape[0]])
+    gathered = x.new_empty(gathered_shape if return_gathered else [0])
+    return out, gathered
+
+
+@torch.library.register_fake("tdx::matmul_reduce_scatter")
+def _(x, weight, group_name, scatter_dim):
+    shape = list(x.shape)
+    shape[scatter_dim] //= _get_group_size_by_name(group_name)
+    shape[-1] = weight.shape[0]
+    return x.new_empty(shape)
+
+
+@torch.library.register_fake("tdx::all_gather_weight_grad")
+def _(dense, shard, group_name, gather_dim):
+    return dense.new_empty([dense.shape[-1], shard.shape[-1]])
+
+
+def _save(ctx, tensors, group_name, dim):
+    ctx.save_for_backward(*tensors)
+    ctx.group_name = group_name
+    ctx.dim = dim
+
+
+def _reduce_scatter(t: Tensor, group_name: str, dim: int) -> Tensor:
+    """Sum over the group, this rank's block along ``dim`` (torch's functional collective)."""
+    group_size = _get_group_size_by_name(group_name)
+    stacked = t.movedim(dim, 0).contiguous()
+    reduced = torch.ops._c10d_functional.reduce_scatter_tensor(stacked, "sum", group_size, group_name)
+    return torch.ops._c10d_functional.wait_tensor(reduced).movedim(0, dim)
+
+
+def _all_gather_matmul_setup(ctx, inputs, output):
+    x, weight, group_name, gather_dim, return_gathered = inputs
+    _save(ctx, (x, weight), group_name, gather_dim)
+    ctx.return_gathered = return_gathered
+    ctx.set_materialize_grads(False)
+
+
+def _all_gather_matmul_backward(ctx, grad_out, grad_gathered):
+    x, weight = ctx.saved_tensors
+    grad_x = grad_weight = None
+    if ctx.needs_input_grad[0]:
+        if grad_out is not None:
+            grad_x = matmul_reduce_scatter(grad_out, weight.t(), ctx.group_name, ctx.dim)
+        if ctx.return_gathered and grad_gathered is not None:
+            from_gathered = _reduce_scatter(grad_gathered, ctx.group_name, ctx.dim)
+            grad_x = from_gathered if grad_x is None else grad_x + from_gathered
+    if ctx.needs_input_grad[1] and grad_out is not None:
+        grad_weight = all_gather_weight_grad(grad_out, x, ctx.group_name, ctx.dim)
+    return grad_x, grad_weight, None, None, None
+
+
+def _matmul_reduce_scatter_setup(ctx, inputs, output):
+    x, weight, group_name, scatter_dim = inputs
+    _save(ctx, (x, weight), group_name, scatter_dim)
+
+
+def _matmul_reduce_scatter_backward(ctx, grad_out):
+    x, weight = ctx.saved_tensors
+    need_weight = ctx.needs_input_grad[1]
+    grad_x, grad_out_full = all_gather_matmul(grad_out, weight.t(), ctx.group_name, ctx.dim, need_weight)
+    grad_weight = None
+    if need_weight:
+        grad_weight = grad_out_full.flatten(0, -2).t() @ x.flatten(0, -2)
+    return (grad_x if ctx.needs_input_grad[0] else None), grad_weight, None, None
+
+
+def _all_gather_weight_grad_setup(ctx, inputs, output):
+    dense, shard, group_name, gather_dim = inputs
+    _save(ctx, (dense, shard), group_name, gather_dim)
+
+
+def _all_gather_weight_grad_backward(ctx, grad):
+    dense, shard = ctx.saved_tensors
+    grad_dense = grad_shard = None
+    if ctx.needs_input_grad[0]:
+        grad_dense, _ = all_gather_matmul(shard, grad.to(shard.dtype), ctx.group_name, ctx.dim)
+    if ctx.needs_input_grad[1]:
+        grad_shard = matmul_reduce_scatter(dense, grad.t().to(dense.dtype), ctx.group_name, ctx.dim)
+    return grad_dense, grad_shard, None, None
+
+
+torch.library.register_autograd(
+    "tdx::all_gather_matmul", _all_gather_matmul_backward, setup_context=_all_gather_matmul_setup
+)
+torch.library.register_autograd(
+    "tdx::matmul_reduce_scatter", _matmul_reduce_scatter_backward, setup_context=_matmul_reduce_scatter_setup
+)
+torch.library.register_autograd(
+    "tdx::all_gather_weight_grad",
+    _all_gather_weight_grad_backward,
+    setup_context=_all_gather_weight_grad_setup,
+)

@@ -1,0 +1,22 @@
+"""Multi-rank testing on CPU: persistent gloo worlds and replicated-tensor helpers.
+
+    spawn_world(world_size, *, timeout=120.0) -> World     (see world.py)
+    World.run(fn, *args, **kwargs) -> list                 one result per rank
+    shard_replicated / gather_replicated                   (see replicated.py)
+    cached_mesh(shape, names)                              a DeviceMesh built once per process
+pytest fixtures ``world2`` / ``world4``: ``pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]``.
+"""
+
+from torchdist_ext.testing.mesh_cache import cached_mesh
+from torchdist_ext.testing.replicated import gather_replicated, shard_replicated
+from torchdist_ext.testing.world import World, WorldError, WorldTimeoutError, spawn_world
+
+__all__ = [
+    "World",
+    "WorldError",
+    "WorldTimeoutError",
+    "cached_mesh",
+    "gather_replicated",
+    "shard_replicated",
+    "spawn_world",
+]
