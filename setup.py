@@ -10,11 +10,34 @@ Sources are picked by folder:
 """
 
 import os
+import shutil
 from pathlib import Path
 
 import torch
 from setuptools import find_packages, setup
-from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension
+
+
+def locate_cuda_toolkit() -> None:
+    """Points CUDA_HOME at a toolkit with headers when torch's guess has none.
+
+    torch guesses CUDA_HOME from the `nvcc` on PATH; a wrapper script such as
+    /usr/local/bin/nvcc makes that guess /usr/local, which has no CUDA headers.
+    """
+    if "CUDA_HOME" in os.environ or "CUDA_PATH" in os.environ:
+        return
+    nvcc = shutil.which("nvcc")
+    if nvcc is None:
+        return
+    guess = Path(nvcc).resolve().parent.parent
+    if not (guess / "include" / "cuda_runtime_api.h").exists():
+        for candidate in (Path("/usr/local/cuda"), *sorted(Path("/usr/local").glob("cuda-*"), reverse=True)):
+            if (candidate / "include" / "cuda_runtime_api.h").exists():
+                os.environ["CUDA_HOME"] = str(candidate)
+                return
+
+
+locate_cuda_toolkit()
+from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = Path(__file__).parent
 CUDA_HOST_SUFFIX = "_cuda.cpp"
@@ -29,6 +52,16 @@ def build_with_cuda() -> bool:
             raise ValueError(f"TDX_CUDA must be '0' or '1', got {override!r}")
         return override == "1"
     return torch.version.cuda is not None and CUDA_HOME is not None
+
+
+def pip_cuda_include_dirs() -> list[str]:
+    """Headers of the CUDA libraries torch's wheel depends on (cuBLAS, cuSPARSE, ...).
+
+    ATen's CUDA headers include them; a compiler-only toolkit lacks them, but
+    the nvidia-* wheels installed beside torch ship them (nvidia/cu13/include).
+    """
+    nvidia = Path(torch.__file__).resolve().parent.parent / "nvidia"
+    return sorted(str(d) for d in nvidia.glob("*/include") if (d / "cusparse.h").exists())
 
 
 def files(folder: str, pattern: str) -> list[str]:
@@ -53,6 +86,7 @@ def extension():
             **common,
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
+    common["include_dirs"] += pip_cuda_include_dirs()
     return CUDAExtension(
         sources=cpu_host + cpu_kernels + cuda_host + files("csrc/kernels/cuda", "*.cu"),
         extra_compile_args={

@@ -17,6 +17,8 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _get_group_size_by_name
 
+from torchdist_ext.ops.collectives import reduce_scatter
+
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_weight_grad"]
 
 
@@ -92,14 +94,6 @@ def _save(ctx, tensors, group_name, dim):
     ctx.dim = dim
 
 
-def _reduce_scatter(t: Tensor, group_name: str, dim: int) -> Tensor:
-    """Sum over the group, this rank's block along ``dim`` (torch's functional collective)."""
-    group_size = _get_group_size_by_name(group_name)
-    stacked = t.movedim(dim, 0).contiguous()
-    reduced = torch.ops._c10d_functional.reduce_scatter_tensor(stacked, "sum", group_size, group_name)
-    return torch.ops._c10d_functional.wait_tensor(reduced).movedim(0, dim)
-
-
 def _all_gather_matmul_setup(ctx, inputs, output):
     x, weight, group_name, gather_dim, return_gathered = inputs
     _save(ctx, (x, weight), group_name, gather_dim)
@@ -114,7 +108,8 @@ def _all_gather_matmul_backward(ctx, grad_out, grad_gathered):
         if grad_out is not None:
             grad_x = matmul_reduce_scatter(grad_out, weight.t(), ctx.group_name, ctx.dim)
         if ctx.return_gathered and grad_gathered is not None:
-            from_gathered = _reduce_scatter(grad_gathered, ctx.group_name, ctx.dim)
+            group_size = _get_group_size_by_name(ctx.group_name)
+            from_gathered = reduce_scatter(grad_gathered, ctx.group_name, group_size, ctx.dim)
             grad_x = from_gathered if grad_x is None else grad_x + from_gathered
     if ctx.needs_input_grad[1] and grad_out is not None:
         grad_weight = all_gather_weight_grad(grad_out, x, ctx.group_name, ctx.dim)

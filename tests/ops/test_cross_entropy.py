@@ -1,0 +1,149 @@
+"""tdx::vocab_parallel_cross_entropy against F.cross_entropy on the full vocabulary."""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchdist_ext  # noqa: F401
+from torchdist_ext.ops import vocab_parallel_cross_entropy
+from torchdist_ext.testing import shard_replicated
+
+IGNORE = -100
+TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
+
+
+def problem(vocab, dtype, shape=(3, 5), seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    logits = (3 * torch.randn(*shape, vocab, generator=gen, dtype=torch.float64)).to(dtype)
+    target = torch.randint(0, vocab, shape, generator=gen)
+    target[0, 1] = IGNORE
+    target.view(-1)[-1] = vocab - 1  # a target in the last shard
+    return logits, target
+
+
+def shard_args(logits):
+    n, r = dist.get_world_size(), dist.get_rank()
+    vocab_local = logits.shape[-1] // n
+    return logits.chunk(n, dim=-1)[r].contiguous(), r * vocab_local
+
+
+def check_against_full_vocab(vocab, dtype):
+    logits_full, target = problem(vocab, dtype)
+    local, start = shard_args(logits_full)
+    local.requires_grad_(True)
+    loss, lse = vocab_parallel_cross_entropy(local, target, start, vocab, IGNORE, dist.group.WORLD.group_name)
+    upstream = torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape).to(dtype)
+    loss.backward(upstream)
+
+    reference = logits_full.double().requires_grad_(True)
+    ref_loss = F.cross_entropy(reference.flatten(0, -2), target.flatten(), ignore_index=IGNORE, reduction="none")
+    ref_loss.view(loss.shape).backward(upstream.double())
+    tol = TOLERANCE[dtype]
+    assert loss.dtype == dtype and lse.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    torch.testing.assert_close(loss.double(), ref_loss.view(loss.shape).detach(), atol=tol * 10, rtol=tol)
+    kept = target != IGNORE
+    torch.testing.assert_close(lse.double()[kept], reference.detach().logsumexp(-1)[kept], atol=tol * 10, rtol=tol)
+    ref_grad = reference.grad.chunk(dist.get_world_size(), dim=-1)[dist.get_rank()]
+    torch.testing.assert_close(local.grad.double(), ref_grad, atol=tol, rtol=tol)
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_matches_full_vocab_cross_entropy(world, dtype, request):
+    request.getfixturevalue(world).run(check_against_full_vocab, 64, dtype)
+
+
+def sharded_loss(logits_full, target):
+    group = dist.group.WORLD
+    local = shard_replicated(logits_full, group, -1)
+    start = dist.get_rank() * local.shape[-1]
+    loss, _ = vocab_parallel_cross_entropy(local, target, start, logits_full.shape[-1], IGNORE, group.group_name)
+    return loss
+
+
+def run_gradcheck():
+    logits, target = problem(8, torch.float64, shape=(2, 3))
+    assert torch.autograd.gradcheck(sharded_loss, (logits.requires_grad_(True), target))
+    return True
+
+
+def test_gradcheck_fp64(world2):
+    assert world2.run(run_gradcheck) == [True, True]
+
+
+def run_opcheck():
+    name = dist.group.WORLD.group_name
+    for requires_grad in (False, True):
+        logits_full, target = problem(16, torch.float32)
+        local, start = shard_args(logits_full)
+        local.requires_grad_(requires_grad)
+        torch.library.opcheck(
+            torch.ops.tdx.vocab_parallel_cross_entropy, (local, target, start, 16, IGNORE, name)
+        )
+        _, lse = vocab_parallel_cross_entropy(local.detach(), target, start, 16, IGNORE, name)
+        torch.library.opcheck(
+            torch.ops.tdx.vocab_parallel_cross_entropy_backward,
+            (torch.ones(target.shape), local.detach(), target, lse, start, IGNORE),
+        )
+    return True
+
+
+def test_opcheck(world2):
+    assert world2.run(run_opcheck) == [True, True]
+
+
+def run_compiled():
+    logits_full, target = problem(16, torch.float32)
+    local, start = shard_args(logits_full)
+    name = dist.group.WORLD.group_name
+
+    def mean_loss(x):
+        loss, _ = vocab_parallel_cross_entropy(x * 2.0, target, start, 16, IGNORE, name)
+        return loss.sum() / (target != IGNORE).sum()
+
+    eager_x = local.clone().requires_grad_(True)
+    eager = mean_loss(eager_x)
+    eager.backward()
+    compiled_x = local.clone().requires_grad_(True)
+    compiled = torch.compile(mean_loss, fullgraph=True)(compiled_x)
+    compiled.backward()
+    torch.testing.assert_close(compiled, eager)
+    torch.testing.assert_close(compiled_x.grad, eager_x.grad)
+    return True
+
+
+def test_compile_fullgraph(world2):
+    assert world2.run(run_compiled) == [True, True]
+
+
+def out_of_range_target():
+    logits_full, target = problem(16, torch.float32)
+    local, start = shard_args(logits_full)
+    target[0, 0] = 16
+    vocab_parallel_cross_entropy(local, target, start, 16, IGNORE, dist.group.WORLD.group_name)
+
+
+def mismatched_target_shape():
+    logits_full, target = problem(16, torch.float32)
+    local, start = shard_args(logits_full)
+    vocab_parallel_cross_entropy(local, target[:, :2], start, 16, IGNORE, dist.group.WORLD.group_name)
+
+
+def shard_outside_vocab():
+    logits_full, target = problem(16, torch.float32)
+    local, _ = shard_args(logits_full)
+    vocab_parallel_cross_entropy(local, target, 12, 16, IGNORE, dist.group.WORLD.group_name)
+
+
+@pytest.mark.parametrize(
+    "fn, message",
+    [
+        (out_of_range_target, r"every target must lie in \[0, vocab_size=16\) or equal ignore_index=-100"),
+        (mismatched_target_shape, "must equal logits shape without its last dim"),
+        (shard_outside_vocab, r"must lie inside \[0, vocab_size=16\)"),
+    ],
+)
+def test_bad_input(world2, fn, message):
+    with pytest.raises(RuntimeError, match=message):
+        world2.run(fn)

@@ -1,0 +1,30 @@
+"""Drop-in parallel layers. Parameters are DTensors on the layer's 1-D mesh.
+
+Tensor parallelism (``tp_mesh``), Megatron semantics, optional sequence parallelism:
+    ColumnParallelLinear(in, out, bias=True, *, tp_mesh, gather_output=False,
+                         sequence_parallel=False, seq_dim=1, device=None, dtype=None)
+    RowParallelLinear(in, out, bias=True, *, tp_mesh, input_is_parallel=True,
+                      sequence_parallel=False, seq_dim=1, device=None, dtype=None)
+    VocabParallelEmbedding(num_embeddings, embedding_dim, *, tp_mesh,
+                           sequence_parallel=False, seq_dim=1, device=None, dtype=None)
+    RMSNorm(dim, *, tp_mesh, sequence_parallel=False, eps=1e-6, device=None, dtype=None)
+    vocab_parallel_cross_entropy(logits, target, *, tp_mesh, ignore_index=-100, reduction="mean")
+
+Build from existing modules with the same full weights:
+    ColumnParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
+    RowParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
+    VocabParallelEmbedding.from_embedding(embedding, tp_mesh=..., **kwargs)
+"""
+
+from torchdist_ext.parallel.cross_entropy import vocab_parallel_cross_entropy
+from torchdist_ext.parallel.embedding import VocabParallelEmbedding
+from torchdist_ext.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from torchdist_ext.parallel.norm import RMSNorm
+
+__all__ = [
+    "ColumnParallelLinear",
+    "RMSNorm",
+    "RowParallelLinear",
+    "VocabParallelEmbedding",
+    "vocab_parallel_cross_entropy",
+]

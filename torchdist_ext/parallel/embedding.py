@@ -1,0 +1,80 @@
+"""Vocab-parallel embedding: the table split by rows (tokens) over the tensor-parallel group."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from torchdist_ext.parallel.linear import _parameter
+from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_region
+from torchdist_ext.parallel.tp_group import TPGroup, check_divisible, sequence_dim
+
+__all__ = ["VocabParallelEmbedding"]
+
+
+class VocabParallelEmbedding(nn.Module):
+    """``nn.Embedding`` with rows ``[r * V/tp, (r+1) * V/tp)`` on tensor-parallel rank r.
+
+    Every rank looks up the ids that fall in its rows (zeros elsewhere) and the
+    partial results are summed: all-reduced, or with ``sequence_parallel=True``
+    reduce-scattered along ``seq_dim`` so that the output enters a
+    sequence-parallel region directly.
+
+    Args:
+        num_embeddings: vocabulary size V, divisible by tp.
+        embedding_dim: D.
+        tp_mesh: 1-D DeviceMesh of the tensor-parallel group.
+        sequence_parallel, seq_dim: as for the parallel linears.
+
+    Shapes:
+        input  integer ids ``[batch, seq]`` (any shape), replicated, values in ``[0, V)``
+        output ``[batch, seq, D]`` replicated, or ``[.., S/tp, .., D]`` with sequence_parallel
+    Parameters: ``weight`` DTensor ``[V, D]`` ``Shard(0)``, initialised N(0, 1) like nn.Embedding.
+    """
+
+    def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_mesh: DeviceMesh,
+                 sequence_parallel: bool = False, seq_dim: int = 1, device=None, dtype=None):
+        super().__init__()
+        self.tp = TPGroup.of(tp_mesh)
+        for arg, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        check_divisible("num_embeddings", num_embeddings, self.tp)
+        self.num_embeddings = num_embeddings
+        self.embedding_dim = embedding_dim
+        self.sequence_parallel = bool(sequence_parallel)
+        self.seq_dim = seq_dim
+        self.vocab_start = self.tp.rank * (num_embeddings // self.tp.size)
+        weight = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
+        if not weight.is_meta:
+            nn.init.normal_(weight)
+        self.weight = _parameter(weight, self.tp, Shard(0), src_data_rank=0)
+
+    @classmethod
+    def from_embedding(cls, embedding: nn.Embedding, *, tp_mesh: DeviceMesh, **kwargs) -> "VocabParallelEmbedding":
+        """The parallel layer holding ``embedding``'s table (every rank passes the same module)."""
+        if not isinstance(embedding, nn.Embedding):
+            raise TypeError(f"embedding must be an nn.Embedding, got {type(embedding).__name__}")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, tp_mesh=tp_mesh, device="meta",
+                    dtype=embedding.weight.dtype, **kwargs)
+        layer.weight = _parameter(embedding.weight.detach(), layer.tp, Shard(0), src_data_rank=None)
+        return layer
+
+    def forward(self, ids: Tensor) -> Tensor:
+        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            raise TypeError(f"input must be an int64 or int32 tensor of token ids, got {getattr(ids, 'dtype', type(ids))}")
+        weight = self.weight.to_local()
+        local_ids = ids - self.vocab_start
+        outside = (local_ids < 0) | (local_ids >= weight.shape[0])
+        rows = F.embedding(local_ids.masked_fill(outside, 0), weight)
+        rows = rows.masked_fill(outside.unsqueeze(-1), 0)
+        if self.sequence_parallel:
+            dim = sequence_dim(rows, self.seq_dim)
+            check_divisible(f"input.size({dim})", ids.shape[dim], self.tp)
+            return reduce_scatter_to_region(rows, self.tp, dim)
+        return reduce_from_region(rows, self.tp)
+
+    def extra_repr(self) -> str:
+        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, "
+                f"sequence_parallel={self.sequence_parallel}, seq_dim={self.seq_dim}")

@@ -1,0 +1,216 @@
+"""Column- and row-parallel linear layers (Megatron semantics), with sequence parallelism.
+
+A column-parallel layer followed by a row-parallel one (an MLP, or attention's
+QKV and output projections) needs one collective each way per pair:
+
+    no SP:  x (replicated) -> Column -> [.., out/tp] -> Row -> all-reduce -> y (replicated)
+    SP:     x [.., S/tp, ..] -> all_gather_matmul -> [.., out/tp] -> matmul_reduce_scatter -> y [.., S/tp, ..]
+
+With ``sequence_parallel=True`` the activations between blocks are sharded
+along ``seq_dim`` and the gather / scatter is fused into the GEMM as a ring
+(``tdx::all_gather_matmul``, ``tdx::matmul_reduce_scatter``).
+
+Parameters are DTensors on ``tp_mesh``, so ``fully_shard(module, mesh=dp_mesh)``
+makes them 2-D and distributed checkpoints reshard them.
+"""
+
+import math
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+
+from torchdist_ext import ops
+from torchdist_ext.parallel.regions import (
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    scatter_to_region,
+)
+from torchdist_ext.parallel.tp_group import (
+    TPGroup,
+    check_divisible,
+    check_features,
+    check_floating_input,
+    sequence_dim,
+)
+
+__all__ = ["ColumnParallelLinear", "RowParallelLinear"]
+
+
+def _linear_init(out_features: int, in_features: int, bias: bool, device, dtype) -> tuple[Tensor, Tensor | None]:
+    """Full weight and bias drawn as ``nn.Linear.reset_parameters`` draws them."""
+    weight = torch.empty(out_features, in_features, device=device, dtype=dtype)
+    full_bias = torch.empty(out_features, device=device, dtype=dtype) if bias else None
+    if weight.is_meta:
+        return weight, full_bias
+    nn.init.kaiming_uniform_(weight, a=math.sqrt(5))
+    if full_bias is not None:
+        bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
+        nn.init.uniform_(full_bias, -bound, bound)
+    return weight, full_bias
+
+
+def _parameter(full: Tensor, group: TPGroup, placement, src_data_rank: int | None) -> nn.Parameter:
+    if full.is_meta:
+        local = full.chunk(group.size, dim=placement.dim)[group.rank] if isinstance(placement, Shard) else full
+        dtensor = DTensor.from_local(local, group.mesh, [placement], run_check=False, shape=full.shape,
+                                     stride=full.stride())
+    else:
+        dtensor = distribute_tensor(full, group.mesh, [placement], src_data_rank=src_data_rank)
+    return nn.Parameter(dtensor)
+
+
+class _ParallelLinear(nn.Module):
+    """Shared parameter handling: full tensors in, DTensor parameters out."""
+
+    weight_placement: Shard
+    bias_placement: Shard | Replicate
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, seq_dim: int,
+                 sequence_parallel: bool, device, dtype):
+        super().__init__()
+        self.tp = tp
+        for arg, value in (("in_features", in_features), ("out_features", out_features)):
+            if not isinstance(value, int) or value <= 0:
+                raise ValueError(f"{arg} must be a positive int, got {value!r}")
+        if not isinstance(seq_dim, int):
+            raise TypeError(f"seq_dim must be an int, got {type(seq_dim).__name__}")
+        self.in_features = in_features
+        self.out_features = out_features
+        self.sequence_parallel = bool(sequence_parallel)
+        self.seq_dim = seq_dim
+        weight, full_bias = _linear_init(out_features, in_features, bias, device, dtype)
+        # Every rank starts from rank 0's draw, as one process would.
+        self._set_full_parameters(weight, full_bias, src_data_rank=0)
+
+    def _set_full_parameters(self, weight: Tensor, bias: Tensor | None, src_data_rank: int | None) -> None:
+        self.weight = _parameter(weight, self.tp, self.weight_placement, src_data_rank)
+        if bias is None:
+            self.register_parameter("bias", None)
+        else:
+            self.bias = _parameter(bias, self.tp, self.bias_placement, src_data_rank)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, *, tp_mesh: DeviceMesh, **kwargs) -> "_ParallelLinear":
+        """The parallel layer holding ``linear``'s weights (every rank passes the same ``linear``).
+
+        Keyword arguments are the constructor's (``gather_output``, ``sequence_parallel``, ...).
+        Each rank keeps its own shard; no communication happens.
+        """
+        if not isinstance(linear, nn.Linear):
+            raise TypeError(f"linear must be an nn.Linear, got {type(linear).__name__}")
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, tp_mesh=tp_mesh,
+                    device="meta", dtype=linear.weight.dtype, **kwargs)
+        bias = None if linear.bias is None else linear.bias.detach()
+        layer._set_full_parameters(linear.weight.detach(), bias, src_data_rank=None)
+        return layer
+
+    def extra_repr(self) -> str:
+        return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
+                f"tp={self.tp.size}, sequence_parallel={self.sequence_parallel}, seq_dim={self.seq_dim}")
+
+
+class ColumnParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with ``W`` split by output features over ``tp_mesh``.
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``; ``out_features`` divisible by tp.
+        tp_mesh: 1-D DeviceMesh of the tensor-parallel group.
+        gather_output: return the full ``[..., out]`` instead of this rank's ``[..., out/tp]``.
+        sequence_parallel: the input is sharded along ``seq_dim`` (rank r holds the
+            r-th block); it is all-gathered inside the GEMM ring.
+        seq_dim: the sequence dim of the activations (default 1: ``[batch, seq, hidden]``).
+
+    Shapes:
+        input  ``[..., in]`` replicated, or ``[.., S/tp, .., in]`` with sequence_parallel
+        output ``[.., S, .., out/tp]`` (``out`` with gather_output), full along seq_dim
+    Parameters: ``weight`` DTensor ``[out, in]`` ``Shard(0)``; ``bias`` ``[out]`` ``Shard(0)``.
+    """
+
+    weight_placement = Shard(0)
+    bias_placement = Shard(0)
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_mesh: DeviceMesh,
+                 gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1,
+                 device=None, dtype=None):
+        tp = TPGroup.of(tp_mesh)
+        check_divisible("out_features", out_features, tp)
+        super().__init__(in_features, out_features, bias, tp, seq_dim, sequence_parallel, device, dtype)
+        self.gather_output = bool(gather_output)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight.to_local()
+        check_floating_input(x, "input", weight.dtype)
+        check_features(x, "input", self.in_features, "in_features")
+        bias = None if self.bias is None else self.bias.to_local()
+        if self.sequence_parallel:
+            dim = sequence_dim(x, self.seq_dim)
+            out, _ = ops.all_gather_matmul(x, weight, self.tp.name, dim)
+            if bias is not None:
+                out = out + bias
+        else:
+            out = F.linear(copy_to_region(x, self.tp), weight, bias)
+        if self.gather_output:
+            out = gather_from_region(out, self.tp, -1)
+        return out
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", gather_output={self.gather_output}"
+
+
+class RowParallelLinear(_ParallelLinear):
+    """``y = x @ W.T + b`` with ``W`` split by input features over ``tp_mesh``; partial sums reduced.
+
+    Args:
+        in_features, out_features, bias: as ``nn.Linear``; ``in_features`` divisible by tp.
+        tp_mesh: 1-D DeviceMesh of the tensor-parallel group.
+        input_is_parallel: the input is already this rank's ``[..., in/tp]`` slice (the
+            output of a ColumnParallelLinear); if False it is the full ``[..., in]`` and is split here.
+        sequence_parallel: reduce-scatter the output along ``seq_dim`` (inside the GEMM
+            ring) instead of all-reducing it; ``input.size(seq_dim)`` divisible by tp.
+        seq_dim: the sequence dim of the activations.
+
+    Shapes:
+        input  ``[..., in/tp]`` (``[..., in]`` if not input_is_parallel), full along seq_dim
+        output ``[..., out]`` replicated, or ``[.., S/tp, .., out]`` with sequence_parallel
+    Parameters: ``weight`` DTensor ``[out, in]`` ``Shard(1)``; ``bias`` ``[out]`` ``Replicate()``.
+    """
+
+    weight_placement = Shard(1)
+    bias_placement = Replicate()
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_mesh: DeviceMesh,
+                 input_is_parallel: bool = True, sequence_parallel: bool = False, seq_dim: int = 1,
+                 device=None, dtype=None):
+        tp = TPGroup.of(tp_mesh)
+        check_divisible("in_features", in_features, tp)
+        super().__init__(in_features, out_features, bias, tp, seq_dim, sequence_parallel, device, dtype)
+        self.input_is_parallel = bool(input_is_parallel)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight.to_local()
+        check_floating_input(x, "input", weight.dtype)
+        if self.input_is_parallel:
+            check_features(x, "input", weight.shape[1], f"in_features / tp = {self.in_features} / {self.tp.size}")
+        else:
+            check_features(x, "input", self.in_features, "in_features")
+            x = scatter_to_region(x, self.tp, -1)
+        if self.sequence_parallel:
+            dim = sequence_dim(x, self.seq_dim)
+            check_divisible(f"input.size({dim})", x.shape[dim], self.tp)
+            out = ops.matmul_reduce_scatter(x, weight, self.tp.name, dim)
+        else:
+            out = reduce_from_region(F.linear(x, weight), self.tp)
+        if self.bias is not None:
+            bias = self.bias.to_local()
+            if self.sequence_parallel:
+                # Each rank sees only its sequence block, so the bias gradient is a partial sum.
+                bias = copy_to_region(bias, self.tp)
+            out = out + bias
+        return out
+
+    def extra_repr(self) -> str:
+        return super().extra_repr() + f", input_is_parallel={self.input_is_parallel}"

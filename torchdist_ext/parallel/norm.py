@@ -1,0 +1,48 @@
+"""RMSNorm inside a tensor-parallel model, with or without sequence parallelism."""
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Replicate
+
+from torchdist_ext.parallel.linear import _parameter
+from torchdist_ext.parallel.regions import copy_to_region
+from torchdist_ext.parallel.tp_group import TPGroup, check_features, check_floating_input
+
+__all__ = ["RMSNorm"]
+
+
+class RMSNorm(nn.Module):
+    """``F.rms_norm`` with its weight replicated over ``tp_mesh``.
+
+    Without sequence parallelism every rank normalises the same activations
+    and computes the same weight gradient. With ``sequence_parallel=True`` each
+    rank normalises its sequence block, so the weight gradient is all-reduced
+    over the group (Megatron's rule for sequence-parallel parameters).
+
+    Shapes: input ``[..., dim]`` (any sharding along other dims) -> output of the same shape.
+    Parameters: ``weight`` DTensor ``[dim]`` ``Replicate()``, initialised to ones.
+    """
+
+    def __init__(self, dim: int, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False, eps: float = 1e-6,
+                 device=None, dtype=None):
+        super().__init__()
+        if not isinstance(dim, int) or dim <= 0:
+            raise ValueError(f"dim must be a positive int, got {dim!r}")
+        self.tp = TPGroup.of(tp_mesh)
+        self.dim = dim
+        self.eps = eps
+        self.sequence_parallel = bool(sequence_parallel)
+        self.weight = _parameter(torch.ones(dim, device=device, dtype=dtype), self.tp, Replicate(), src_data_rank=None)
+
+    def forward(self, x: Tensor) -> Tensor:
+        weight = self.weight.to_local()
+        check_floating_input(x, "input", weight.dtype)
+        check_features(x, "input", self.dim, "dim")
+        if self.sequence_parallel:
+            weight = copy_to_region(weight, self.tp)
+        return F.rms_norm(x, (self.dim,), weight, self.eps)
+
+    def extra_repr(self) -> str:
+        return f"{self.dim}, eps={self.eps}, tp={self.tp.size}, sequence_parallel={self.sequence_parallel}"
