@@ -150,24 +150,26 @@ at::Tensor matmul_reduce_scatter(
                           .reshape({shape.outer * shape.rows, shape.features});
     at::mm_out(into, rows, weight_t);
   };
+  // Two running-sum buffers in the output's shape (the last one written is
+  // returned as is), seen as [rows, out] matrices.
+  auto out_sizes = input.sizes().vec();
+  out_sizes[dim] /= n;
+  out_sizes.back() = out_features;
   const auto options = input.options();
-  const std::vector<int64_t> sum_sizes{shape.outer * shape.rows, out_features};
-  at::Tensor sums[2] = {at::empty(sum_sizes, options), at::empty(sum_sizes, options)};
-  at::Tensor incoming = n > 1 ? at::empty(sum_sizes, options) : at::Tensor();
+  at::Tensor sums[2] = {at::empty(out_sizes, options), at::empty(out_sizes, options)};
+  at::Tensor sum_rows[2] = {sums[0].view({-1, out_features}), sums[1].view({-1, out_features})};
+  at::Tensor incoming = n > 1 ? at::empty_like(sum_rows[0]) : at::Tensor();
   int current = 0;
-  block_product(0, sums[current]);
+  block_product(0, sum_rows[current]);
   for (int step = 1; step < n; ++step) {
-    auto pending = ring.exchange(sums[current], incoming, step);
-    auto& next = sums[1 - current];
+    auto pending = ring.exchange(sum_rows[current], incoming, step);
+    auto& next = sum_rows[1 - current];
     block_product(step, next);
     pending.wait();
     next.add_(incoming);
     current = 1 - current;
   }
-  auto out_sizes = input.sizes().vec();
-  out_sizes[dim] /= n;
-  out_sizes.back() = out_features;
-  return sums[current].view(out_sizes);
+  return sums[current];
 }
 
 at::Tensor all_gather_weight_grad(

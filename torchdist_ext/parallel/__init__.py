@@ -14,6 +14,7 @@ Build from existing modules with the same full weights:
     ColumnParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
     RowParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
     VocabParallelEmbedding.from_embedding(embedding, tp_mesh=..., **kwargs)
+    RMSNorm.from_rms_norm(norm, tp_mesh=..., sequence_parallel=False)
 """
 
 from torchdist_ext.parallel.cross_entropy import vocab_parallel_cross_entropy

@@ -21,12 +21,14 @@ class RMSNorm(nn.Module):
     rank normalises its sequence block, so the weight gradient is all-reduced
     over the group (Megatron's rule for sequence-parallel parameters).
 
+    ``eps=None`` uses ``torch.finfo(x.dtype).eps``, as ``nn.RMSNorm`` does.
+
     Shapes: input ``[..., dim]`` (any sharding along other dims) -> output of the same shape.
     Parameters: ``weight`` DTensor ``[dim]`` ``Replicate()``, initialised to ones.
     """
 
-    def __init__(self, dim: int, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False, eps: float = 1e-6,
-                 device=None, dtype=None):
+    def __init__(self, dim: int, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
+                 eps: float | None = 1e-6, device=None, dtype=None):
         super().__init__()
         if not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
@@ -35,6 +37,16 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.sequence_parallel = bool(sequence_parallel)
         self.weight = _parameter(torch.ones(dim, device=device, dtype=dtype), self.tp, Replicate(), src_data_rank=None)
+
+    @classmethod
+    def from_rms_norm(cls, norm: nn.RMSNorm, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> "RMSNorm":
+        """The parallel norm with ``norm``'s weight and eps (a 1-D ``normalized_shape`` with an affine weight)."""
+        if not isinstance(norm, nn.RMSNorm) or len(norm.normalized_shape) != 1 or norm.weight is None:
+            raise TypeError(f"norm must be an nn.RMSNorm over one dim with a weight, got {norm!r}")
+        layer = cls(norm.normalized_shape[0], tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, eps=norm.eps,
+                    device="meta", dtype=norm.weight.dtype)
+        layer.weight = _parameter(norm.weight.detach(), layer.tp, Replicate(), src_data_rank=None)
+        return layer
 
     def forward(self, x: Tensor) -> Tensor:
         weight = self.weight.to_local()

@@ -1,0 +1,43 @@
+# The two set-up commands of README.md:
+#   make demo   creates .venv if missing, installs torch and the package, runs the main job
+#   make test   the same set-up, then pytest and the GoogleTest suite (ctest)
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+TORCH_VERSION := 2.14.1
+NPROC ?= 4
+MAX_JOBS ?= 2
+
+.PHONY: demo test pytest ctest install bench clean
+
+$(VENV)/.installed-deps: requirements-dev.txt Makefile
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install torch==$(TORCH_VERSION) -r requirements-dev.txt
+	touch $@
+
+# Incremental: ninja rebuilds only the translation units that changed.
+install: $(VENV)/.installed-deps
+	MAX_JOBS=$(MAX_JOBS) $(PY) -m pip install --no-build-isolation --no-deps -e .
+
+demo: install
+	$(VENV)/bin/torchrun --standalone --nproc-per-node $(NPROC) examples/train_llama.py
+
+test: pytest ctest
+
+pytest: install
+	$(PY) -m pytest -q
+
+# GoogleTest comes from Debian's libgtest-dev (installed here when missing and we are root).
+ctest: $(VENV)/.installed-deps
+	@dpkg -s libgtest-dev >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && apt-get update -qq && apt-get install -y -qq libgtest-dev; } \
+		|| { echo "libgtest-dev is missing: apt-get install libgtest-dev" >&2; exit 1; }
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S tests/cpp -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release
+	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build build/cpp
+	ctest --test-dir build/cpp --output-on-failure
+
+bench: install
+	$(PY) benchmarks/bench_tp.py
+
+clean:
+	rm -rf build torchdist_ext/_C*.so *.egg-info

@@ -1,0 +1,166 @@
+"""A small Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) and its parallelisation.
+
+``Llama`` is a plain single-process ``nn.Module`` built from ``nn.Linear``,
+``nn.Embedding`` and ``nn.RMSNorm``. ``parallelize_llama`` turns it, in place,
+into the tensor-parallel (optionally sequence-parallel) model with the same
+weights, then shards it with FSDP2 over the data-parallel mesh. The forward
+code is shared: attention reads its local head count from the projection's
+output width, so one definition serves every layout.
+"""
+
+from dataclasses import dataclass
+from functools import partial
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import fully_shard
+
+from torchdist_ext.parallel import (
+    ColumnParallelLinear,
+    RMSNorm,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    vocab_parallel_cross_entropy,
+)
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    vocab_size: int = 256  # bytes
+    dim: int = 128
+    num_layers: int = 4
+    num_heads: int = 8
+    num_kv_heads: int = 4
+    ffn_dim: int = 256
+    max_seq_len: int = 512
+    rope_theta: float = 10000.0
+    norm_eps: float = 1e-5
+
+    @property
+    def head_dim(self) -> int:
+        return self.dim // self.num_heads
+
+
+def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[Tensor, Tensor]:
+    """cos and sin ``[seq_len, head_dim / 2]`` of the rotary position embedding."""
+    inverse_frequency = 1.0 / theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim)
+    angles = torch.outer(torch.arange(seq_len, dtype=torch.float64), inverse_frequency)
+    return angles.cos().float(), angles.sin().float()
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """Rotates channel pairs (2i, 2i+1) of ``x`` ``[batch, heads, seq, head_dim]`` by position."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    rotated = torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1)
+    return rotated.flatten(-2).type_as(x)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.head_dim = cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.num_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        # Under tensor parallelism q/k/v hold this rank's heads over the whole sequence.
+        q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
+        seq = q.shape[2]
+        q, k = apply_rope(q, cos[:seq], sin[:seq]), apply_rope(k, cos[:seq], sin[:seq])
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        return self.wo(out.transpose(1, 2).flatten(-2))
+
+
+class FeedForward(nn.Module):
+    """SwiGLU: w2(silu(w1 x) * w3 x)."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w3 = nn.Linear(cfg.dim, cfg.ffn_dim, bias=False)
+        self.w2 = nn.Linear(cfg.ffn_dim, cfg.dim, bias=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin)
+        return x + self.feed_forward(self.ffn_norm(x))
+
+
+def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
+    return F.cross_entropy(logits.flatten(0, -2), target.flatten())
+
+
+class Llama(nn.Module):
+    """tokens ``[batch, seq]`` -> mean next-token loss against ``target`` ``[batch, seq]``."""
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
+        self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.loss_fn = cross_entropy
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    def forward(self, tokens: Tensor, target: Tensor) -> Tensor:
+        h = self.tok_embeddings(tokens)
+        for layer in self.layers:
+            h = layer(h, self.rope_cos, self.rope_sin)
+        return self.loss_fn(self.output(self.norm(h)), target)
+
+
+def check_layout(cfg: LlamaConfig, tp: int) -> None:
+    for name in ("num_heads", "num_kv_heads", "ffn_dim", "vocab_size"):
+        if getattr(cfg, name) % tp:
+            raise ValueError(f"LlamaConfig.{name}={getattr(cfg, name)} must be divisible by tp={tp}")
+
+
+def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool,
+                      compile: bool = False) -> Llama:
+    """Tensor-parallel layers with ``model``'s weights (in place), optional per-block compile, then FSDP2 on dp.
+
+    With sequence parallelism the residual stream between blocks is sharded
+    along the sequence over tp; the embedding reduce-scatters into it and the
+    column projections all-gather out of it inside their GEMM rings.
+    """
+    check_layout(model.cfg, tp_mesh.size())
+    kw = dict(tp_mesh=tp_mesh, sequence_parallel=sequence_parallel)
+    model.tok_embeddings = VocabParallelEmbedding.from_embedding(model.tok_embeddings, **kw)
+    for block in model.layers:
+        attention, ffn = block.attention, block.feed_forward
+        for name in ("wq", "wk", "wv"):
+            setattr(attention, name, ColumnParallelLinear.from_linear(getattr(attention, name), **kw))
+        attention.wo = RowParallelLinear.from_linear(attention.wo, **kw)
+        ffn.w1 = ColumnParallelLinear.from_linear(ffn.w1, **kw)
+        ffn.w3 = ColumnParallelLinear.from_linear(ffn.w3, **kw)
+        ffn.w2 = RowParallelLinear.from_linear(ffn.w2, **kw)
+        block.attention_norm = RMSNorm.from_rms_norm(block.attention_norm, **kw)
+        block.ffn_norm = RMSNorm.from_rms_norm(block.ffn_norm, **kw)
+    model.norm = RMSNorm.from_rms_norm(model.norm, **kw)
+    model.output = ColumnParallelLinear.from_linear(model.output, **kw)
+    model.loss_fn = partial(vocab_parallel_cross_entropy, tp_mesh=tp_mesh)
+    for index, block in enumerate(model.layers):
+        if compile:
+            block = torch.compile(block, fullgraph=True)
+            model.layers[index] = block
+        fully_shard(block, mesh=dp_mesh)
+    return fully_shard(model, mesh=dp_mesh)

@@ -1,0 +1,109 @@
+// CPU kernels of the vocab-parallel cross-entropy against a direct double-precision computation.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <random>
+#include <vector>
+
+#include "kernels/cpu/cross_entropy.h"
+
+using tdx::kernels::ElementType;
+namespace cpu = tdx::kernels::cpu;
+
+namespace {
+
+struct Problem {
+  int64_t rows = 5;
+  int64_t vocab_local = 37;
+  int64_t vocab_start = 74;  // shard 2 (columns 74..110) of a 111-token vocabulary
+  std::vector<float> logits;
+  std::vector<int64_t> target;
+};
+
+Problem make_problem() {
+  Problem p;
+  std::mt19937 gen(7);
+  std::normal_distribution<float> normal(0.0f, 4.0f);
+  for (int64_t i = 0; i < p.rows * p.vocab_local; ++i) p.logits.push_back(normal(gen));
+  // In this shard, in another shard, ignored, at the shard's first and last column.
+  p.target = {80, 3, -100, 74, 110};
+  return p;
+}
+
+}  // namespace
+
+TEST(VocabShardStats, MatchesDirectComputation) {
+  const Problem p = make_problem();
+  std::vector<float> max(p.rows), sumexp(p.rows), target_logit(p.rows);
+  cpu::vocab_shard_stats<float>(ElementType::kFloat32, p.logits.data(), p.target.data(), 0, p.rows, p.vocab_local,
+                                p.vocab_start, max.data(), sumexp.data(), target_logit.data());
+  for (int64_t r = 0; r < p.rows; ++r) {
+    const float* x = p.logits.data() + r * p.vocab_local;
+    double m = -INFINITY;
+    for (int64_t v = 0; v < p.vocab_local; ++v) m = std::max(m, double(x[v]));
+    double s = 0;
+    for (int64_t v = 0; v < p.vocab_local; ++v) s += std::exp(double(x[v]) - m);
+    const int64_t local = p.target[r] - p.vocab_start;
+    const double t = (local >= 0 && local < p.vocab_local) ? x[local] : 0.0;
+    EXPECT_FLOAT_EQ(max[r], m) << "row " << r;
+    EXPECT_NEAR(sumexp[r], s, 1e-5 * s) << "row " << r;
+    EXPECT_FLOAT_EQ(target_logit[r], t) << "row " << r;
+  }
+}
+
+TEST(VocabShardStats, RowRangesComposeAndLeaveOtherRowsUntouched) {
+  const Problem p = make_problem();
+  std::vector<double> logits(p.logits.begin(), p.logits.end());
+  std::vector<double> whole_max(p.rows), whole_sum(p.rows), whole_t(p.rows);
+  cpu::vocab_shard_stats<double>(ElementType::kFloat64, logits.data(), p.target.data(), 0, p.rows, p.vocab_local,
+                                 p.vocab_start, whole_max.data(), whole_sum.data(), whole_t.data());
+  std::vector<double> max(p.rows, -1), sum(p.rows, -1), t(p.rows, -1);
+  cpu::vocab_shard_stats<double>(ElementType::kFloat64, logits.data(), p.target.data(), 1, 3, p.vocab_local,
+                                 p.vocab_start, max.data(), sum.data(), t.data());
+  cpu::vocab_shard_stats<double>(ElementType::kFloat64, logits.data(), p.target.data(), 3, p.rows, p.vocab_local,
+                                 p.vocab_start, max.data(), sum.data(), t.data());
+  EXPECT_EQ(max[0], -1);
+  for (int64_t r = 1; r < p.rows; ++r) {
+    EXPECT_EQ(max[r], whole_max[r]);
+    EXPECT_EQ(sum[r], whole_sum[r]);
+    EXPECT_EQ(t[r], whole_t[r]);
+  }
+}
+
+TEST(VocabShardGrad, IsSoftmaxMinusOneHotTimesUpstream) {
+  const Problem p = make_problem();
+  std::vector<float> lse(p.rows), upstream(p.rows), grad(p.rows * p.vocab_local);
+  for (int64_t r = 0; r < p.rows; ++r) {
+    lse[r] = 3.0f + 0.5f * r;  // any value: the kernel must use it as given
+    upstream[r] = 0.25f * (r + 1);
+  }
+  cpu::vocab_shard_grad<float>(ElementType::kFloat32, upstream.data(), p.logits.data(), p.target.data(), lse.data(),
+                               0, p.rows, p.vocab_local, p.vocab_start, -100, grad.data());
+  for (int64_t r = 0; r < p.rows; ++r) {
+    for (int64_t v = 0; v < p.vocab_local; ++v) {
+      const double x = p.logits[r * p.vocab_local + v];
+      double expected = upstream[r] * (std::exp(x - lse[r]) - (p.vocab_start + v == p.target[r] ? 1.0 : 0.0));
+      if (p.target[r] == -100) expected = 0.0;
+      EXPECT_NEAR(grad[r * p.vocab_local + v], expected, 1e-6 * (1 + std::abs(expected))) << r << "," << v;
+    }
+  }
+}
+
+TEST(VocabShardGrad, BFloat16MatchesFloatWithinRounding) {
+  const Problem p = make_problem();
+  std::vector<tdx::kernels::BFloat16> logits, upstream;
+  for (float x : p.logits) logits.push_back(tdx::kernels::to_bfloat16(x));
+  std::vector<float> lse(p.rows, 5.0f), upstream_f(p.rows, 1.0f), rounded_logits;
+  for (auto x : logits) rounded_logits.push_back(tdx::kernels::load(x));
+  for (float u : upstream_f) upstream.push_back(tdx::kernels::to_bfloat16(u));
+  std::vector<tdx::kernels::BFloat16> grad(p.rows * p.vocab_local);
+  std::vector<float> grad_f(p.rows * p.vocab_local);
+  cpu::vocab_shard_grad<float>(ElementType::kBFloat16, upstream.data(), logits.data(), p.target.data(), lse.data(),
+                               0, p.rows, p.vocab_local, p.vocab_start, -100, grad.data());
+  cpu::vocab_shard_grad<float>(ElementType::kFloat32, upstream_f.data(), rounded_logits.data(), p.target.data(),
+                               lse.data(), 0, p.rows, p.vocab_local, p.vocab_start, -100, grad_f.data());
+  for (size_t i = 0; i < grad.size(); ++i) {
+    EXPECT_NEAR(tdx::kernels::load(grad[i]), grad_f[i], std::ldexp(1.0, -8) * std::abs(grad_f[i]) + 1e-30) << i;
+  }
+}

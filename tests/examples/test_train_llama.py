@@ -1,0 +1,42 @@
+"""The main job under torchrun: trains, and --check matches one process to 1e-4 relative loss."""
+
+import os
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def run_main_job(*flags: str) -> str:
+    torchrun = Path(sys.executable).with_name("torchrun")
+    command = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "train_llama.py"),
+               "--check", *flags]
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    return result.stdout
+
+
+def largest_relative_difference(output: str) -> float:
+    match = re.search(r"largest relative loss difference over \d+ steps: (\S+)", output)
+    assert match, output
+    return float(match.group(1))
+
+
+@pytest.mark.parametrize(
+    "flags",
+    [
+        ("--steps", "4"),
+        ("--steps", "3", "--tp", "4", "--no-sequence-parallel"),
+        ("--steps", "2", "--compile"),
+    ],
+    ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled"],
+)
+def test_matches_single_process(flags):
+    output = run_main_job(*flags)
+    assert re.search(r"step +0 +loss \d+\.\d+ .* tokens/s", output), output
+    assert largest_relative_difference(output) < 1e-4
