@@ -1,4 +1,4 @@
-"""Persistent CPU worlds: a set of gloo-initialised worker processes that run many tests.
+"""Persistent worlds: a set of worker processes with torch.distributed initialised that run many tests.
 
 Starting processes and importing torch costs seconds on a small machine; a
 world pays that once and then runs any number of functions on all its ranks::
@@ -7,8 +7,8 @@ world pays that once and then runs any number of functions on all its ranks::
         results = world.run(my_test_fn, 3, scale=0.5)   # one result per rank
 
 ``fn`` must be picklable by reference (a module-level function). It runs on
-every rank with ``torch.distributed`` initialised (gloo, world size N) and
-returns any picklable value.
+every rank with ``torch.distributed`` initialised (gloo on CPU unless another
+backend is asked for; world size N) and returns any picklable value.
 
 Failure rules (nothing hangs):
   * a rank that raises: the exception is re-raised in the caller, with the
@@ -61,15 +61,18 @@ class RemoteTraceback(Exception):
         return self.text
 
 
-def _worker_main(rank: int, world_size: int, init_file: str, timeout: float, threads: int, conn) -> None:
-    """Worker loop: initialise gloo, then run (sys_path, fn, args, kwargs) requests until told to stop."""
+def _worker_main(rank: int, world_size: int, init_file: str, timeout: float, threads: int, backend: str,
+                 conn) -> None:
+    """Worker loop: initialise the process group, then run (sys_path, fn, args, kwargs) requests until told to stop."""
     import torch
     import torch.distributed as dist
 
     torch.set_num_threads(threads)
     try:
+        if torch.cuda.is_available() and "nccl" in backend:
+            torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
-            "gloo",
+            backend,
             init_method=f"file://{init_file}",
             rank=rank,
             world_size=world_size,
@@ -105,16 +108,19 @@ def _worker_main(rank: int, world_size: int, init_file: str, timeout: float, thr
 
 
 class World:
-    """``world_size`` gloo-initialised CPU processes that run functions on every rank.
+    """``world_size`` processes with torch.distributed initialised that run functions on every rank.
 
     Args:
         world_size: number of ranks (>= 1).
         timeout: seconds one ``run`` may take before the world is shut down;
-            also the gloo collective timeout inside the workers.
+            also the collective timeout inside the workers.
         threads_per_rank: ``torch.set_num_threads`` in every worker.
+        backend: ``init_process_group`` backend; the default gloo runs on CPU.
+            ``"cpu:gloo,cuda:nccl"`` also gives each rank a GPU (rank % device count).
     """
 
-    def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int = 1):
+    def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int = 1,
+                 backend: str = "gloo"):
         if not isinstance(world_size, int) or world_size < 1:
             raise ValueError(f"world_size must be a positive int, got {world_size!r}")
         if not timeout > 0:
@@ -130,7 +136,7 @@ class World:
             parent_end, child_end = context.Pipe(duplex=True)
             proc = context.Process(
                 target=_worker_main,
-                args=(rank, world_size, init_file, self.timeout, threads_per_rank, child_end),
+                args=(rank, world_size, init_file, self.timeout, threads_per_rank, backend, child_end),
                 name=f"tdx-world-rank{rank}",
                 daemon=True,
             )
@@ -245,6 +251,7 @@ def _rank_exception(rank: int, world_size: int, payload: tuple[Any, str], what: 
     return error
 
 
-def spawn_world(world_size: int, *, timeout: float = 120.0, threads_per_rank: int = 1) -> World:
-    """Starts a persistent world of ``world_size`` gloo CPU ranks; use it as a context manager."""
-    return World(world_size, timeout=timeout, threads_per_rank=threads_per_rank)
+def spawn_world(world_size: int, *, timeout: float = 120.0, threads_per_rank: int = 1,
+                backend: str = "gloo") -> World:
+    """Starts a persistent world of ``world_size`` ranks (gloo on CPU by default); use it as a context manager."""
+    return World(world_size, timeout=timeout, threads_per_rank=threads_per_rank, backend=backend)

@@ -1,0 +1,76 @@
+"""CUDA registrations of the tdx ops on one GPU (a one-rank NCCL world). Skipped without CUDA.
+
+The multi-rank rings are tested on CPU with gloo; on one GPU these tests check
+the CUDA kernels and the CUDA dispatch of every op against torch on the same device.
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchdist_ext  # noqa: F401
+from torchdist_ext.ops import all_gather_matmul, all_gather_weight_grad, matmul_reduce_scatter, vocab_parallel_cross_entropy
+from torchdist_ext.testing import spawn_world
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device"),
+]
+
+
+@pytest.fixture(scope="module")
+def cuda_world():
+    with spawn_world(1, backend="cpu:gloo,cuda:nccl", timeout=300.0) as world:
+        yield world
+
+
+def group_name():
+    return dist.group.WORLD.group_name
+
+
+def check_cross_entropy(dtype):
+    gen = torch.Generator().manual_seed(0)
+    logits = (3 * torch.randn(64, 1000, generator=gen)).to(dtype).cuda().requires_grad_(True)
+    target = torch.randint(0, 1000, (64,), generator=gen).cuda()
+    target[5] = -100
+    loss, lse = vocab_parallel_cross_entropy(logits, target, 0, 1000, -100, group_name())
+    loss.sum().backward()
+    reference = logits.detach().double().requires_grad_(True)
+    F.cross_entropy(reference, target, reduction="sum").backward()
+    tol = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}[dtype]
+    expected = F.cross_entropy(reference.detach(), target, reduction="none")
+    torch.testing.assert_close(loss.double(), expected, atol=10 * tol, rtol=tol)
+    torch.testing.assert_close(logits.grad.double(), reference.grad, atol=tol, rtol=tol)
+    # the CUDA kernels agree with the CPU kernels
+    cpu_loss, cpu_lse = vocab_parallel_cross_entropy(logits.detach().cpu(), target.cpu(), 0, 1000, -100, group_name())
+    torch.testing.assert_close(lse.cpu(), cpu_lse, atol=tol, rtol=tol)
+    torch.library.opcheck(torch.ops.tdx.vocab_parallel_cross_entropy,
+                          (logits.detach().requires_grad_(True), target, 0, 1000, -100, group_name()))
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16], ids=str)
+def test_cross_entropy_kernels(cuda_world, dtype):
+    assert cuda_world.run(check_cross_entropy, dtype) == [True]
+
+
+def check_collective_matmuls():
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(2, 8, 16, generator=gen).cuda().requires_grad_(True)
+    w = torch.randn(24, 16, generator=gen).cuda().requires_grad_(True)
+    out, gathered = all_gather_matmul(x, w, group_name(), 1, True)
+    torch.testing.assert_close(out, x @ w.t())
+    torch.testing.assert_close(gathered, x)
+    out.square().sum().backward()
+    x_ref, w_ref = x.detach().requires_grad_(True), w.detach().requires_grad_(True)
+    (x_ref @ w_ref.t()).square().sum().backward()
+    torch.testing.assert_close(x.grad, x_ref.grad)
+    torch.testing.assert_close(w.grad, w_ref.grad)
+    torch.testing.assert_close(matmul_reduce_scatter(x, w, group_name(), 1), x @ w.t())
+    torch.testing.assert_close(all_gather_weight_grad(x, x, group_name(), 1), x.flatten(0, 1).t() @ x.flatten(0, 1))
+    return True
+
+
+def test_collective_matmuls(cuda_world):
+    assert cuda_world.run(check_collective_matmuls) == [True]
