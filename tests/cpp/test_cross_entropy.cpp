@@ -2,11 +2,13 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <random>
 #include <vector>
 
 #include "kernels/cpu/cross_entropy.h"
+#include "kernels/cpu/vector_exp.h"
 
 using tdx::kernels::ElementType;
 namespace cpu = tdx::kernels::cpu;
@@ -106,4 +108,17 @@ TEST(VocabShardGrad, BFloat16MatchesFloatWithinRounding) {
   for (size_t i = 0; i < grad.size(); ++i) {
     EXPECT_NEAR(tdx::kernels::load(grad[i]), grad_f[i], std::ldexp(1.0, -8) * std::abs(grad_f[i]) + 1e-30) << i;
   }
+}
+
+TEST(ExpApprox, WithinFewUlpOfStdExpAndZeroBelowTheNormalRange) {
+  double worst = 0;
+  for (float x = -87.0f; x <= 88.0f; x += 0.001953125f) {
+    const double exact = std::exp(static_cast<double>(x));
+    worst = std::max(worst, std::abs(tdx::kernels::cpu::exp_approx(x) - exact) / exact);
+  }
+  EXPECT_LT(worst, 4e-7);  // 2^-23 = 1.2e-7 is one float ulp
+  EXPECT_EQ(tdx::kernels::cpu::exp_approx(0.0f), 1.0f);
+  EXPECT_EQ(tdx::kernels::cpu::exp_approx(-100.0f), 0.0f);
+  EXPECT_EQ(tdx::kernels::cpu::exp_approx(-INFINITY), 0.0f);
+  EXPECT_TRUE(std::isfinite(tdx::kernels::cpu::exp_approx(1000.0f)));
 }

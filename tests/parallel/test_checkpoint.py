@@ -1,5 +1,6 @@
 """Distributed checkpoints reshard TP layers: saved at tp=2 (x dp=2, FSDP2), loaded at tp=1 and in one process."""
 
+import pytest
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
@@ -37,6 +38,7 @@ def load_at_tp1(path):
     return True
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_save_tp2_load_tp1_and_single_process(world4, world2, tmp_path):
     path = str(tmp_path / "ckpt")
     assert all(world4.run(save_at_tp2, path))

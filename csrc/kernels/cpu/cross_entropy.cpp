@@ -1,30 +1,79 @@
 #include "kernels/cpu/cross_entropy.h"
 
+#include <algorithm>
 #include <cmath>
 #include <limits>
 #include <stdexcept>
 #include <type_traits>
 
+#include "kernels/cpu/multiversion.h"
+#include "kernels/cpu/vector_exp.h"
+
 namespace tdx::kernels::cpu {
 namespace {
 
+// Reductions keep kLanes independent partial results so that the compiler
+// vectorizes them without reassociating floating-point sums on its own
+// (the build passes -fno-trapping-math so that selects become blends).
+constexpr int kLanes = 16;
+
+template <typename Acc>
+TDX_INLINE Acc exp_acc(Acc x) {
+  if constexpr (std::is_same_v<Acc, float>) {
+    return exp_approx(x);
+  } else {
+    return std::exp(x);
+  }
+}
+
+template <typename Acc>
+TDX_INLINE Acc larger(Acc a, Acc b) {
+  return a > b ? a : b;
+}
+
 template <typename T, typename Acc>
-void stats_rows(const T* logits, const int64_t* target, int64_t row_begin, int64_t row_end,
-                int64_t vocab_local, int64_t vocab_start, Acc* row_max, Acc* row_sumexp,
+TDX_INLINE Acc row_max(const T* x, int64_t n) {
+  Acc lanes[kLanes];
+  for (int l = 0; l < kLanes; ++l) lanes[l] = -std::numeric_limits<Acc>::infinity();
+  int64_t v = 0;
+  for (; v + kLanes <= n; v += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      lanes[l] = larger(lanes[l], static_cast<Acc>(load(x[v + l])));
+    }
+  }
+  Acc max = -std::numeric_limits<Acc>::infinity();
+  for (; v < n; ++v) max = larger(max, static_cast<Acc>(load(x[v])));
+  for (int l = 0; l < kLanes; ++l) max = larger(max, lanes[l]);
+  return max;
+}
+
+template <typename T, typename Acc>
+TDX_INLINE Acc row_sumexp(const T* x, int64_t n, Acc max) {
+  Acc lanes[kLanes] = {};
+  int64_t v = 0;
+  for (; v + kLanes <= n; v += kLanes) {
+    for (int l = 0; l < kLanes; ++l) {
+      lanes[l] += exp_acc<Acc>(static_cast<Acc>(load(x[v + l])) - max);
+    }
+  }
+  for (; v < n; ++v) {
+    lanes[0] += exp_acc<Acc>(static_cast<Acc>(load(x[v])) - max);
+  }
+  Acc sum = 0;
+  for (int l = 0; l < kLanes; ++l) sum += lanes[l];
+  return sum;
+}
+
+template <typename T, typename Acc>
+TDX_MULTIVERSION void stats_rows(const T* logits, const int64_t* target, int64_t row_begin, int64_t row_end,
+                int64_t vocab_local, int64_t vocab_start, Acc* max_out, Acc* sumexp_out,
                 Acc* target_logit) {
   for (int64_t row = row_begin; row < row_end; ++row) {
     const T* x = logits + row * vocab_local;
-    Acc max = -std::numeric_limits<Acc>::infinity();
-    for (int64_t v = 0; v < vocab_local; ++v) {
-      max = std::max(max, static_cast<Acc>(load(x[v])));
-    }
-    Acc sum = 0;
-    for (int64_t v = 0; v < vocab_local; ++v) {
-      sum += std::exp(static_cast<Acc>(load(x[v])) - max);
-    }
+    const Acc max = row_max<T, Acc>(x, vocab_local);
+    max_out[row] = max;
+    sumexp_out[row] = row_sumexp<T, Acc>(x, vocab_local, max);
     const int64_t local_target = target[row] - vocab_start;
-    row_max[row] = max;
-    row_sumexp[row] = sum;
     target_logit[row] = (local_target >= 0 && local_target < vocab_local)
                             ? static_cast<Acc>(load(x[local_target]))
                             : Acc(0);
@@ -32,7 +81,7 @@ void stats_rows(const T* logits, const int64_t* target, int64_t row_begin, int64
 }
 
 template <typename T, typename Acc>
-void grad_rows(const T* grad_loss, const T* logits, const int64_t* target, const Acc* lse,
+TDX_MULTIVERSION void grad_rows(const T* grad_loss, const T* logits, const int64_t* target, const Acc* lse,
                int64_t row_begin, int64_t row_end, int64_t vocab_local, int64_t vocab_start,
                int64_t ignore_index, T* grad_logits) {
   for (int64_t row = row_begin; row < row_end; ++row) {
@@ -44,10 +93,13 @@ void grad_rows(const T* grad_loss, const T* logits, const int64_t* target, const
     }
     const Acc g = static_cast<Acc>(load(grad_loss[row]));
     const Acc row_lse = lse[row];
-    const int64_t local_target = target[row] - vocab_start;
     for (int64_t v = 0; v < vocab_local; ++v) {
-      const Acc is_target = v == local_target ? Acc(1) : Acc(0);
-      store(dx[v], g * (std::exp(static_cast<Acc>(load(x[v])) - row_lse) - is_target));
+      store(dx[v], g * exp_acc<Acc>(static_cast<Acc>(load(x[v])) - row_lse));
+    }
+    const int64_t local_target = target[row] - vocab_start;
+    if (local_target >= 0 && local_target < vocab_local) {
+      const Acc p = exp_acc<Acc>(static_cast<Acc>(load(x[local_target])) - row_lse);
+      store(dx[local_target], g * (p - Acc(1)));
     }
   }
 }
