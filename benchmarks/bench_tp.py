@@ -33,7 +33,6 @@ import torchdist_ext  # noqa: E402,F401
 from torchdist_ext.ops import collectives  # noqa: E402
 from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from torchdist_ext.parallel.regions import reduce_scatter_to_region  # noqa: E402
-from torchdist_ext.parallel.tp_group import TPGroup  # noqa: E402
 from torchdist_ext.testing import cached_mesh, spawn_world  # noqa: E402
 
 SIZES = [  # (batch, seq, hidden, ffn)

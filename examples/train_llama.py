@@ -23,8 +23,9 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-import torchdist_ext  # noqa: E402,F401
 from llama import Llama, LlamaConfig, parallelize_llama  # noqa: E402
+
+import torchdist_ext  # noqa: E402,F401
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 

@@ -15,4 +15,5 @@ def assert_close_to_scale(actual, expected, dtype=torch.float32, what=""):
     assert actual.shape == expected.shape, f"{what}: shape {tuple(actual.shape)} != {tuple(expected.shape)}"
     scale = max(1.0, expected.abs().max().item())
     error = (actual - expected).abs().max().item()
-    assert error <= TOLERANCE[dtype] * scale, f"{what}: max abs error {error:.3g} > {TOLERANCE[dtype]:.1g} * {scale:.3g}"
+    bound = TOLERANCE[dtype] * scale
+    assert error <= bound, f"{what}: max abs error {error:.3g} > {TOLERANCE[dtype]:.1g} * {scale:.3g}"

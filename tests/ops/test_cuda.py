@@ -10,7 +10,12 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import torchdist_ext  # noqa: F401
-from torchdist_ext.ops import all_gather_matmul, all_gather_weight_grad, matmul_reduce_scatter, vocab_parallel_cross_entropy
+from torchdist_ext.ops import (
+    all_gather_matmul,
+    all_gather_weight_grad,
+    matmul_reduce_scatter,
+    vocab_parallel_cross_entropy,
+)
 from torchdist_ext.testing import spawn_world
 
 pytestmark = [

@@ -6,9 +6,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from torchdist_ext.parallel.linear import _parameter
 from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_region
-from torchdist_ext.parallel.tp_group import TPGroup, check_divisible, sequence_dim
+from torchdist_ext.parallel.tp_group import TPGroup, check_divisible, distribute_parameter, sequence_dim
 
 __all__ = ["VocabParallelEmbedding"]
 
@@ -49,7 +48,7 @@ class VocabParallelEmbedding(nn.Module):
         weight = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
         if not weight.is_meta:
             nn.init.normal_(weight)
-        self.weight = _parameter(weight, self.tp, Shard(0), src_data_rank=0)
+        self.weight = distribute_parameter(weight, self.tp, Shard(0), src_data_rank=0)
 
     @classmethod
     def from_embedding(cls, embedding: nn.Embedding, *, tp_mesh: DeviceMesh, **kwargs) -> "VocabParallelEmbedding":
@@ -58,12 +57,13 @@ class VocabParallelEmbedding(nn.Module):
             raise TypeError(f"embedding must be an nn.Embedding, got {type(embedding).__name__}")
         layer = cls(embedding.num_embeddings, embedding.embedding_dim, tp_mesh=tp_mesh, device="meta",
                     dtype=embedding.weight.dtype, **kwargs)
-        layer.weight = _parameter(embedding.weight.detach(), layer.tp, Shard(0), src_data_rank=None)
+        layer.weight = distribute_parameter(embedding.weight.detach(), layer.tp, Shard(0), src_data_rank=None)
         return layer
 
     def forward(self, ids: Tensor) -> Tensor:
         if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            raise TypeError(f"input must be an int64 or int32 tensor of token ids, got {getattr(ids, 'dtype', type(ids))}")
+            got = getattr(ids, "dtype", type(ids))
+            raise TypeError(f"input must be an int64 or int32 tensor of token ids, got {got}")
         weight = self.weight.to_local()
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= weight.shape[0])

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor import Replicate, Shard
 
 from torchdist_ext import ops
 from torchdist_ext.parallel.regions import (
@@ -34,6 +34,7 @@ from torchdist_ext.parallel.tp_group import (
     check_divisible,
     check_features,
     check_floating_input,
+    distribute_parameter,
     sequence_dim,
 )
 
@@ -51,16 +52,6 @@ def _linear_init(out_features: int, in_features: int, bias: bool, device, dtype)
         bound = 1 / math.sqrt(in_features) if in_features > 0 else 0
         nn.init.uniform_(full_bias, -bound, bound)
     return weight, full_bias
-
-
-def _parameter(full: Tensor, group: TPGroup, placement, src_data_rank: int | None) -> nn.Parameter:
-    if full.is_meta:
-        local = full.chunk(group.size, dim=placement.dim)[group.rank] if isinstance(placement, Shard) else full
-        dtensor = DTensor.from_local(local, group.mesh, [placement], run_check=False, shape=full.shape,
-                                     stride=full.stride())
-    else:
-        dtensor = distribute_tensor(full, group.mesh, [placement], src_data_rank=src_data_rank)
-    return nn.Parameter(dtensor)
 
 
 class _ParallelLinear(nn.Module):
@@ -87,11 +78,11 @@ class _ParallelLinear(nn.Module):
         self._set_full_parameters(weight, full_bias, src_data_rank=0)
 
     def _set_full_parameters(self, weight: Tensor, bias: Tensor | None, src_data_rank: int | None) -> None:
-        self.weight = _parameter(weight, self.tp, self.weight_placement, src_data_rank)
+        self.weight = distribute_parameter(weight, self.tp, self.weight_placement, src_data_rank)
         if bias is None:
             self.register_parameter("bias", None)
         else:
-            self.bias = _parameter(bias, self.tp, self.bias_placement, src_data_rank)
+            self.bias = distribute_parameter(bias, self.tp, self.bias_placement, src_data_rank)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, *, tp_mesh: DeviceMesh, **kwargs) -> "_ParallelLinear":

@@ -6,9 +6,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from torchdist_ext.parallel.linear import _parameter
 from torchdist_ext.parallel.regions import copy_to_region
-from torchdist_ext.parallel.tp_group import TPGroup, check_features, check_floating_input
+from torchdist_ext.parallel.tp_group import TPGroup, check_features, check_floating_input, distribute_parameter
 
 __all__ = ["RMSNorm"]
 
@@ -36,7 +35,8 @@ class RMSNorm(nn.Module):
         self.dim = dim
         self.eps = eps
         self.sequence_parallel = bool(sequence_parallel)
-        self.weight = _parameter(torch.ones(dim, device=device, dtype=dtype), self.tp, Replicate(), src_data_rank=None)
+        ones = torch.ones(dim, device=device, dtype=dtype)
+        self.weight = distribute_parameter(ones, self.tp, Replicate(), src_data_rank=None)
 
     @classmethod
     def from_rms_norm(cls, norm: nn.RMSNorm, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> "RMSNorm":
@@ -45,7 +45,7 @@ class RMSNorm(nn.Module):
             raise TypeError(f"norm must be an nn.RMSNorm over one dim with a weight, got {norm!r}")
         layer = cls(norm.normalized_shape[0], tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, eps=norm.eps,
                     device="meta", dtype=norm.weight.dtype)
-        layer.weight = _parameter(norm.weight.detach(), layer.tp, Replicate(), src_data_rank=None)
+        layer.weight = distribute_parameter(norm.weight.detach(), layer.tp, Replicate(), src_data_rank=None)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:

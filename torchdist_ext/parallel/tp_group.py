@@ -1,11 +1,20 @@
-"""The tensor-parallel group of a 1-D DeviceMesh, and the argument checks every layer shares."""
+"""The tensor-parallel group of a 1-D DeviceMesh, parameter placement, and the argument checks every layer shares."""
 
 from dataclasses import dataclass
 
 import torch
+from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
-__all__ = ["TPGroup", "check_divisible", "check_features", "check_floating_input", "sequence_dim"]
+__all__ = [
+    "TPGroup",
+    "check_divisible",
+    "check_features",
+    "check_floating_input",
+    "distribute_parameter",
+    "sequence_dim",
+]
 
 
 @dataclass(frozen=True)
@@ -35,6 +44,24 @@ class TPGroup:
             )
         group = mesh.get_group()
         return cls(mesh=mesh, name=group.group_name, size=mesh.size(), rank=mesh.get_local_rank())
+
+
+def distribute_parameter(full: torch.Tensor, group: TPGroup, placement: Placement,
+                         src_data_rank: int | None) -> nn.Parameter:
+    """A DTensor parameter on ``group.mesh`` from the full tensor.
+
+    ``src_data_rank=0`` takes rank 0's values (a scatter/broadcast: all ranks
+    agree whatever they drew); ``None`` slices each rank's own copy without
+    communicating (every rank must hold the same full tensor). Meta tensors
+    stay meta, with the right local shape.
+    """
+    if full.is_meta:
+        local = full.chunk(group.size, dim=placement.dim)[group.rank] if isinstance(placement, Shard) else full
+        dtensor = DTensor.from_local(local, group.mesh, [placement], run_check=False, shape=full.shape,
+                                     stride=full.stride())
+    else:
+        dtensor = distribute_tensor(full, group.mesh, [placement], src_data_rank=src_data_rank)
+    return nn.Parameter(dtensor)
 
 
 def check_divisible(arg: str, value: int, group: TPGroup, what: str = "the tensor-parallel size") -> None:
