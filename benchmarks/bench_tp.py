@@ -30,9 +30,11 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 import torchdist_ext  # noqa: E402,F401
-from torchdist_ext.ops import collectives  # noqa: E402
 from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from torchdist_ext.parallel.regions import reduce_scatter_to_region  # noqa: E402
+from torchdist_ext.parallel.regions import (  # noqa: E402
+    gather_from_sequence_region,
+    reduce_scatter_to_sequence_region,
+)
 from torchdist_ext.testing import cached_mesh, spawn_world  # noqa: E402
 
 SIZES = [  # (batch, seq, hidden, ffn)
@@ -40,19 +42,6 @@ SIZES = [  # (batch, seq, hidden, ffn)
     (4, 512, 512, 2048),
     (2, 1024, 1024, 4096),
 ]
-
-
-class _GatherSequence(torch.autograd.Function):
-    """Bulk sequence-parallel entry: all-gather forward, reduce-scatter backward."""
-
-    @staticmethod
-    def forward(ctx, x, group):
-        ctx.group = group
-        return collectives.all_gather(x, group.name, group.size, 1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return collectives.reduce_scatter(grad, ctx.group.name, ctx.group.size, 1), None
 
 
 class BulkBlock(nn.Module):
@@ -66,8 +55,8 @@ class BulkBlock(nn.Module):
         self.group = up.tp
 
     def forward(self, x):
-        hidden = F.gelu(F.linear(_GatherSequence.apply(x, self.group), self.up_weight, self.up_bias))
-        return reduce_scatter_to_region(F.linear(hidden, self.down_weight), self.group, 1)
+        hidden = F.gelu(F.linear(gather_from_sequence_region(x, self.group, 1), self.up_weight, self.up_bias))
+        return reduce_scatter_to_sequence_region(F.linear(hidden, self.down_weight), self.group, 1)
 
 
 class ComputeOnly(nn.Module):

@@ -11,7 +11,7 @@ import torch.distributed as dist
 
 import torchdist_ext  # noqa: F401
 from torchdist_ext.ops import all_gather_matmul, all_gather_weight_grad, matmul_reduce_scatter
-from torchdist_ext.testing import gather_replicated, shard_replicated
+from torchdist_ext.testing import cached_mesh, gather_replicated, shard_replicated
 
 WORLDS = ["world2", "world4"]
 
@@ -110,27 +110,33 @@ def test_forward_and_gradients_bf16(world2, check):
     world2.run(check, 1, torch.bfloat16)
 
 
+def world_mesh():
+    return cached_mesh((dist.get_world_size(),), ("tp",))
+
+
 def column_parallel(x_full, weight_full, gather_dim):
     """A replicated function of replicated inputs built from all_gather_matmul."""
-    group = dist.group.WORLD
-    x = shard_replicated(x_full, group, gather_dim)
-    weight = shard_replicated(weight_full, group, 0)
-    out, _ = all_gather_matmul(x, weight, group.group_name, gather_dim)
-    return gather_replicated(out, group, -1)
+    mesh = world_mesh()
+    x = shard_replicated(x_full, mesh, gather_dim)
+    weight = shard_replicated(weight_full, mesh, 0)
+    out, _ = all_gather_matmul(x, weight, mesh.get_group().group_name, gather_dim)
+    return gather_replicated(out, mesh, -1)
 
 
 def row_parallel(x_full, weight_full, scatter_dim):
-    group = dist.group.WORLD
-    x = shard_replicated(x_full, group, -1)
-    weight = shard_replicated(weight_full, group, 1)
-    return gather_replicated(matmul_reduce_scatter(x, weight, group.group_name, scatter_dim), group, scatter_dim)
+    mesh = world_mesh()
+    x = shard_replicated(x_full, mesh, -1)
+    weight = shard_replicated(weight_full, mesh, 1)
+    out = matmul_reduce_scatter(x, weight, mesh.get_group().group_name, scatter_dim)
+    return gather_replicated(out, mesh, scatter_dim)
 
 
 def weight_grad_parallel(dense_full, shard_full, gather_dim):
-    group = dist.group.WORLD
-    dense = shard_replicated(dense_full, group, -1)
-    shard = shard_replicated(shard_full, group, gather_dim)
-    return gather_replicated(all_gather_weight_grad(dense, shard, group.group_name, gather_dim), group, 0)
+    mesh = world_mesh()
+    dense = shard_replicated(dense_full, mesh, -1)
+    shard = shard_replicated(shard_full, mesh, gather_dim)
+    out = all_gather_weight_grad(dense, shard, mesh.get_group().group_name, gather_dim)
+    return gather_replicated(out, mesh, 0)
 
 
 def run_gradcheck():

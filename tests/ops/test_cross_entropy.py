@@ -7,7 +7,7 @@ import torch.nn.functional as F
 
 import torchdist_ext  # noqa: F401
 from torchdist_ext.ops import vocab_parallel_cross_entropy
-from torchdist_ext.testing import shard_replicated
+from torchdist_ext.testing import cached_mesh, shard_replicated
 
 IGNORE = -100
 TOLERANCE = {torch.float64: 1e-10, torch.float32: 1e-5, torch.bfloat16: 2e-2, torch.float16: 2e-3}
@@ -55,10 +55,11 @@ def test_matches_full_vocab_cross_entropy(world, dtype, request):
 
 
 def sharded_loss(logits_full, target):
-    group = dist.group.WORLD
-    local = shard_replicated(logits_full, group, -1)
-    start = dist.get_rank() * local.shape[-1]
-    loss, _ = vocab_parallel_cross_entropy(local, target, start, logits_full.shape[-1], IGNORE, group.group_name)
+    mesh = cached_mesh((dist.get_world_size(),), ("tp",))
+    local = shard_replicated(logits_full, mesh, -1)
+    start = mesh.get_local_rank() * local.shape[-1]
+    name = mesh.get_group().group_name
+    loss, _ = vocab_parallel_cross_entropy(local, target, start, logits_full.shape[-1], IGNORE, name)
     return loss
 
 

@@ -62,16 +62,16 @@ class ParallelRun:
 
     def __init__(self, sequence_parallel):
         mesh = cached_mesh((2, 2), ("dp", "tp"))
-        self.tp_group = mesh["tp"].get_group()
+        self.tp_mesh = mesh["tp"]
         self.dp_rank = mesh["dp"].get_local_rank()
         self.sp = sequence_parallel
         self.reference = reference_model()
         self.model = parallel_model(self.reference, mesh["tp"], mesh["dp"], sequence_parallel)
 
     def loss(self, x_dp):
-        x = shard_replicated(x_dp, self.tp_group, 1) if self.sp else x_dp
+        x = shard_replicated(x_dp, self.tp_mesh, 1) if self.sp else x_dp
         y = self.model(x)
-        return loss_fn(gather_replicated(y, self.tp_group, 1) if self.sp else y)
+        return loss_fn(gather_replicated(y, self.tp_mesh, 1) if self.sp else y)
 
     def local_batch(self, x):
         return x.chunk(2, dim=0)[self.dp_rank]

@@ -33,12 +33,12 @@ def seeded(seed, *shape, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def into_region(x_full, sequence_parallel, group):
-    return shard_replicated(x_full, group, 1) if sequence_parallel else x_full
+def into_region(x_full, sequence_parallel, mesh):
+    return shard_replicated(x_full, mesh, 1) if sequence_parallel else x_full
 
 
-def out_of_region(y, sequence_parallel, group):
-    return gather_replicated(y, group, 1) if sequence_parallel else y
+def out_of_region(y, sequence_parallel, mesh):
+    return gather_replicated(y, mesh, 1) if sequence_parallel else y
 
 
 def check_mlp(sequence_parallel, bias, dtype):
@@ -46,7 +46,6 @@ def check_mlp(sequence_parallel, bias, dtype):
     reference = nn.Sequential(nn.Linear(HIDDEN, FFN, bias=bias), nn.GELU(), nn.Linear(FFN, HIDDEN, bias=bias))
     reference = reference.to(dtype)
     mesh = tp_mesh()
-    group = mesh.get_group()
     parallel = nn.Sequential(
         ColumnParallelLinear.from_linear(reference[0], tp_mesh=mesh, sequence_parallel=sequence_parallel),
         nn.GELU(),
@@ -59,7 +58,7 @@ def check_mlp(sequence_parallel, bias, dtype):
     # The reference runs in fp32 on the same (possibly bf16-rounded) values.
     expected = reference.float()(x_ref.float())
     expected.backward(upstream.float())
-    actual = out_of_region(parallel(into_region(x_par, sequence_parallel, group)), sequence_parallel, group)
+    actual = out_of_region(parallel(into_region(x_par, sequence_parallel, mesh)), sequence_parallel, mesh)
     actual.backward(upstream)
 
     assert actual.dtype == dtype

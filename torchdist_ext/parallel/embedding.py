@@ -6,7 +6,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_region
+from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
 from torchdist_ext.parallel.tp_group import TPGroup, check_divisible, distribute_parameter, sequence_dim
 
 __all__ = ["VocabParallelEmbedding"]
@@ -72,7 +72,7 @@ class VocabParallelEmbedding(nn.Module):
         if self.sequence_parallel:
             dim = sequence_dim(rows, self.seq_dim)
             check_divisible(f"input.size({dim})", ids.shape[dim], self.tp)
-            return reduce_scatter_to_region(rows, self.tp, dim)
+            return reduce_scatter_to_sequence_region(rows, self.tp, dim)
         return reduce_from_region(rows, self.tp)
 
     def extra_repr(self) -> str:

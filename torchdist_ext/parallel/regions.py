@@ -4,14 +4,16 @@ Inside a tensor-parallel region every rank of the group computes on the same
 replicated activations (or on its own shard); these functions move tensors in
 and out of it so that forward values and gradients both match one process:
 
-    copy_to_region(x)            forward: x                 backward: all-reduce
-    reduce_from_region(x)        forward: all-reduce        backward: identity
-    gather_from_region(x, dim)   forward: all-gather        backward: this rank's block
-    scatter_to_region(x, dim)    forward: this rank's block backward: all-gather
-    reduce_scatter_to_region(x, dim)
-                                 forward: reduce-scatter    backward: all-gather
+    copy_to_region(x)                     forward: x                 backward: all-reduce
+    reduce_from_region(x)                 forward: all-reduce        backward: identity
+    scatter_to_region(x, dim)             forward: this rank's block backward: all-gather
+    gather_from_region(x, dim)            forward: all-gather        backward: this rank's block
+    reduce_scatter_to_sequence_region(x, dim)
+                                          forward: reduce-scatter    backward: all-gather
+    gather_from_sequence_region(x, dim)   forward: all-gather        backward: reduce-scatter
 
-(the last is sequence parallelism's exit from a region: Korthikanti et al. 2022's ḡ).
+The functions come in adjoint pairs and each one's backward calls its partner,
+so gradients of any order flow through. Blocks follow ``torch.chunk`` order.
 """
 
 import torch
@@ -23,14 +25,11 @@ from torchdist_ext.parallel.tp_group import TPGroup
 __all__ = [
     "copy_to_region",
     "gather_from_region",
+    "gather_from_sequence_region",
     "reduce_from_region",
-    "reduce_scatter_to_region",
+    "reduce_scatter_to_sequence_region",
     "scatter_to_region",
 ]
-
-
-def _block(x: Tensor, group: TPGroup, dim: int) -> Tensor:
-    return x.chunk(group.size, dim=dim)[group.rank].contiguous()
 
 
 class _CopyToRegion(torch.autograd.Function):
@@ -41,17 +40,29 @@ class _CopyToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.all_reduce(grad, ctx.group.name), None
+        return reduce_from_region(grad, ctx.group), None
 
 
 class _ReduceFromRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group):
+        ctx.group = group
         return collectives.all_reduce(x, group.name)
 
     @staticmethod
     def backward(ctx, grad):
-        return grad, None
+        return copy_to_region(grad, ctx.group), None
+
+
+class _ScatterToRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return x.chunk(group.size, dim=dim)[group.rank].contiguous()
+
+    @staticmethod
+    def backward(ctx, grad):
+        return gather_from_region(grad, ctx.group, ctx.dim), None, None
 
 
 class _GatherFromRegion(torch.autograd.Function):
@@ -62,21 +73,10 @@ class _GatherFromRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return _block(grad, ctx.group, ctx.dim), None, None
+        return scatter_to_region(grad, ctx.group, ctx.dim), None, None
 
 
-class _ScatterToRegion(torch.autograd.Function):
-    @staticmethod
-    def forward(ctx, x, group, dim):
-        ctx.group, ctx.dim = group, dim
-        return _block(x, group, dim)
-
-    @staticmethod
-    def backward(ctx, grad):
-        return collectives.all_gather(grad, ctx.group.name, ctx.group.size, ctx.dim), None, None
-
-
-class _ReduceScatterToRegion(torch.autograd.Function):
+class _ReduceScatterToSequenceRegion(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim):
         ctx.group, ctx.dim = group, dim
@@ -84,24 +84,45 @@ class _ReduceScatterToRegion(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        return collectives.all_gather(grad, ctx.group.name, ctx.group.size, ctx.dim), None, None
+        return gather_from_sequence_region(grad, ctx.group, ctx.dim), None, None
+
+
+class _GatherFromSequenceRegion(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, dim):
+        ctx.group, ctx.dim = group, dim
+        return collectives.all_gather(x, group.name, group.size, dim)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return reduce_scatter_to_sequence_region(grad, ctx.group, ctx.dim), None, None
 
 
 def copy_to_region(x: Tensor, group: TPGroup) -> Tensor:
+    """Enters a region with a replicated tensor: its gradient is summed over the group."""
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_region(x: Tensor, group: TPGroup) -> Tensor:
+    """Leaves a region with the sum of the ranks' partial results (replicated)."""
     return _ReduceFromRegion.apply(x, group)
 
 
-def gather_from_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
-    return _GatherFromRegion.apply(x, group, dim)
-
-
 def scatter_to_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+    """Enters a region with this rank's block of a replicated tensor."""
     return _ScatterToRegion.apply(x, group, dim)
 
 
-def reduce_scatter_to_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
-    return _ReduceScatterToRegion.apply(x, group, dim)
+def gather_from_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+    """Leaves a region with the concatenated blocks (replicated)."""
+    return _GatherFromRegion.apply(x, group, dim)
+
+
+def reduce_scatter_to_sequence_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+    """Sums the ranks' partial results and keeps this rank's block along the sequence ``dim``."""
+    return _ReduceScatterToSequenceRegion.apply(x, group, dim)
+
+
+def gather_from_sequence_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+    """All-gathers sequence blocks; each rank's use of the full sequence sends gradient back to every block."""
+    return _GatherFromSequenceRegion.apply(x, group, dim)
