@@ -35,6 +35,25 @@ TORCH_LIBRARY(tdx, m) {
   m.def(
       "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
       "Tensor lse, int vocab_start, int ignore_index) -> Tensor");
+
+  // ---- attention: context-parallel attention over a sequence-sharded ring ----
+  // q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] (Hq % Hkv == 0), this rank's sequence
+  // shard in `layout` ('contiguous' or 'zigzag'). Returns out (like q) and the global
+  // log-sum-exp [B, Hq, S_local] (fp32; fp64 for fp64 inputs).
+  m.def(
+      "ring_attention_fwd(Tensor q, Tensor k, Tensor v, str group_name, bool causal, float scale, "
+      "str layout) -> (Tensor out, Tensor lse)");
+  m.def(
+      "ring_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
+      "str group_name, bool causal, float scale, str layout) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+  // Merges a partial attention result into an accumulator by log-sum-exp, in place:
+  // out [..., rows, D] and lse [..., rows] (fp32, fp64 for fp64 blocks); block_out any float dtype.
+  m.def("lse_merge_(Tensor(a!) out, Tensor(b!) lse, Tensor block_out, Tensor block_lse) -> ()");
+
+  // ---- all_to_all: Ulysses sequence <-> head re-sharding ----
+  // [B, H, S/N, D] (sequence shard, contiguous layout) -> [B, H/N, S, D] (head shard), and back.
+  m.def("all_to_all_seq_to_heads(Tensor x, str group_name) -> Tensor");
+  m.def("all_to_all_heads_to_seq(Tensor x, str group_name) -> Tensor");
 }
 
 // `import torchdist_ext._C` loads this library, which registers the ops above;

@@ -10,6 +10,12 @@ Tensor parallelism (``tp_mesh``), Megatron semantics, optional sequence parallel
     RMSNorm(dim, *, tp_mesh, sequence_parallel=False, eps=1e-6, device=None, dtype=None)
     vocab_parallel_cross_entropy(logits, target, *, tp_mesh, ignore_index=-100, reduction="mean")
 
+Context parallelism (attention tensors [batch, heads, seq_local, head_dim]):
+    ring_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")
+    ulysses_attention(q, k, v, *, sp_mesh, causal=False, scale=None)
+    hybrid_attention(q, k, v, *, ulysses_mesh, ring_mesh, causal=False, scale=None, layout="zigzag")
+    shard_sequence(x, *, cp_mesh, dim, layout="zigzag") / unshard_sequence(x_local, *, cp_mesh, dim, layout="zigzag")
+
 Build from existing modules with the same full weights:
     ColumnParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
     RowParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
@@ -17,15 +23,22 @@ Build from existing modules with the same full weights:
     RMSNorm.from_rms_norm(norm, tp_mesh=..., sequence_parallel=False)
 """
 
+from torchdist_ext.parallel.context_attention import hybrid_attention, ring_attention, ulysses_attention
 from torchdist_ext.parallel.cross_entropy import vocab_parallel_cross_entropy
 from torchdist_ext.parallel.embedding import VocabParallelEmbedding
 from torchdist_ext.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from torchdist_ext.parallel.norm import RMSNorm
+from torchdist_ext.parallel.sequence_sharding import shard_sequence, unshard_sequence
 
 __all__ = [
     "ColumnParallelLinear",
     "RMSNorm",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "hybrid_attention",
+    "ring_attention",
+    "shard_sequence",
+    "ulysses_attention",
+    "unshard_sequence",
     "vocab_parallel_cross_entropy",
 ]

@@ -5,7 +5,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext import ops
-from torchdist_ext.parallel.tp_group import TPGroup
+from torchdist_ext.parallel.mesh_group import MeshGroup
 
 __all__ = ["vocab_parallel_cross_entropy"]
 
@@ -25,7 +25,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, tp_mesh: Dev
         The loss, identical on every rank of ``tp_mesh``; the gradient flows to
         each rank's logits shard. Full-vocab logits are never built.
     """
-    tp = TPGroup.of(tp_mesh)
+    tp = MeshGroup.of(tp_mesh)
     if not isinstance(logits, Tensor) or not logits.is_floating_point():
         raise TypeError(f"logits must be a floating-point tensor, got {getattr(logits, 'dtype', type(logits))}")
     if not isinstance(target, Tensor) or target.dtype != torch.int64:

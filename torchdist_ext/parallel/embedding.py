@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
-from torchdist_ext.parallel.tp_group import TPGroup, check_divisible, distribute_parameter, sequence_dim
+from torchdist_ext.parallel.mesh_group import MeshGroup, check_divisible, distribute_parameter, sequence_dim
 
 __all__ = ["VocabParallelEmbedding"]
 
@@ -35,7 +35,7 @@ class VocabParallelEmbedding(nn.Module):
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_mesh: DeviceMesh,
                  sequence_parallel: bool = False, seq_dim: int = 1, device=None, dtype=None):
         super().__init__()
-        self.tp = TPGroup.of(tp_mesh)
+        self.tp = MeshGroup.of(tp_mesh)
         for arg, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")

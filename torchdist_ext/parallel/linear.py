@@ -29,8 +29,8 @@ from torchdist_ext.parallel.regions import (
     reduce_from_region,
     scatter_to_region,
 )
-from torchdist_ext.parallel.tp_group import (
-    TPGroup,
+from torchdist_ext.parallel.mesh_group import (
+    MeshGroup,
     check_divisible,
     check_features,
     check_floating_input,
@@ -60,7 +60,7 @@ class _ParallelLinear(nn.Module):
     weight_placement: Shard
     bias_placement: Shard | Replicate
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, tp: TPGroup, seq_dim: int,
+    def __init__(self, in_features: int, out_features: int, bias: bool, tp: MeshGroup, seq_dim: int,
                  sequence_parallel: bool, device, dtype):
         super().__init__()
         self.tp = tp
@@ -127,7 +127,7 @@ class ColumnParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_mesh: DeviceMesh,
                  gather_output: bool = False, sequence_parallel: bool = False, seq_dim: int = 1,
                  device=None, dtype=None):
-        tp = TPGroup.of(tp_mesh)
+        tp = MeshGroup.of(tp_mesh)
         check_divisible("out_features", out_features, tp)
         super().__init__(in_features, out_features, bias, tp, seq_dim, sequence_parallel, device, dtype)
         self.gather_output = bool(gather_output)
@@ -176,7 +176,7 @@ class RowParallelLinear(_ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, tp_mesh: DeviceMesh,
                  input_is_parallel: bool = True, sequence_parallel: bool = False, seq_dim: int = 1,
                  device=None, dtype=None):
-        tp = TPGroup.of(tp_mesh)
+        tp = MeshGroup.of(tp_mesh)
         check_divisible("in_features", in_features, tp)
         super().__init__(in_features, out_features, bias, tp, seq_dim, sequence_parallel, device, dtype)
         self.input_is_parallel = bool(input_is_parallel)

@@ -7,7 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
 from torchdist_ext.parallel.regions import copy_to_region
-from torchdist_ext.parallel.tp_group import TPGroup, check_features, check_floating_input, distribute_parameter
+from torchdist_ext.parallel.mesh_group import MeshGroup, check_features, check_floating_input, distribute_parameter
 
 __all__ = ["RMSNorm"]
 
@@ -31,7 +31,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         if not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
-        self.tp = TPGroup.of(tp_mesh)
+        self.tp = MeshGroup.of(tp_mesh)
         self.dim = dim
         self.eps = eps
         self.sequence_parallel = bool(sequence_parallel)

@@ -20,7 +20,7 @@ import torch
 from torch import Tensor
 
 from torchdist_ext.ops import collectives
-from torchdist_ext.parallel.tp_group import TPGroup
+from torchdist_ext.parallel.mesh_group import MeshGroup
 
 __all__ = [
     "copy_to_region",
@@ -98,31 +98,31 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
         return reduce_scatter_to_sequence_region(grad, ctx.group, ctx.dim), None, None
 
 
-def copy_to_region(x: Tensor, group: TPGroup) -> Tensor:
+def copy_to_region(x: Tensor, group: MeshGroup) -> Tensor:
     """Enters a region with a replicated tensor: its gradient is summed over the group."""
     return _CopyToRegion.apply(x, group)
 
 
-def reduce_from_region(x: Tensor, group: TPGroup) -> Tensor:
+def reduce_from_region(x: Tensor, group: MeshGroup) -> Tensor:
     """Leaves a region with the sum of the ranks' partial results (replicated)."""
     return _ReduceFromRegion.apply(x, group)
 
 
-def scatter_to_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+def scatter_to_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
     """Enters a region with this rank's block of a replicated tensor."""
     return _ScatterToRegion.apply(x, group, dim)
 
 
-def gather_from_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+def gather_from_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
     """Leaves a region with the concatenated blocks (replicated)."""
     return _GatherFromRegion.apply(x, group, dim)
 
 
-def reduce_scatter_to_sequence_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+def reduce_scatter_to_sequence_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
     """Sums the ranks' partial results and keeps this rank's block along the sequence ``dim``."""
     return _ReduceScatterToSequenceRegion.apply(x, group, dim)
 
 
-def gather_from_sequence_region(x: Tensor, group: TPGroup, dim: int) -> Tensor:
+def gather_from_sequence_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
     """All-gathers sequence blocks; each rank's use of the full sequence sends gradient back to every block."""
     return _GatherFromSequenceRegion.apply(x, group, dim)

@@ -17,16 +17,16 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext.parallel.regions import gather_from_region, scatter_to_region
-from torchdist_ext.parallel.tp_group import TPGroup
+from torchdist_ext.parallel.mesh_group import MeshGroup
 
 __all__ = ["shard_replicated", "gather_replicated"]
 
 
 def shard_replicated(x: Tensor, mesh: DeviceMesh, dim: int) -> Tensor:
     """This rank's block of the replicated ``x`` along ``dim`` over the 1-D ``mesh`` (size divisible by it)."""
-    return scatter_to_region(x, TPGroup.of(mesh, "mesh"), dim)
+    return scatter_to_region(x, MeshGroup.of(mesh, "mesh"), dim)
 
 
 def gather_replicated(x: Tensor, mesh: DeviceMesh, dim: int) -> Tensor:
     """The replicated concatenation of every rank's equal-sized block ``x`` along ``dim`` over the 1-D ``mesh``."""
-    return gather_from_region(x, TPGroup.of(mesh, "mesh"), dim)
+    return gather_from_region(x, MeshGroup.of(mesh, "mesh"), dim)

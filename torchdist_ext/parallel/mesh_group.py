@@ -1,4 +1,4 @@
-"""The tensor-parallel group of a 1-D DeviceMesh, parameter placement, and the argument checks every layer shares."""
+"""The process group of a 1-D DeviceMesh (one parallel axis), parameter placement, and shared argument checks."""
 
 from dataclasses import dataclass
 
@@ -8,7 +8,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
 __all__ = [
-    "TPGroup",
+    "MeshGroup",
     "check_divisible",
     "check_features",
     "check_floating_input",
@@ -18,8 +18,8 @@ __all__ = [
 
 
 @dataclass(frozen=True)
-class TPGroup:
-    """What a layer needs of its mesh, as plain values (constants under torch.compile).
+class MeshGroup:
+    """What a layer or function needs of its axis's mesh, as plain values (constants under torch.compile).
 
     Attributes:
         mesh: the 1-D mesh the parameters are placed on.
@@ -34,19 +34,20 @@ class TPGroup:
     rank: int
 
     @classmethod
-    def of(cls, mesh: DeviceMesh, arg: str = "tp_mesh") -> "TPGroup":
+    def of(cls, mesh: DeviceMesh, arg: str = "tp_mesh") -> "MeshGroup":
         if not isinstance(mesh, DeviceMesh):
             raise TypeError(f"{arg} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
         if mesh.ndim != 1:
             raise ValueError(
-                f"{arg} must be a 1-D DeviceMesh (slice it, e.g. world_mesh['tp']), got a {mesh.ndim}-D mesh "
+                f"{arg} must be a 1-D DeviceMesh (slice it, e.g. world_mesh['{arg.removesuffix('_mesh')}']), "
+                f"got a {mesh.ndim}-D mesh "
                 f"of shape {tuple(mesh.shape)}"
             )
         group = mesh.get_group()
         return cls(mesh=mesh, name=group.group_name, size=mesh.size(), rank=mesh.get_local_rank())
 
 
-def distribute_parameter(full: torch.Tensor, group: TPGroup, placement: Placement,
+def distribute_parameter(full: torch.Tensor, group: MeshGroup, placement: Placement,
                          src_data_rank: int | None) -> nn.Parameter:
     """A DTensor parameter on ``group.mesh`` from the full tensor.
 
@@ -64,7 +65,7 @@ def distribute_parameter(full: torch.Tensor, group: TPGroup, placement: Placemen
     return nn.Parameter(dtensor)
 
 
-def check_divisible(arg: str, value: int, group: TPGroup, what: str = "the tensor-parallel size") -> None:
+def check_divisible(arg: str, value: int, group: MeshGroup, what: str = "the tensor-parallel size") -> None:
     if value % group.size != 0:
         raise ValueError(f"{arg}={value} must be divisible by {what} {group.size}")
 

@@ -1,0 +1,214 @@
+"""tdx::ring_attention_fwd / _bwd and tdx::lse_merge_: opcheck, float64 gradcheck, compile, bad input.
+
+(Forward and gradients against SDPA for every layout and head count: tests/parallel/test_context_parallel.py.)
+"""
+
+import math
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchdist_ext  # noqa: F401
+from torchdist_ext.ops import lse_merge_, ring_attention
+from torchdist_ext.parallel import hybrid_attention, shard_sequence, ulysses_attention, unshard_sequence
+from torchdist_ext.parallel import ring_attention as parallel_ring_attention
+from torchdist_ext.testing import cached_mesh
+
+
+def cp_mesh():
+    return cached_mesh((dist.get_world_size(),), ("cp",))
+
+
+def draw(seed, *shape, dtype=torch.float32, grad=False):
+    t = torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+    return t.requires_grad_(grad)
+
+
+def test_lse_merge_matches_the_unfused_expression():
+    gen = torch.Generator().manual_seed(0)
+    out = torch.randn(2, 3, 5, 8, generator=gen)
+    lse = torch.randn(2, 3, 5, generator=gen)
+    lse[0, 0, 0] = -math.inf  # an empty accumulator row takes the block
+    block_out = torch.randn(2, 3, 5, 8, generator=gen).bfloat16()
+    block_lse = torch.randn(2, 3, 5, generator=gen)
+    block_lse[1, 2, 4] = -math.inf  # a block row that saw no key leaves the row alone
+    new_lse = torch.logaddexp(lse, block_lse)
+    expected = out * (lse - new_lse).exp()[..., None] + block_out.float() * (block_lse - new_lse).exp()[..., None]
+    expected[1, 2, 4] = out[1, 2, 4]
+    new_lse[1, 2, 4] = lse[1, 2, 4]
+    lse_merge_(out, lse, block_out, block_lse)
+    torch.testing.assert_close(out, expected, atol=1e-6, rtol=1e-6)
+    torch.testing.assert_close(lse, new_lse)
+
+
+def test_lse_merge_into_a_slice_of_rows():
+    """The ring merges partial blocks into row slices of its accumulator."""
+    gen = torch.Generator().manual_seed(1)
+    out = torch.randn(2, 3, 6, 4, dtype=torch.float64, generator=gen)
+    lse = torch.randn(2, 3, 6, dtype=torch.float64, generator=gen)
+    block_out = torch.randn(2, 3, 3, 4, dtype=torch.float64, generator=gen)
+    block_lse = torch.randn(2, 3, 3, dtype=torch.float64, generator=gen)
+    expected_out, expected_lse = out.clone(), lse.clone()
+    rows = slice(3, 6)
+    merged_lse = torch.logaddexp(lse[..., rows], block_lse)
+    expected_out[..., rows, :] = (out[..., rows, :] * (lse[..., rows] - merged_lse).exp()[..., None]
+                                  + block_out * (block_lse - merged_lse).exp()[..., None])
+    expected_lse[..., rows] = merged_lse
+    lse_merge_(out.narrow(2, 3, 3), lse.narrow(2, 3, 3), block_out, block_lse)
+    torch.testing.assert_close(out, expected_out)
+    torch.testing.assert_close(lse, expected_lse)
+
+
+def test_lse_merge_opcheck_and_bad_input():
+    out, lse = torch.zeros(2, 4, 8), torch.full((2, 4), -math.inf)
+    torch.library.opcheck(torch.ops.tdx.lse_merge_, (out, lse, torch.randn(2, 4, 8), torch.randn(2, 4)))
+    with pytest.raises(TypeError, match="out, lse and block_lse must be Float for a Float block"):
+        lse_merge_(out.double(), lse, torch.randn(2, 4, 8), torch.randn(2, 4))
+    with pytest.raises(RuntimeError, match="must match out and lse"):
+        lse_merge_(out, lse, torch.randn(2, 4, 7), torch.randn(2, 4))
+
+
+def sharded_attention(method, layout, causal):
+    """A replicated function of replicated q, k, v (for gradcheck and compile); meshes are built outside it."""
+    if method == "hybrid":
+        mesh = cached_mesh((2, dist.get_world_size() // 2), ("ring", "ulysses"))
+        cp = (mesh["ulysses"], mesh["ring"])
+    else:
+        cp = cp_mesh()
+
+    def run(q, k, v):
+        local = [shard_sequence(t, cp_mesh=cp, dim=2, layout=layout) for t in (q, k, v)]
+        if method == "ring":
+            out = parallel_ring_attention(*local, cp_mesh=cp, causal=causal, layout=layout)
+        elif method == "ulysses":
+            out = ulysses_attention(*local, sp_mesh=cp, causal=causal)
+        else:
+            out = hybrid_attention(*local, ulysses_mesh=cp[0], ring_mesh=cp[1], causal=causal, layout=layout)
+        return unshard_sequence(out, cp_mesh=cp, dim=2, layout=layout)
+
+    return run
+
+
+def run_gradcheck(method, layout, q_heads, kv_heads):
+    seq = 2 * dist.get_world_size()
+    q = draw(1, 1, q_heads, seq, 4, dtype=torch.float64, grad=True)
+    k = draw(2, 1, kv_heads, seq, 4, dtype=torch.float64, grad=True)
+    v = draw(3, 1, kv_heads, seq, 4, dtype=torch.float64, grad=True)
+    for causal in (False, True):
+        assert torch.autograd.gradcheck(sharded_attention(method, layout, causal), (q, k, v))
+    return True
+
+
+@pytest.mark.parametrize("method, layout", [("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous")])
+def test_gradcheck_fp64(world2, method, layout):
+    assert all(world2.run(run_gradcheck, method, layout, 4, 2))
+
+
+def test_gradcheck_fp64_hybrid(world4):
+    assert all(world4.run(run_gradcheck, "hybrid", "zigzag", 2, 1))
+
+
+def run_opcheck():
+    name = cp_mesh().get_group().group_name
+    for requires_grad in (False, True):
+        q = draw(1, 2, 4, 6, 8, grad=requires_grad)
+        k = draw(2, 2, 2, 6, 8, grad=requires_grad)
+        v = draw(3, 2, 2, 6, 8, grad=requires_grad)
+        for causal, layout in ((True, "zigzag"), (False, "contiguous")):
+            torch.library.opcheck(torch.ops.tdx.ring_attention_fwd, (q, k, v, name, causal, 0.3, layout))
+    out, lse = ring_attention(q.detach(), k.detach(), v.detach(), name, True, 0.3, "zigzag")
+    torch.library.opcheck(
+        torch.ops.tdx.ring_attention_bwd,
+        (torch.ones_like(out), q.detach(), k.detach(), v.detach(), out, lse, name, True, 0.3, "zigzag"),
+    )
+    return True
+
+
+def test_opcheck(world2):
+    assert all(world2.run(run_opcheck))
+
+
+def run_compiled(method):
+    torch._dynamo.reset()
+    q = draw(1, 2, 4, 8, 8, grad=True)
+    k = draw(2, 2, 2, 8, 8, grad=True)
+    v = draw(3, 2, 2, 8, 8, grad=True)
+    fn = sharded_attention(method, "contiguous" if method == "ulysses" else "zigzag", True)
+    eager = fn(q, k, v)
+    eager_grads = torch.autograd.grad(eager.square().sum(), (q, k, v))
+    compiled = torch.compile(fn, fullgraph=True)(q, k, v)
+    compiled_grads = torch.autograd.grad(compiled.square().sum(), (q, k, v))
+    torch.testing.assert_close(compiled, eager)
+    for c, e in zip(compiled_grads, eager_grads):
+        torch.testing.assert_close(c, e)
+    return True
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_compile_fullgraph(world2, method):
+    assert all(world2.run(run_compiled, method))
+
+
+def test_compile_fullgraph_hybrid(world4):
+    assert all(world4.run(run_compiled, "hybrid"))
+
+
+def odd_zigzag_sequence():
+    parallel_ring_attention(draw(0, 1, 2, 5, 4), draw(1, 1, 2, 5, 4), draw(2, 1, 2, 5, 4), cp_mesh=cp_mesh())
+
+
+def heads_do_not_divide():
+    parallel_ring_attention(draw(0, 1, 3, 4, 4), draw(1, 1, 2, 4, 4), draw(2, 1, 2, 4, 4), cp_mesh=cp_mesh())
+
+
+def qkv_shape_mismatch():
+    parallel_ring_attention(draw(0, 1, 2, 4, 4), draw(1, 1, 2, 6, 4), draw(2, 1, 2, 6, 4), cp_mesh=cp_mesh())
+
+
+def qkv_dtype_mismatch():
+    parallel_ring_attention(draw(0, 1, 2, 4, 4), draw(1, 1, 2, 4, 4, dtype=torch.float64),
+                            draw(2, 1, 2, 4, 4), cp_mesh=cp_mesh())
+
+
+def not_4d():
+    parallel_ring_attention(draw(0, 2, 4, 4), draw(1, 2, 4, 4), draw(2, 2, 4, 4), cp_mesh=cp_mesh())
+
+
+def ulysses_heads_not_divisible():
+    ulysses_attention(draw(0, 1, 3, 4, 4), draw(1, 1, 3, 4, 4), draw(2, 1, 3, 4, 4), sp_mesh=cp_mesh())
+
+
+def wrong_mesh():
+    mesh = cached_mesh((1, dist.get_world_size()), ("dp", "cp"))
+    parallel_ring_attention(draw(0, 1, 2, 4, 4), draw(1, 1, 2, 4, 4), draw(2, 1, 2, 4, 4), cp_mesh=mesh)
+
+
+def bad_layout():
+    parallel_ring_attention(draw(0, 1, 2, 4, 4), draw(1, 1, 2, 4, 4), draw(2, 1, 2, 4, 4), cp_mesh=cp_mesh(),
+                            layout="striped")
+
+
+def sequence_not_divisible():
+    shard_sequence(draw(0, 1, 2, 6, 4), cp_mesh=cp_mesh(), dim=2, layout="zigzag")
+
+
+CASES = [
+    (odd_zigzag_sequence, ValueError, "local sequence must be even, got q.shape\\[2\\]=5"),
+    (heads_do_not_divide, ValueError, r"q heads \(3\) must be a multiple of kv heads \(2\)"),
+    (qkv_shape_mismatch, ValueError, "must agree in batch, local sequence and head_dim"),
+    (qkv_dtype_mismatch, TypeError, "q, k, v must share a dtype"),
+    (not_4d, ValueError, r"q has shape \(2, 4, 4\); it must be \[batch, heads, seq_local, head_dim\]"),
+    (ulysses_heads_not_divisible, ValueError, r"q heads \(3\) must be divisible by the size of sp_mesh \(2\)"),
+    (wrong_mesh, ValueError, "cp_mesh must be a 1-D DeviceMesh"),
+    (bad_layout, ValueError, "layout must be one of .* got 'striped'"),
+    (sequence_not_divisible, ValueError, r"x.size\(2\)=6 must be divisible by 4 to shard it with the zigzag"),
+]
+
+
+@pytest.mark.parametrize("fn, error, message", CASES, ids=[case[0].__name__ for case in CASES])
+def test_bad_input(world2, fn, error, message):
+    with pytest.raises(error, match=message):
+        world2.run(fn)
+    assert world2.alive

@@ -1,0 +1,109 @@
+"""Ring, Ulysses and hybrid attention against single-process SDPA on the full sequence.
+
+Every rank builds the same full q, k, v and upstream gradient; the parallel
+side shards them with shard_sequence, attends, and unshards the output; the
+output and dq, dk, dv must match F.scaled_dot_product_attention (float64
+reference on the same values).
+"""
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+import torchdist_ext  # noqa: F401
+from tests.numerics import assert_close_to_scale
+from torchdist_ext.parallel import (
+    hybrid_attention,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+    unshard_sequence,
+)
+from torchdist_ext.testing import cached_mesh
+
+HEADS = {"mha": (4, 4), "gqa": (8, 2), "mqa": (4, 1)}
+BATCH, HEAD_DIM = 2, 16
+
+
+def full_inputs(q_heads, kv_heads, seq, dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+
+    def draw(*shape):
+        return torch.randn(*shape, generator=gen, dtype=torch.float64).to(dtype)
+
+    q = draw(BATCH, q_heads, seq, HEAD_DIM)
+    k = draw(BATCH, kv_heads, seq, HEAD_DIM)
+    v = draw(BATCH, kv_heads, seq, HEAD_DIM)
+    return q, k, v, draw(BATCH, q_heads, seq, HEAD_DIM)
+
+
+def parallel_setup(method):
+    """(cp_mesh for shard_sequence, attention callable taking q, k, v, causal, layout)."""
+    n = dist.get_world_size()
+    if method == "hybrid":
+        mesh = cached_mesh((2, n // 2), ("ring", "ulysses"))
+        ulysses, ring = mesh["ulysses"], mesh["ring"]
+        return (ulysses, ring), lambda q, k, v, causal, layout: hybrid_attention(
+            q, k, v, ulysses_mesh=ulysses, ring_mesh=ring, causal=causal, layout=layout
+        )
+    mesh = cached_mesh((n,), ("cp",))
+    if method == "ring":
+        return mesh, lambda q, k, v, causal, layout: ring_attention(q, k, v, cp_mesh=mesh, causal=causal, layout=layout)
+    return mesh, lambda q, k, v, causal, layout: ulysses_attention(q, k, v, sp_mesh=mesh, causal=causal)
+
+
+def check_against_sdpa(method, causal, layout, heads, dtype):
+    q_heads, kv_heads = HEADS[heads]
+    seq = 8 * dist.get_world_size()
+    q, k, v, upstream = full_inputs(q_heads, kv_heads, seq, dtype)
+
+    reference = [t.double().requires_grad_(True) for t in (q, k, v)]
+    expected = F.scaled_dot_product_attention(*reference, is_causal=causal, enable_gqa=q_heads != kv_heads)
+    expected.backward(upstream.double())
+
+    cp_mesh, attend = parallel_setup(method)
+    inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
+    local = [shard_sequence(t, cp_mesh=cp_mesh, dim=2, layout=layout) for t in inputs]
+    out_local = attend(*local, causal, layout)
+    assert out_local.shape == local[0].shape and out_local.dtype == dtype
+    actual = unshard_sequence(out_local, cp_mesh=cp_mesh, dim=2, layout=layout)
+    actual.backward(upstream)
+
+    assert_close_to_scale(actual, expected, dtype, "out")
+    for name, got, want in zip(("dq", "dk", "dv"), inputs, reference):
+        assert_close_to_scale(got.grad, want.grad, dtype, name)
+    return True
+
+
+CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_ring_attention_fp32(world, causal, layout, heads, request):
+    assert all(request.getfixturevalue(world).run(check_against_sdpa, "ring", causal, layout, heads, torch.float32))
+
+
+@pytest.mark.parametrize("world", ["world2", "world4"])
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_ulysses_attention_fp32(world, causal, heads, request):
+    assert all(
+        request.getfixturevalue(world).run(check_against_sdpa, "ulysses", causal, "contiguous", heads, torch.float32)
+    )
+
+
+@pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("heads", list(HEADS))
+def test_hybrid_attention_2x2_fp32(world4, causal, layout, heads):
+    assert all(world4.run(check_against_sdpa, "hybrid", causal, layout, heads, torch.float32))
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses", "hybrid"])
+def test_bf16(world4, method):
+    layout = "contiguous" if method == "ulysses" else "zigzag"
+    assert all(world4.run(check_against_sdpa, method, True, layout, "gqa", torch.bfloat16))
