@@ -3,11 +3,13 @@
 ``Llama`` is a plain single-process ``nn.Module`` built from ``nn.Linear``,
 ``nn.Embedding`` and ``nn.RMSNorm``. ``parallelize_llama`` turns it, in place,
 into the tensor-parallel (optionally sequence-parallel) model with the same
-weights, then shards it with FSDP2 over the data-parallel mesh. The forward
-code is shared: attention reads its local head count from the projection's
-output width, so one definition serves every layout.
+weights, optionally swaps in a context-parallel attention, then shards it with
+FSDP2. The forward code is shared: attention reads its local head count from
+the projection's output width and RoPE takes each token's global position, so
+one definition serves every layout.
 """
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -58,7 +60,13 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
+def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
 class Attention(nn.Module):
+    """Grouped-query causal attention; ``attend`` maps q, k, v ``[batch, heads, seq, head_dim]`` to the output."""
+
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.head_dim = cfg.head_dim
@@ -66,14 +74,14 @@ class Attention(nn.Module):
         self.wk = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wv = nn.Linear(cfg.dim, cfg.num_kv_heads * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.attend: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        # Under tensor parallelism q/k/v hold this rank's heads over the whole sequence.
+        # Under tensor parallelism q/k/v hold this rank's heads; under context parallelism this
+        # rank's tokens, whose positions cos/sin already follow.
         q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
-        seq = q.shape[2]
-        q, k = apply_rope(q, cos[:seq], sin[:seq]), apply_rope(k, cos[:seq], sin[:seq])
-        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        return self.wo(out.transpose(1, 2).flatten(-2))
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        return self.wo(self.attend(q, k, v).transpose(1, 2).flatten(-2))
 
 
 class FeedForward(nn.Module):
@@ -107,7 +115,11 @@ def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
 
 
 class Llama(nn.Module):
-    """tokens ``[batch, seq]`` -> mean next-token loss against ``target`` ``[batch, seq]``."""
+    """tokens ``[batch, seq]`` -> mean next-token loss against ``target`` ``[batch, seq]``.
+
+    ``positions`` ``[seq]`` are the tokens' positions in the full sequence (default
+    ``0..seq-1``); a context-parallel rank passes those of its shard.
+    """
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -121,10 +133,13 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: Tensor, target: Tensor) -> Tensor:
+    def forward(self, tokens: Tensor, target: Tensor, positions: Tensor | None = None) -> Tensor:
+        if positions is None:
+            positions = torch.arange(tokens.shape[1], device=tokens.device)
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers:
-            h = layer(h, self.rope_cos, self.rope_sin)
+            h = layer(h, cos, sin)
         return self.loss_fn(self.output(self.norm(h)), target)
 
 
@@ -135,12 +150,16 @@ def check_layout(cfg: LlamaConfig, tp: int) -> None:
 
 
 def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool,
+                      attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
                       compile: bool = False) -> Llama:
-    """Tensor-parallel layers with ``model``'s weights (in place), optional per-block compile, then FSDP2 on dp.
+    """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
+    attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh``.
 
     With sequence parallelism the residual stream between blocks is sharded
     along the sequence over tp; the embedding reduce-scatters into it and the
-    column projections all-gather out of it inside their GEMM rings.
+    column projections all-gather out of it inside their GEMM rings. With
+    context parallelism ``dp_mesh`` must span the context-parallel ranks too
+    (they hold the same parameters and their gradients must be summed).
     """
     check_layout(model.cfg, tp_mesh.size())
     kw = dict(tp_mesh=tp_mesh, sequence_parallel=sequence_parallel)
@@ -153,6 +172,8 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         ffn.w1 = ColumnParallelLinear.from_linear(ffn.w1, **kw)
         ffn.w3 = ColumnParallelLinear.from_linear(ffn.w3, **kw)
         ffn.w2 = RowParallelLinear.from_linear(ffn.w2, **kw)
+        if attend is not None:
+            attention.attend = attend
         block.attention_norm = RMSNorm.from_rms_norm(block.attention_norm, **kw)
         block.ffn_norm = RMSNorm.from_rms_norm(block.ffn_norm, **kw)
     model.norm = RMSNorm.from_rms_norm(model.norm, **kw)

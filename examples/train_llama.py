@@ -1,12 +1,17 @@
-"""Main job: train a small Llama on a byte-level corpus with FSDP2 (dp) x tensor parallelism (tp).
+"""Main job: train a small Llama on a byte-level corpus with FSDP2 (dp) x context (cp) x tensor (tp) parallelism.
 
-    torchrun --nproc-per-node 4 examples/train_llama.py            # dp=2 x tp=2, sequence parallel
-    torchrun --nproc-per-node 4 examples/train_llama.py --check    # + the same run in one process
+    torchrun --nproc-per-node 4 examples/train_llama.py                     # dp=2 x tp=2, sequence parallel
+    torchrun --nproc-per-node 4 examples/train_llama.py --check             # + the same run in one process
+    torchrun --nproc-per-node 4 examples/train_llama.py --cp 2 --cp-method ring   # dp=1 x cp=2 x tp=2
+    torchrun --nproc-per-node 4 examples/train_llama.py --tp 1 --cp 4 --cp-method hybrid --cp-ulysses 2
 
 Every rank builds the same single-process model (same seed), converts it to
-tensor-parallel layers with the same weights and shards it over dp with
-FSDP2. Each step draws one global batch of byte windows (same generator on
-every rank); data-parallel rank d trains on its slice. The loss printed is
+tensor-parallel layers with the same weights and shards it with FSDP2 over
+dp x cp. Each step draws one global batch of byte windows (same generator on
+every rank); data-parallel rank d trains on its slice, and context-parallel
+ranks split its sequence (tokens, targets and RoPE positions) with the
+method's layout: ring "zigzag", Ulysses "contiguous", hybrid zigzag over the
+ring ranks and contiguous over the Ulysses ranks inside. The loss printed is
 the global mean. ``--check`` then trains the plain model in one process
 (rank 0) on the whole batches and prints the largest relative loss
 difference over the steps; it exits non-zero above ``--check-tolerance``.
@@ -16,6 +21,7 @@ import argparse
 import os
 import sys
 import time
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -26,6 +32,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import Llama, LlamaConfig, parallelize_llama  # noqa: E402
 
 import torchdist_ext  # noqa: E402,F401
+from torchdist_ext.parallel import hybrid_attention, ring_attention, shard_sequence, ulysses_attention  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 
@@ -34,6 +41,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / tp)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (sequence sharding)")
+    parser.add_argument("--cp-method", choices=("ring", "ulysses", "hybrid"), default="ring")
+    parser.add_argument("--cp-ulysses", type=int, default=2,
+                        help="with --cp-method hybrid: the Ulysses degree inside (the ring gets cp / this)")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                         help="replicate activations between blocks instead of sharding them along the sequence")
     parser.add_argument("--steps", type=int, default=50)
@@ -73,33 +84,69 @@ def build_model(args) -> Llama:
     return Llama(LlamaConfig(max_seq_len=args.seq))
 
 
+def context_parallel_split(args) -> tuple[int, int]:
+    """(ring ranks, Ulysses ranks) of the context-parallel axis."""
+    if args.cp == 1 or args.cp_method == "ring":
+        return args.cp, 1
+    if args.cp_method == "ulysses":
+        return 1, args.cp
+    if args.cp % args.cp_ulysses:
+        raise ValueError(f"--cp {args.cp} must be divisible by --cp-ulysses {args.cp_ulysses}")
+    return args.cp // args.cp_ulysses, args.cp_ulysses
+
+
+def context_parallel_plan(args, mesh):
+    """(attention function or None, the cp_mesh argument of shard_sequence, layout)."""
+    if args.cp == 1:
+        return None, None, None
+    ring, ulysses = mesh["ring"], mesh["ulysses"]
+    if args.cp_method == "ring":
+        return partial(ring_attention, cp_mesh=ring, causal=True, layout="zigzag"), ring, "zigzag"
+    if args.cp_method == "ulysses":
+        return partial(ulysses_attention, sp_mesh=ulysses, causal=True), ulysses, "contiguous"
+    attend = partial(hybrid_attention, ulysses_mesh=ulysses, ring_mesh=ring, causal=True, layout="zigzag")
+    return attend, (ulysses, ring), "zigzag"
+
+
 def train_parallel(args, world_size: int, rank: int) -> list[float]:
-    dp = args.dp or world_size // args.tp
-    if dp * args.tp != world_size:
-        raise ValueError(f"--dp {dp} x --tp {args.tp} must equal the world size {world_size}")
+    ring, ulysses = context_parallel_split(args)
+    dp = args.dp or world_size // (args.tp * args.cp)
+    if dp * args.cp * args.tp != world_size:
+        raise ValueError(f"--dp {dp} x --cp {args.cp} x --tp {args.tp} must equal the world size {world_size}")
     if args.batch % dp:
         raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
-    mesh = init_device_mesh("cpu", (dp, args.tp), mesh_dim_names=("dp", "tp"))
-    # A flattened dp x tp mesh lets DTensor reduce the gradient norm in one all-reduce.
-    mesh["dp", "tp"]._flatten("dp_tp")
-    model = parallelize_llama(build_model(args), tp_mesh=mesh["tp"], dp_mesh=mesh["dp"],
-                              sequence_parallel=args.sequence_parallel, compile=args.compile)
+    mesh = init_device_mesh("cpu", (dp, ring, ulysses, args.tp), mesh_dim_names=("dp", "ring", "ulysses", "tp"))
+    # FSDP shards over dp x cp: context-parallel ranks hold the same parameters and see different tokens.
+    fsdp_mesh = mesh["dp", "ring", "ulysses"]._flatten("dp_cp")
+    # A flattened mesh of every dim lets DTensor reduce the gradient norm in one all-reduce.
+    mesh["dp", "ring", "ulysses", "tp"]._flatten("all")
+    attend, cp_mesh, layout = context_parallel_plan(args, mesh)
+    model = parallelize_llama(build_model(args), tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
+                              sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    dp_rank, dp_group = mesh["dp"].get_local_rank(), mesh["dp"].get_group()
+    dp_rank, fsdp_group = mesh["dp"].get_local_rank(), fsdp_mesh.get_group()
     if rank == 0:
-        print(f"world {world_size}: dp={dp} x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
+        print(f"world {world_size}: dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
+              f"ring {ring} x ulysses {ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
               f"compile={args.compile}; {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+    positions = torch.arange(args.seq)
+    if cp_mesh is not None:
+        positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout=layout)
     losses = []
     for step, (tokens, target) in enumerate(batches(args.steps, args.batch, args.seq, args.seed)):
         start = time.perf_counter()
-        loss = model(tokens.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank])
+        tokens, target = tokens.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank]
+        if cp_mesh is not None:
+            tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, layout=layout) for t in (tokens, target))
+        loss = model(tokens, target, positions)
         loss.backward()
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
+        # Every dp x cp rank's loss is the mean over the same number of tokens.
         global_loss = loss.detach().clone()
-        dist.all_reduce(global_loss, group=dp_group)
-        global_loss /= dp
+        dist.all_reduce(global_loss, group=fsdp_group)
+        global_loss /= fsdp_mesh.size()
         losses.append(global_loss.item())
         elapsed = time.perf_counter() - start
         if rank == 0:

@@ -34,8 +34,13 @@ def largest_relative_difference(output: str) -> float:
         ("--steps", "4"),
         ("--steps", "3", "--tp", "4", "--no-sequence-parallel"),
         ("--steps", "2", "--compile"),
+        ("--steps", "3", "--dp", "1", "--cp", "2", "--cp-method", "ring"),
+        ("--steps", "3", "--dp", "1", "--cp", "2", "--cp-method", "ulysses"),
+        ("--steps", "3", "--tp", "1", "--cp", "4", "--cp-method", "hybrid", "--cp-ulysses", "2"),
+        ("--steps", "2", "--dp", "1", "--cp", "2", "--compile"),
     ],
-    ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled"],
+    ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled", "cp2-ring-tp2", "cp2-ulysses-tp2", "cp4-hybrid",
+         "cp2-ring-tp2-compiled"],
 )
 def test_matches_single_process(flags):
     output = run_main_job(*flags)

@@ -8,7 +8,6 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-import torch.nn.functional as F
 
 import torchdist_ext  # noqa: F401
 from torchdist_ext.ops import lse_merge_, ring_attention

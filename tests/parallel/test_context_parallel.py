@@ -107,3 +107,67 @@ def test_hybrid_attention_2x2_fp32(world4, causal, layout, heads):
 def test_bf16(world4, method):
     layout = "contiguous" if method == "ulysses" else "zigzag"
     assert all(world4.run(check_against_sdpa, method, True, layout, "gqa", torch.bfloat16))
+
+
+def causal_sdpa(q, k, v):
+    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+
+
+class AttentionBlock(torch.nn.Module):
+    """x + Wo attention(Wq x, Wk x, Wv x) with grouped-query heads; `attend` supplies the attention."""
+
+    def __init__(self, hidden=16, q_heads=4, kv_heads=2, attend=None):
+        super().__init__()
+        self.head_dim = hidden // q_heads
+        self.wq = torch.nn.Linear(hidden, q_heads * self.head_dim)
+        self.wk = torch.nn.Linear(hidden, kv_heads * self.head_dim)
+        self.wv = torch.nn.Linear(hidden, kv_heads * self.head_dim)
+        self.wo = torch.nn.Linear(q_heads * self.head_dim, hidden)
+        self.attend = attend or causal_sdpa
+
+    def forward(self, x):
+        q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
+        return x + self.wo(self.attend(q, k, v).transpose(1, 2).flatten(-2))
+
+
+def check_fsdp_dp2_cp2(method):
+    """dp=2 x cp=2: FSDP2 shards over the flattened dp x cp mesh, because the cp ranks hold the same
+    parameters and their gradients (from different tokens) must be summed too."""
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = cached_mesh((2, 2), ("dp", "cp"))
+    cp = mesh["cp"]
+    layout = "zigzag" if method == "ring" else "contiguous"
+    torch.manual_seed(0)
+    reference = torch.nn.Sequential(AttentionBlock(), AttentionBlock())
+    if method == "ring":
+        attend = lambda q, k, v: ring_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)  # noqa: E731
+    else:
+        attend = lambda q, k, v: ulysses_attention(q, k, v, sp_mesh=cp, causal=True)  # noqa: E731
+    torch.manual_seed(0)
+    parallel = torch.nn.Sequential(AttentionBlock(attend=attend), AttentionBlock(attend=attend))
+    parallel.load_state_dict(reference.state_dict())
+    dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    for block in parallel:
+        fully_shard(block, mesh=dp_cp)
+    fully_shard(parallel, mesh=dp_cp)
+
+    x = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(1))
+    expected = reference(x)
+    expected_loss = (expected.sin() * expected).mean()
+    expected_loss.backward()
+    x_local = shard_sequence(x.chunk(2)[mesh["dp"].get_local_rank()], cp_mesh=cp, dim=1, layout=layout)
+    y = parallel(x_local)
+    loss = (y.sin() * y).mean()
+    loss.backward()
+    global_loss = loss.detach().clone()
+    dist.all_reduce(global_loss)
+    assert_close_to_scale(global_loss / 4, expected_loss, what="loss")
+    for (name, p), ref in zip(parallel.named_parameters(), reference.parameters()):
+        assert_close_to_scale(p.grad.full_tensor(), ref.grad, what=f"{name} grad")
+    return True
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_fsdp_dp2_x_cp2_gradients_match_one_process(world4, method):
+    assert all(world4.run(check_fsdp_dp2_cp2, method))

@@ -6,8 +6,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
 from torchdist_ext.parallel.mesh_group import MeshGroup, check_divisible, distribute_parameter, sequence_dim
+from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
 
 __all__ = ["VocabParallelEmbedding"]
 

@@ -23,12 +23,6 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from torchdist_ext import ops
-from torchdist_ext.parallel.regions import (
-    copy_to_region,
-    gather_from_region,
-    reduce_from_region,
-    scatter_to_region,
-)
 from torchdist_ext.parallel.mesh_group import (
     MeshGroup,
     check_divisible,
@@ -36,6 +30,12 @@ from torchdist_ext.parallel.mesh_group import (
     check_floating_input,
     distribute_parameter,
     sequence_dim,
+)
+from torchdist_ext.parallel.regions import (
+    copy_to_region,
+    gather_from_region,
+    reduce_from_region,
+    scatter_to_region,
 )
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]

@@ -6,8 +6,8 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from torchdist_ext.parallel.regions import copy_to_region
 from torchdist_ext.parallel.mesh_group import MeshGroup, check_features, check_floating_input, distribute_parameter
+from torchdist_ext.parallel.regions import copy_to_region
 
 __all__ = ["RMSNorm"]
 

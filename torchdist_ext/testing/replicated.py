@@ -16,8 +16,8 @@ order flow through.
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchdist_ext.parallel.regions import gather_from_region, scatter_to_region
 from torchdist_ext.parallel.mesh_group import MeshGroup
+from torchdist_ext.parallel.regions import gather_from_region, scatter_to_region
 
 __all__ = ["shard_replicated", "gather_replicated"]
 
