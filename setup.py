@@ -7,6 +7,7 @@ never needed to build: the decision does not ask `torch.cuda.is_available()`.
 Sources are picked by folder:
   csrc/*.cpp, csrc/comm/*.cpp, csrc/ops/*.cpp, csrc/kernels/cpu/*.cpp   always
   csrc/ops/*_cuda.cpp, csrc/kernels/cuda/*.cu                           with CUDA
+  csrc/planner/*.cpp                                                    torchdist_ext._planner (torch-free)
 """
 
 import os
@@ -98,6 +99,20 @@ def extension():
     )
 
 
+def planner_extension():
+    """torchdist_ext._planner: the torch-free cost model (csrc/planner), bound with pybind11; no libtorch."""
+    import pybind11
+    from setuptools import Extension
+
+    return Extension(
+        "torchdist_ext._planner",
+        sources=files("csrc/planner", "*.cpp"),
+        include_dirs=[str(ROOT / "csrc"), pybind11.get_include()],
+        extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden", "-Wall"],
+        language="c++",
+    )
+
+
 setup(
     name="torchdist_ext",
     version="0.1.0",
@@ -105,6 +120,6 @@ setup(
     packages=find_packages(include=["torchdist_ext", "torchdist_ext.*"]),
     python_requires=">=3.10",
     install_requires=["torch>=2.11,<2.15", "numpy"],
-    ext_modules=[extension()],
+    ext_modules=[extension(), planner_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -1,0 +1,279 @@
+"""Context-parallel causal attention on CPU ranks: ring (contiguous, zigzag), Ulysses and hybrid
+against an all-gather-K/V baseline and single-process SDPA on the full sequence.
+
+    python benchmarks/bench_context_parallel.py [--worlds 2 4] [--seqs 4096 8192 16384] [--repeats 3]
+
+Shapes: batch 1, 8 query heads, 2 kv heads (GQA), head_dim 64, fp32; the total
+sequence is sharded over the ranks. Per case (the slowest rank's median):
+  fwd_ms, fwd_bwd_ms   attention forward, and forward + backward
+  spread               (max - min) / max over ranks of the attention compute alone (the same
+                       block plan without communication): how evenly causal work is split;
+                       zigzag should be near 0, contiguous near 1 - 1/N
+  peak_mb              peak resident memory above the rank's baseline during a forward + backward
+                       (sampled from /proc/self/statm); it should fall roughly as 1/N
+  hidden               for the ring, the share of its communication hidden behind compute:
+                       (compute + comm - fwd) / comm, with comm the same K/V exchanges alone
+Baselines: "allgather_kv" all-gathers K and V with torch.distributed and runs SDPA for the
+local queries against the full keys under the right causal mask; "single" is
+F.scaled_dot_product_attention on the full sequence in one process (rank 0 alone).
+"""
+
+import argparse
+import ctypes
+import json
+import os
+import statistics
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+import torchdist_ext  # noqa: E402,F401
+from torchdist_ext.parallel import (  # noqa: E402
+    hybrid_attention,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+)
+from torchdist_ext.parallel.sequence_sharding import zigzag_order  # noqa: E402
+from torchdist_ext.testing import cached_mesh, spawn_world  # noqa: E402
+
+Q_HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
+PAGE = os.sysconf("SC_PAGE_SIZE")
+
+
+class PeakResidentMemory:
+    """Samples this process's resident memory in a thread; ``peak_mb`` above the value at entry.
+
+    On entry the C allocator returns its free memory to the system (glibc ``malloc_trim``), so that
+    memory freed by earlier cases is not silently reused below the baseline.
+    """
+
+    def __enter__(self):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+        self.baseline = self.peak = self._rss()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._sample, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc):
+        self._stop.set()
+        self._thread.join()
+
+    @staticmethod
+    def _rss() -> int:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * PAGE
+
+    def _sample(self):
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self._rss())
+            time.sleep(0.0005)
+
+    @property
+    def peak_mb(self) -> float:
+        return (self.peak - self.baseline) / 2**20
+
+
+def median_seconds(fn, repeats: int) -> float:
+    fn()
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def chunk_positions(layout: str, n: int, rank: int, seq_local: int) -> list[tuple[int, int]]:
+    """(start, length) in the full sequence of each contiguous piece this rank holds."""
+    if layout == "contiguous":
+        return [(rank * seq_local, seq_local)]
+    half = seq_local // 2
+    order = zigzag_order(n)
+    return [(order[2 * rank] * half, half), (order[2 * rank + 1] * half, half)]
+
+
+def causal_mask_for(layout: str, n: int, rank: int, seq_local: int) -> torch.Tensor:
+    """Boolean [seq_local, n * seq_local] mask of which full-sequence keys this rank's queries may see."""
+    q_pos = torch.cat([torch.arange(s, s + length) for s, length in chunk_positions(layout, n, rank, seq_local)])
+    k_pos = torch.cat([
+        torch.cat([torch.arange(s, s + length) for s, length in chunk_positions(layout, n, r, seq_local)])
+        for r in range(n)
+    ])
+    return q_pos[:, None] >= k_pos[None, :]
+
+
+def allgather_kv_attention(q, k, v, mask):
+    """The plain baseline: all-gather K and V (torch.distributed), SDPA of local queries over all keys."""
+    group_size = dist.get_world_size()
+    gathered = []
+    for t in (k, v):
+        parts = [torch.empty_like(t) for _ in range(group_size)]
+        dist.all_gather(parts, t.contiguous())
+        gathered.append(torch.cat(parts, dim=2))
+    return F.scaled_dot_product_attention(q, *gathered, attn_mask=mask, enable_gqa=True)
+
+
+class _AllGatherKV(torch.autograd.Function):
+    """Gradient-carrying all-gather along the sequence (reduce-scatter backward) for the baseline."""
+
+    @staticmethod
+    def forward(ctx, t):
+        parts = [torch.empty_like(t) for _ in range(dist.get_world_size())]
+        dist.all_gather(parts, t.contiguous())
+        return torch.cat(parts, dim=2)
+
+    @staticmethod
+    def backward(ctx, grad):
+        out = torch.empty_like(grad.chunk(dist.get_world_size(), dim=2)[0])
+        dist.reduce_scatter(out, [c.contiguous() for c in grad.chunk(dist.get_world_size(), dim=2)])
+        return out
+
+
+def allgather_kv_autograd(q, k, v, mask):
+    return F.scaled_dot_product_attention(q, _AllGatherKV.apply(k), _AllGatherKV.apply(v), attn_mask=mask,
+                                          enable_gqa=True)
+
+
+def ring_compute_only(q, k, v, layout):
+    """The ring's causal block plan on local data: the attention work of this rank without communication."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    seq, half = q.shape[2], q.shape[2] // 2
+    for step in range(n):
+        source = (rank - step) % n
+        if source == rank:
+            F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        elif layout == "contiguous":
+            if source < rank:
+                F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
+        elif source < rank:
+            F.scaled_dot_product_attention(q, k[:, :, :half], v[:, :, :half], enable_gqa=True)
+        else:
+            F.scaled_dot_product_attention(q[:, :, half:], k, v, enable_gqa=True)
+    return seq
+
+
+def ring_comm_only(k, v):
+    """The ring's K/V exchanges alone."""
+    n, rank = dist.get_world_size(), dist.get_rank()
+    current = torch.stack([k, v])
+    for _ in range(n - 1):
+        incoming = torch.empty_like(current)
+        ops = [dist.P2POp(dist.isend, current, (rank + 1) % n), dist.P2POp(dist.irecv, incoming, (rank - 1) % n)]
+        for request in dist.batch_isend_irecv(ops):
+            request.wait()
+        current = incoming
+
+
+def run_case(seq_total: int, method: str, repeats: int) -> dict:
+    """Runs on every rank; this rank's measurements."""
+    torch.manual_seed(0)
+    n, rank = dist.get_world_size(), dist.get_rank()
+    full = [torch.randn(1, h, seq_total, HEAD_DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS)]
+    result = {}
+    if method == "single":
+        if rank == 0:
+            q, k, v = (t.clone().requires_grad_(True) for t in full)
+            def fwd():
+                return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        else:
+            def fwd():
+                return None
+    else:
+        layout = {"ring_contiguous": "contiguous", "ring_zigzag": "zigzag", "ulysses": "contiguous",
+                  "hybrid": "zigzag", "allgather_kv": "zigzag"}[method]
+        if method == "hybrid":
+            mesh = cached_mesh((n // 2, 2), ("ring", "ulysses"))
+            cp = (mesh["ulysses"], mesh["ring"])
+        else:
+            cp = cached_mesh((n,), ("cp",))
+        q, k, v = (shard_sequence(t, cp_mesh=cp, dim=2, layout=layout).detach().requires_grad_(True) for t in full)
+        if method.startswith("ring"):
+            def fwd():
+                return ring_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)
+        elif method == "ulysses":
+            def fwd():
+                return ulysses_attention(q, k, v, sp_mesh=cp, causal=True)
+        elif method == "hybrid":
+            def fwd():
+                return hybrid_attention(q, k, v, ulysses_mesh=cp[0], ring_mesh=cp[1], causal=True, layout=layout)
+        else:
+            mask = causal_mask_for(layout, n, rank, q.shape[2])
+            def fwd():
+                return allgather_kv_autograd(q, k, v, mask)
+        if method.startswith("ring"):
+            with torch.no_grad():
+                compute = median_seconds(lambda: ring_compute_only(q, k, v, layout), repeats)
+                comm = median_seconds(lambda: ring_comm_only(k, v), repeats)
+            result.update(compute_s=compute, comm_s=comm)
+
+    def fwd_bwd():
+        out = fwd()
+        if out is not None:
+            out.sum().backward()
+
+    with torch.no_grad():
+        result["fwd_s"] = median_seconds(fwd, repeats)
+    result["fwd_bwd_s"] = median_seconds(fwd_bwd, repeats)
+    with PeakResidentMemory() as memory:
+        fwd_bwd()
+    result["peak_mb"] = memory.peak_mb
+    return result
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
+    parser.add_argument("--repeats", type=int, default=3)
+    args = parser.parse_args()
+    rows = []
+    for world_size in args.worlds:
+        methods = ["ring_contiguous", "ring_zigzag", "ulysses", "allgather_kv", "single"]
+        if world_size >= 4:
+            methods.insert(3, "hybrid")
+        with spawn_world(world_size, timeout=3600.0) as world:
+            for seq in args.seqs:
+                for method in methods:
+                    per_rank = world.run(run_case, seq, method, args.repeats)
+                    ranks = per_rank if method != "single" else per_rank[:1]
+                    row = {
+                        "bench": "context_parallel_causal_attention", "world": world_size, "seq": seq,
+                        "method": method,
+                        "fwd_ms": round(max(r["fwd_s"] for r in ranks) * 1e3, 1),
+                        "fwd_bwd_ms": round(max(r["fwd_bwd_s"] for r in ranks) * 1e3, 1),
+                        "peak_mb": round(max(r["peak_mb"] for r in ranks), 1),
+                    }
+                    if "compute_s" in per_rank[0]:
+                        compute = [r["compute_s"] for r in per_rank]
+                        comm = max(r["comm_s"] for r in per_rank)
+                        row["spread"] = round((max(compute) - min(compute)) / max(compute), 3)
+                        hidden = (max(compute) + comm - row["fwd_ms"] / 1e3) / comm
+                        row["hidden"] = round(min(1.0, max(0.0, hidden)), 3)
+                    rows.append(row)
+                    print(json.dumps(row), flush=True)
+    print()
+    header = (f"{'world':>5} {'seq':>6} {'method':>16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs single':>9} "
+              f"{'vs allgather':>12} {'peak MB':>8} {'spread':>7} {'hidden':>7}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        same = {x["method"]: x for x in rows if x["world"] == r["world"] and x["seq"] == r["seq"]}
+        vs_single = r["fwd_bwd_ms"] / same["single"]["fwd_bwd_ms"]
+        vs_gather = r["fwd_bwd_ms"] / same["allgather_kv"]["fwd_bwd_ms"]
+        spread = f"{r['spread']:7.3f}" if "spread" in r else f"{'-':>7}"
+        hidden = f"{r['hidden']:7.3f}" if "hidden" in r else f"{'-':>7}"
+        print(f"{r['world']:>5} {r['seq']:>6} {r['method']:>16} {r['fwd_ms']:9.1f} {r['fwd_bwd_ms']:11.1f} "
+              f"{vs_single:9.3f} {vs_gather:12.3f} {r['peak_mb']:8.1f} {spread} {hidden}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,137 @@
+// torchdist_ext._planner: the torch-free cost model, bound with pybind11.
+// std::invalid_argument becomes ValueError.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include "planner/checks.h"
+#include "planner/estimate.h"
+#include "planner/memory.h"
+#include "planner/pipeline.h"
+#include "planner/search.h"
+#include "planner/specs.h"
+
+namespace py = pybind11;
+using namespace tdx::planner;
+
+PYBIND11_MODULE(_planner, m) {
+  m.doc() = "torchdist_ext's cost model (torch-free C++); use torchdist_ext.planner";
+
+  py::class_<ModelSpec>(m, "ModelSpec")
+      .def(py::init<>())
+      .def_readwrite("name", &ModelSpec::name)
+      .def_readwrite("num_layers", &ModelSpec::num_layers)
+      .def_readwrite("hidden", &ModelSpec::hidden)
+      .def_readwrite("num_heads", &ModelSpec::num_heads)
+      .def_readwrite("num_kv_heads", &ModelSpec::num_kv_heads)
+      .def_readwrite("ffn_hidden", &ModelSpec::ffn_hidden)
+      .def_readwrite("vocab_size", &ModelSpec::vocab_size)
+      .def_readwrite("num_experts", &ModelSpec::num_experts)
+      .def_readwrite("experts_per_token", &ModelSpec::experts_per_token)
+      .def_readwrite("moe_ffn_hidden", &ModelSpec::moe_ffn_hidden)
+      .def_readwrite("num_dense_layers", &ModelSpec::num_dense_layers)
+      .def_readwrite("num_shared_experts", &ModelSpec::num_shared_experts)
+      .def_readwrite("num_params_override", &ModelSpec::num_params_override)
+      .def("validate", &ModelSpec::validate);
+
+  py::class_<ParamCount>(m, "ParamCount")
+      .def_readonly("total", &ParamCount::total)
+      .def_readonly("active", &ParamCount::active)
+      .def_readonly("expert", &ParamCount::expert)
+      .def_readonly("per_layer_dense", &ParamCount::per_layer_dense)
+      .def_readonly("embedding", &ParamCount::embedding);
+  m.def("count_params", &count_params);
+
+  py::class_<GpuSpec>(m, "GpuSpec")
+      .def(py::init<>())
+      .def_readwrite("name", &GpuSpec::name)
+      .def_readwrite("memory_bytes", &GpuSpec::memory_bytes)
+      .def_readwrite("bf16_flops", &GpuSpec::bf16_flops)
+      .def_readwrite("nvlink_bytes_per_s", &GpuSpec::nvlink_bytes_per_s)
+      .def_readwrite("internode_bytes_per_s", &GpuSpec::internode_bytes_per_s);
+
+  py::class_<ClusterSpec>(m, "ClusterSpec")
+      .def(py::init<>())
+      .def_readwrite("groups", &ClusterSpec::groups)
+      .def_readwrite("gpus_per_domain", &ClusterSpec::gpus_per_domain)
+      .def("num_gpus", &ClusterSpec::num_gpus)
+      .def("validate", &ClusterSpec::validate);
+
+  py::class_<Layout>(m, "Layout")
+      .def(py::init<>())
+      .def_readwrite("tp", &Layout::tp)
+      .def_readwrite("pp", &Layout::pp)
+      .def_readwrite("dp", &Layout::dp)
+      .def_readwrite("cp", &Layout::cp)
+      .def_readwrite("ep", &Layout::ep)
+      .def_readwrite("zero_stage", &Layout::zero_stage)
+      .def_readwrite("sequence_parallel", &Layout::sequence_parallel)
+      .def_readwrite("recompute", &Layout::recompute)
+      .def_readwrite("micro_batch", &Layout::micro_batch)
+      .def_readwrite("num_microbatches", &Layout::num_microbatches)
+      .def_readwrite("schedule", &Layout::schedule)
+      .def_readwrite("virtual_stages", &Layout::virtual_stages)
+      .def_readwrite("seq_len", &Layout::seq_len)
+      .def_readwrite("precision", &Layout::precision)
+      .def_readwrite("fp8_amax_history", &Layout::fp8_amax_history)
+      .def_readwrite("fp8_grad_format", &Layout::fp8_grad_format)
+      .def_readwrite("fp8_attention", &Layout::fp8_attention)
+      .def("validate", &Layout::validate);
+
+  py::class_<ModelStateBytes>(m, "ModelStateBytes")
+      .def_readonly("params", &ModelStateBytes::params)
+      .def_readonly("grads", &ModelStateBytes::grads)
+      .def_readonly("optimizer", &ModelStateBytes::optimizer)
+      .def("total", &ModelStateBytes::total);
+  m.def("model_state_bytes", &model_state_bytes, py::arg("num_params"), py::arg("zero_stage"), py::arg("dp"),
+        py::arg("precision"));
+  m.def("activation_bytes_per_layer", &activation_bytes_per_layer, py::arg("seq_len"), py::arg("micro_batch"),
+        py::arg("hidden"), py::arg("num_heads"), py::arg("tp"), py::arg("sequence_parallel"), py::arg("recompute"));
+  m.def("in_flight_microbatches", &in_flight_microbatches);
+  m.def("bubble_fraction", &bubble_fraction, py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"),
+        py::arg("virtual_stages"));
+
+  py::class_<ScheduledPass>(m, "ScheduledPass")
+      .def_readonly("stage", &ScheduledPass::stage)
+      .def_readonly("kind", &ScheduledPass::kind)
+      .def_readonly("microbatch", &ScheduledPass::microbatch)
+      .def_readonly("start", &ScheduledPass::start)
+      .def_readonly("end", &ScheduledPass::end);
+  m.def("simulate_schedule", &simulate_schedule);
+  m.def("idle_fraction", &idle_fraction);
+
+  py::class_<AxisComm>(m, "AxisComm")
+      .def_readonly("bytes", &AxisComm::bytes)
+      .def_readonly("seconds", &AxisComm::seconds)
+      .def_readonly("exposed", &AxisComm::exposed)
+      .def_readonly("intra_domain", &AxisComm::intra_domain);
+  py::class_<Estimate>(m, "Estimate")
+      .def_readonly("params", &Estimate::params)
+      .def_readonly("grads", &Estimate::grads)
+      .def_readonly("optimizer", &Estimate::optimizer)
+      .def_readonly("activations", &Estimate::activations)
+      .def_readonly("buffers", &Estimate::buffers)
+      .def_readonly("gpu_memory", &Estimate::gpu_memory)
+      .def_readonly("params_per_gpu", &Estimate::params_per_gpu)
+      .def_readonly("tokens_per_step", &Estimate::tokens_per_step)
+      .def_readonly("model_flops_per_step", &Estimate::model_flops_per_step)
+      .def_readonly("compute_seconds", &Estimate::compute_seconds)
+      .def_readonly("bubble", &Estimate::bubble)
+      .def_readonly("comm", &Estimate::comm)
+      .def_readonly("step_seconds", &Estimate::step_seconds)
+      .def_readonly("mfu", &Estimate::mfu)
+      .def("total_memory", &Estimate::total_memory)
+      .def("fits", &Estimate::fits)
+      .def("tokens_per_second", &Estimate::tokens_per_second);
+  m.def("estimate", &estimate);
+  m.def("axis_intra_domain", &axis_intra_domain);
+  m.def("training_flops", &training_flops);
+  m.def("gpu_hours", &gpu_hours);
+
+  py::class_<Finding>(m, "Finding")
+      .def_readonly("code", &Finding::code)
+      .def_readonly("severity", &Finding::severity)
+      .def_readonly("message", &Finding::message);
+  m.def("check", &check);
+  m.def("search", &search);
+}

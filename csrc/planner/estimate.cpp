@@ -1,0 +1,177 @@
+#include "planner/estimate.h"
+
+#include <algorithm>
+#include <stdexcept>
+
+#include "planner/memory.h"
+#include "planner/pipeline.h"
+
+namespace tdx::planner {
+namespace {
+
+// Assumptions (each a single constant so that it is easy to find and change):
+// Large GEMMs and attention kernels reach this share of the dense peak.
+constexpr double kKernelEfficiency = 0.7;
+// NCCL ring collectives reach this share of the link bandwidth (the reference notes: 70-85%).
+constexpr double kLinkEfficiency = 0.8;
+// CUDA context, NCCL buffers and allocator fragmentation per GPU.
+constexpr double kFrameworkReserveBytes = 2.0 * (1ull << 30);
+// fp8 GEMMs run at twice the bf16 rate; attention and the rest stay in bf16.
+constexpr double kFp8GemmSpeedup = 2.0;
+
+double link_bandwidth(const ClusterSpec& cluster, bool intra) {
+  double slowest = 0;
+  for (const auto& [gpu, count] : cluster.groups) {
+    const double bw = intra ? gpu.nvlink_bytes_per_s : gpu.internode_bytes_per_s;
+    slowest = slowest == 0 ? bw : std::min(slowest, bw);
+  }
+  return slowest * kLinkEfficiency;
+}
+
+int64_t axis_size(const Layout& l, const std::string& axis) {
+  if (axis == "tp") return l.tp;
+  if (axis == "cp") return l.cp;
+  if (axis == "ep") return l.ep;
+  if (axis == "dp") return l.dp;
+  return l.pp;
+}
+
+}  // namespace
+
+bool axis_intra_domain(const Layout& layout, const ClusterSpec& cluster, const std::string& axis) {
+  // Groups of an axis are `size` ranks `stride` apart; with the domains being
+  // consecutive blocks of gpus_per_domain ranks, every group stays inside one
+  // domain exactly when its span divides the domain size.
+  const int64_t span = axis_size(layout, axis) * layout.stride(axis);
+  return span <= cluster.gpus_per_domain && cluster.gpus_per_domain % span == 0;
+}
+
+double training_flops(double num_params, double num_tokens) {
+  if (!(num_params > 0) || !(num_tokens > 0)) throw std::invalid_argument("num_params and num_tokens must be positive");
+  return 6.0 * num_params * num_tokens;
+}
+
+double gpu_hours(double flops, const ClusterSpec& cluster, double mfu) {
+  cluster.validate();
+  if (!(mfu > 0 && mfu <= 1)) throw std::invalid_argument("mfu must lie in (0, 1]");
+  if (!(flops > 0)) throw std::invalid_argument("flops must be positive");
+  return flops / (cluster.min_bf16_flops() * mfu) / 3600.0;
+}
+
+Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layout& l) {
+  l.validate_for(model, cluster);
+  const ParamCount params = count_params(model);
+  Estimate e;
+  const double t = static_cast<double>(l.tp), c = static_cast<double>(l.cp);
+  const double m = static_cast<double>(l.num_microbatches), b = static_cast<double>(l.micro_batch);
+  const double h = static_cast<double>(model.hidden), layers = static_cast<double>(model.num_layers);
+  const double s = static_cast<double>(l.seq_len), s_local = s / c;
+  // Stages get ceil(L / pp) layers at most (Llama 3 405B: 126 layers on 16 stages).
+  const double layers_per_stage = static_cast<double>((model.num_layers + l.pp - 1) / l.pp);
+
+  // Parameters on the fullest stage: its share of the layers (experts also split over ep) plus the
+  // last stage's LM head and final norm (with pp = 1 also the input embedding).
+  const double layer_params_total = params.total - params.embedding;
+  const double last_stage_extra = h * static_cast<double>(model.vocab_size) + h;
+  const double expert_per_stage = params.expert / layers * layers_per_stage / (t * static_cast<double>(l.ep));
+  const double dense_per_stage = (layer_params_total - params.expert) / layers * layers_per_stage / t +
+                                 (l.pp == 1 ? params.embedding : last_stage_extra) / t;
+  e.params_per_gpu = dense_per_stage + expert_per_stage;
+  // Dense parameters are data-parallel over dp x ep, expert parameters over dp.
+  const auto dense_states = model_state_bytes(dense_per_stage, l.zero_stage, l.dp * l.ep, l.precision);
+  ModelStateBytes expert_states;
+  if (expert_per_stage > 0) expert_states = model_state_bytes(expert_per_stage, l.zero_stage, l.dp, l.precision);
+  e.params = dense_states.params + expert_states.params;
+  e.grads = dense_states.grads + expert_states.grads;
+  e.optimizer = dense_states.optimizer + expert_states.optimizer;
+
+  // Activations: Korthikanti et al. per layer on the local sequence s / cp, times the stage's layers and
+  // the micro-batches in flight. The first stage is the fullest.
+  const double per_layer = activation_bytes_per_layer(s_local, b, h, static_cast<double>(model.num_heads), l.tp,
+                                                      l.sequence_parallel, l.recompute);
+  e.activations = per_layer * layers_per_stage *
+                  in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages);
+  // Buffers: the last stage's fp32 logits of one micro-batch (vocab split over tp), ZeRO-3's two
+  // prefetched unsharded layers in bf16, and the framework reserve.
+  const double logits = b * s_local * static_cast<double>(model.vocab_size) / t * 4;
+  const double layer_params_gpu = (layer_params_total / layers) / t;
+  e.buffers = logits + (l.zero_stage == 3 ? 2 * 2 * layer_params_gpu : 0) + kFrameworkReserveBytes;
+  e.gpu_memory = cluster.min_memory_bytes();
+
+  // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
+  // half of the score matrix, forward + backward). Recomputation adds forward work: selective the
+  // attention's forward (a third of its FLOPs), full the whole forward (a third of everything).
+  e.tokens_per_step = static_cast<double>(l.sequences_per_step()) * s;
+  const double gemm_flops = 6 * params.active * e.tokens_per_step;
+  const double attention_flops = 6 * layers * s * h * e.tokens_per_step;
+  e.model_flops_per_step = gemm_flops + attention_flops;
+  double recompute_gemm = 0, recompute_attention = 0;
+  if (l.recompute == "selective") recompute_attention = attention_flops / 3;
+  if (l.recompute == "full") {
+    recompute_gemm = gemm_flops / 3;
+    recompute_attention = attention_flops / 3;
+  }
+  const double gemm_speed = l.precision == "fp8-mixed" ? kFp8GemmSpeedup : 1.0;
+  const double gpus = static_cast<double>(l.world_size());
+  const double rate = cluster.min_bf16_flops() * kKernelEfficiency;
+  const double attention_seconds = (attention_flops + recompute_attention) / gpus / rate;
+  e.compute_seconds = (gemm_flops + recompute_gemm) / gemm_speed / gpus / rate + attention_seconds;
+  e.bubble = l.pp > 1 ? bubble_fraction(l.pp, l.num_microbatches, l.schedule, l.virtual_stages) : 0.0;
+
+  // Communication per GPU per step, ring algorithms: all-reduce 2(n-1)/n X, all-gather and
+  // reduce-scatter (n-1)/n X, all-to-all (n-1)/n X, point-to-point X.
+  auto add = [&](const std::string& axis, double bytes, double hidden_behind) {
+    AxisComm comm;
+    comm.intra_domain = axis_intra_domain(l, cluster, axis);
+    comm.bytes = bytes;
+    comm.seconds = bytes / link_bandwidth(cluster, comm.intra_domain);
+    comm.exposed = std::max(0.0, comm.seconds - hidden_behind);
+    e.comm[axis] = comm;
+  };
+  const double activation = b * s_local * h * 2;  // one micro-batch's [b, s/cp, h] in bf16
+  if (l.tp > 1) {
+    // Megatron: 2 all-reduces (or all-gather + reduce-scatter with SP) forward and 2 backward per
+    // layer, 2 more with full recomputation. On the critical path: not hidden.
+    const double per_layer_collectives = l.recompute == "full" ? 6 : 4;
+    add("tp", m * layers_per_stage * per_layer_collectives * 2 * (t - 1) / t * activation, 0.0);
+  }
+  if (l.cp > 1) {
+    // Ring attention: K/V of the local sequence go around cp - 1 times forward; backward sends them
+    // again plus the dK/dV accumulators (cp hops). Hidden behind the attention compute.
+    const double kv = 2 * b * s_local * static_cast<double>(model.num_kv_heads) / t * model.head_dim() * 2;
+    add("cp", m * layers_per_stage * kv * (3 * (c - 1) + 1), attention_seconds);
+  }
+  if (l.ep > 1) {
+    // MoE dispatch and combine, forward and backward: 4 all-to-alls of the routed tokens per MoE layer.
+    const double ep = static_cast<double>(l.ep);
+    const double moe_layers_per_stage = static_cast<double>(model.num_moe_layers()) / layers * layers_per_stage;
+    const double routed = activation * static_cast<double>(model.experts_per_token);
+    add("ep", m * moe_layers_per_stage * 4 * routed * (ep - 1) / ep, 0.0);
+  }
+  {
+    // Data parallelism over the gradients (bf16): ZeRO 0-2 all-reduce them once per step and overlap
+    // with the backward (two thirds of the compute); ZeRO-3 all-gathers the parameters forward and
+    // backward and reduce-scatters the gradients every micro-batch, overlapped with all the compute.
+    const double dense_dp = static_cast<double>(l.dp * l.ep), expert_dp = static_cast<double>(l.dp);
+    auto volume = [&](double n, double param_count) {
+      if (n <= 1) return 0.0;
+      const double share = (n - 1) / n * param_count * 2;
+      return l.zero_stage == 3 ? m * 3 * share : 2 * share;
+    };
+    const double bytes = volume(dense_dp, dense_per_stage) + volume(expert_dp, expert_per_stage);
+    if (bytes > 0) add("dp", bytes, l.zero_stage == 3 ? e.compute_seconds : e.compute_seconds * 2 / 3);
+  }
+  if (l.pp > 1) {
+    // Activations forward and their gradients backward at each stage boundary, per micro-batch and
+    // virtual stage; the sequence-parallel activation is split over tp.
+    const double boundary = l.sequence_parallel ? activation / t : activation;
+    add("pp", m * static_cast<double>(l.virtual_stages) * 2 * boundary, 0.0);
+  }
+  double exposed = 0;
+  for (const auto& [axis, comm] : e.comm) exposed += comm.exposed;
+  e.step_seconds = e.compute_seconds / (1.0 - e.bubble) + exposed;
+  e.mfu = e.model_flops_per_step / (e.step_seconds * gpus * cluster.min_bf16_flops());
+  return e;
+}
+
+}  // namespace tdx::planner

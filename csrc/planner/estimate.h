@@ -1,0 +1,48 @@
+#pragma once
+// Per-GPU memory, communication and step time of a layout. Every assumption
+// is written next to the formula that uses it (estimate.cpp).
+
+#include <map>
+#include <string>
+
+#include "planner/specs.h"
+
+namespace tdx::planner {
+
+struct AxisComm {
+  double bytes = 0;        // sent per GPU per step
+  double seconds = 0;      // at the axis's link bandwidth
+  double exposed = 0;      // part not hidden behind compute
+  bool intra_domain = true;
+};
+
+struct Estimate {
+  // memory, bytes per GPU (the fullest pipeline stage)
+  double params = 0, grads = 0, optimizer = 0, activations = 0, buffers = 0;
+  double total_memory() const { return params + grads + optimizer + activations + buffers; }
+  double gpu_memory = 0;  // the smallest GPU's
+  bool fits() const { return total_memory() <= gpu_memory; }
+
+  double params_per_gpu = 0;     // parameters held (before ZeRO sharding)
+  double tokens_per_step = 0;
+  double model_flops_per_step = 0;  // 6 N_active D + causal attention, without recomputation
+  double compute_seconds = 0;       // busy time of one GPU, with recomputation
+  double bubble = 0;                // idle fraction of the pipeline
+  std::map<std::string, AxisComm> comm;  // tp, cp, ep, dp, pp (axes of size > 1)
+  double step_seconds = 0;
+  double mfu = 0;
+  double tokens_per_second() const { return tokens_per_step / step_seconds; }
+};
+
+// Whether every group of `axis` lies inside one NVLink domain.
+bool axis_intra_domain(const Layout& layout, const ClusterSpec& cluster, const std::string& axis);
+
+Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layout& layout);
+
+// 6 N D (Kaplan et al. 2020; Hoffmann et al. 2022): forward 2ND, backward 4ND.
+double training_flops(double num_params, double num_tokens);
+
+// GPU-hours to run `flops` at `mfu` of the cluster's slowest GPU's dense bf16 peak.
+double gpu_hours(double flops, const ClusterSpec& cluster, double mfu);
+
+}  // namespace tdx::planner

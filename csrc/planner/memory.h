@@ -1,0 +1,35 @@
+#pragma once
+// Per-GPU memory: model states (ZeRO) and activations (Korthikanti et al. 2022).
+
+#include <string>
+
+namespace tdx::planner {
+
+// Bytes per GPU of the states of `num_params` parameters (already divided by
+// tensor / pipeline / expert parallelism) under ZeRO stage `zero_stage` over
+// `dp` data-parallel ranks (Rajbhandari et al. 2019, section 3):
+//   bf16-mixed  params 2 B (bf16), grads 2 B (bf16), optimizer 12 B (fp32 master + Adam m + v) = 16 B
+//   fp8-mixed   params 3 B (bf16 + a cached fp8 copy for the GEMMs), grads 2 B, optimizer 12 B = 17 B
+//   ZeRO-1 shards the optimizer over dp, ZeRO-2 also the grads, ZeRO-3 also the params.
+struct ModelStateBytes {
+  double params = 0, grads = 0, optimizer = 0;
+  double total() const { return params + grads + optimizer; }
+};
+ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, const std::string& precision);
+
+// Bytes of activations one transformer layer stores for the backward, per
+// micro-batch, with 16-bit activations (Korthikanti et al. 2022, Table 2;
+// s = seq_len, b = micro_batch, h = hidden, a = heads, t = tp):
+//   none       no TP: sbh (34 + 5as/h); TP: sbh (10 + 24/t + 5as/(ht)); TP + SP: sbh (34/t + 5as/(ht))
+//   selective  the same without the attention-score term 5as/h (softmax and dropout recomputed)
+//   full       only the layer input: 2sbh, or 2sbh/t with SP
+// The 34 counts dropout masks; with flash attention the score term is never stored.
+double activation_bytes_per_layer(double seq_len, double micro_batch, double hidden, double num_heads, long tp,
+                                  bool sequence_parallel, const std::string& recompute);
+
+// Micro-batches whose activations a pipeline stage holds at its peak.
+//   gpipe: all m;  1f1b, zb-h1, zb-v: min(p, m) (the first stage warms up p);
+//   interleaved with v virtual stages: min(m, p) * (1 + (p - 1) / (p v)) (Narayanan et al. 2021).
+double in_flight_microbatches(long pp, long num_microbatches, const std::string& schedule, long virtual_stages);
+
+}  // namespace tdx::planner

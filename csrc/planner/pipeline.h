@@ -1,0 +1,40 @@
+#pragma once
+// Pipeline schedules: the idle ("bubble") fraction of a step, and a simulated
+// timeline of one step for plotting and for checking the closed forms.
+
+#include <string>
+#include <vector>
+
+namespace tdx::planner {
+
+// Idle fraction of the pipeline's step time with p stages and m micro-batches,
+// assuming equal stages and T_F = T_B = T_W (forward, input-gradient and
+// weight-gradient passes of one micro-batch cost the same):
+//   gpipe, 1f1b   (p - 1) / (m + p - 1)              (Huang et al. 2018; Narayanan et al. 2019)
+//   interleaved   (p - 1) / (v m + p - 1)            (Narayanan et al. 2021: the bubble shrinks by v)
+//   zb-h1         (p - 1) / (3 m + p - 1)            (Qi et al. 2024: bubble (p-1)(T_F + T_B - T_W), a third of 1F1B's)
+//   zb-v          0 when m >= p, else as zb-h1       (Qi et al. 2024: bubble (p-1)(T_F + T_B - 2 T_W) = 0)
+double bubble_fraction(long pp, long num_microbatches, const std::string& schedule, long virtual_stages);
+
+// One pass of one micro-batch on one stage: 'F' forward, 'B' backward (input
+// gradient, and also the weight gradient in gpipe / 1f1b), 'W' weight gradient.
+struct ScheduledPass {
+  long stage;
+  char kind;
+  long microbatch;
+  double start;
+  double end;
+};
+
+// The step simulated pass by pass: a pass starts when its stage is free and
+// its inputs exist (F after the previous stage's F; B after the next stage's B
+// and its own F; W after its own B), stages choosing among ready passes by the
+// schedule's priorities (pipeline.cpp). T_F = T_B = T_W = 1 (B = 2 when it
+// includes W). Supported: gpipe, 1f1b, zb-h1; the simulated idle fraction
+// equals bubble_fraction for them, which the tests check.
+std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, const std::string& schedule);
+
+// Idle fraction of a simulated timeline: 1 - busy time / (stages x makespan).
+double idle_fraction(const std::vector<ScheduledPass>& timeline, long pp);
+
+}  // namespace tdx::planner

@@ -1,0 +1,194 @@
+#include "planner/specs.h"
+
+#include <algorithm>
+#include <sstream>
+#include <stdexcept>
+
+namespace tdx::planner {
+namespace {
+
+[[noreturn]] void invalid(const std::string& message) { throw std::invalid_argument(message); }
+
+template <typename T>
+std::string str(const T& value) {
+  std::ostringstream out;
+  out << value;
+  return out.str();
+}
+
+void require_positive(const char* field, double value) {
+  if (!(value > 0)) invalid(std::string(field) + " must be positive, got " + str(value));
+}
+
+void require_one_of(const char* field, const std::string& value, std::initializer_list<const char*> allowed) {
+  for (const char* option : allowed) {
+    if (value == option) return;
+  }
+  std::string options;
+  for (const char* option : allowed) options += std::string(options.empty() ? "" : ", ") + option;
+  invalid(std::string(field) + " must be one of " + options + ", got '" + value + "'");
+}
+
+}  // namespace
+
+void ModelSpec::validate() const {
+  require_positive("ModelSpec.num_layers", num_layers);
+  require_positive("ModelSpec.hidden", hidden);
+  require_positive("ModelSpec.num_heads", num_heads);
+  require_positive("ModelSpec.num_kv_heads", num_kv_heads);
+  require_positive("ModelSpec.vocab_size", vocab_size);
+  require_positive("ModelSpec.num_experts", num_experts);
+  require_positive("ModelSpec.experts_per_token", experts_per_token);
+  if (hidden % num_heads) {
+    invalid("ModelSpec.hidden=" + str(hidden) + " must be divisible by num_heads=" + str(num_heads));
+  }
+  if (num_heads % num_kv_heads) {
+    invalid("ModelSpec.num_heads=" + str(num_heads) + " must be divisible by num_kv_heads=" + str(num_kv_heads));
+  }
+  if (experts_per_token > num_experts) {
+    invalid("ModelSpec.experts_per_token=" + str(experts_per_token) + " must not exceed num_experts=" +
+            str(num_experts));
+  }
+  if (is_moe()) require_positive("ModelSpec.moe_ffn_hidden", moe_ffn_hidden);
+  if (!is_moe() || num_dense_layers > 0) require_positive("ModelSpec.ffn_hidden", ffn_hidden);
+  if (num_dense_layers < 0 || num_dense_layers > num_layers) {
+    invalid("ModelSpec.num_dense_layers=" + str(num_dense_layers) + " must lie in [0, num_layers=" +
+            str(num_layers) + "]");
+  }
+  if (num_shared_experts < 0) invalid("ModelSpec.num_shared_experts must be >= 0, got " + str(num_shared_experts));
+  if (num_params_override < 0) invalid("ModelSpec.num_params must be positive, got " + str(num_params_override));
+}
+
+ParamCount count_params(const ModelSpec& m) {
+  m.validate();
+  const double h = static_cast<double>(m.hidden);
+  const double kv_width = static_cast<double>(m.num_kv_heads) * m.head_dim();
+  ParamCount count;
+  // q and o are h x h; k and v are h x (kv_heads * head_dim); two RMSNorm weights.
+  count.per_layer_dense = 2 * h * h + 2 * h * kv_width + 2 * h;
+  const double dense_mlp = 3 * h * m.ffn_hidden;  // SwiGLU: gate, up, down
+  const double expert_mlp = 3 * h * m.moe_ffn_hidden;
+  const double router = h * m.num_experts;
+  const int64_t dense_layers = m.is_moe() ? m.num_dense_layers : m.num_layers;
+  const int64_t moe_layers = m.num_moe_layers();
+  count.embedding = 2 * h * m.vocab_size + h;  // input embedding, LM head, final norm
+  count.expert = moe_layers * m.num_experts * expert_mlp;
+  const double shared = moe_layers * (m.num_shared_experts * expert_mlp + router);
+  count.total = m.num_layers * count.per_layer_dense + dense_layers * dense_mlp + count.expert + shared +
+                count.embedding;
+  count.active = count.total - count.expert + moe_layers * m.experts_per_token * expert_mlp;
+  if (m.num_params_override > 0) {
+    const double scale = m.num_params_override / count.total;
+    count.total *= scale;
+    count.active *= scale;
+    count.expert *= scale;
+  }
+  return count;
+}
+
+void GpuSpec::validate() const {
+  require_positive(("GpuSpec(" + name + ").memory_bytes").c_str(), memory_bytes);
+  require_positive(("GpuSpec(" + name + ").bf16_flops").c_str(), bf16_flops);
+  require_positive(("GpuSpec(" + name + ").nvlink_bytes_per_s").c_str(), nvlink_bytes_per_s);
+  require_positive(("GpuSpec(" + name + ").internode_bytes_per_s").c_str(), internode_bytes_per_s);
+}
+
+int64_t ClusterSpec::num_gpus() const {
+  int64_t total = 0;
+  for (const auto& group : groups) total += group.second;
+  return total;
+}
+
+const GpuSpec& ClusterSpec::gpu_of_rank(int64_t rank) const {
+  for (const auto& group : groups) {
+    if (rank < group.second) return group.first;
+    rank -= group.second;
+  }
+  invalid("ClusterSpec: rank out of range");
+}
+
+double ClusterSpec::min_memory_bytes() const {
+  double least = groups.at(0).first.memory_bytes;
+  for (const auto& group : groups) least = std::min(least, group.first.memory_bytes);
+  return least;
+}
+
+double ClusterSpec::min_bf16_flops() const {
+  double least = groups.at(0).first.bf16_flops;
+  for (const auto& group : groups) least = std::min(least, group.first.bf16_flops);
+  return least;
+}
+
+bool ClusterSpec::mixed() const {
+  for (const auto& group : groups) {
+    if (group.first.name != groups.at(0).first.name) return true;
+  }
+  return false;
+}
+
+void ClusterSpec::validate() const {
+  if (groups.empty()) invalid("ClusterSpec needs at least one group of GPUs");
+  for (const auto& group : groups) {
+    group.first.validate();
+    require_positive("ClusterSpec GPU count", group.second);
+  }
+  require_positive("ClusterSpec.gpus_per_domain", gpus_per_domain);
+}
+
+int64_t Layout::stride(const std::string& axis) const {
+  const std::pair<const char*, int64_t> order[] = {{"tp", tp}, {"cp", cp}, {"ep", ep}, {"dp", dp}, {"pp", pp}};
+  int64_t stride = 1;
+  for (const auto& [name, size] : order) {
+    if (axis == name) return stride;
+    stride *= size;
+  }
+  invalid("Layout: unknown axis '" + axis + "'");
+}
+
+void Layout::validate() const {
+  require_positive("Layout.tp", tp);
+  require_positive("Layout.pp", pp);
+  require_positive("Layout.dp", dp);
+  require_positive("Layout.cp", cp);
+  require_positive("Layout.ep", ep);
+  require_positive("Layout.micro_batch", micro_batch);
+  require_positive("Layout.num_microbatches", num_microbatches);
+  require_positive("Layout.virtual_stages", virtual_stages);
+  require_positive("Layout.seq_len", seq_len);
+  require_positive("Layout.fp8_amax_history", fp8_amax_history);
+  if (zero_stage < 0 || zero_stage > 3) invalid("Layout.zero_stage must be 0, 1, 2 or 3, got " + str(zero_stage));
+  require_one_of("Layout.recompute", recompute, {"none", "selective", "full"});
+  require_one_of("Layout.schedule", schedule, {"1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"});
+  require_one_of("Layout.precision", precision, {"bf16-mixed", "fp8-mixed"});
+  require_one_of("Layout.fp8_grad_format", fp8_grad_format, {"e5m2", "e4m3"});
+  if (schedule != "interleaved" && virtual_stages != 1) {
+    invalid("Layout.virtual_stages=" + str(virtual_stages) + " needs schedule='interleaved', got '" + schedule + "'");
+  }
+}
+
+void Layout::validate_for(const ModelSpec& model, const ClusterSpec& cluster) const {
+  validate();
+  model.validate();
+  cluster.validate();
+  if (world_size() != cluster.num_gpus()) {
+    invalid("Layout: tp x pp x dp x cp x ep = " + str(tp) + " x " + str(pp) + " x " + str(dp) + " x " + str(cp) +
+            " x " + str(ep) + " = " + str(world_size()) + " must equal the cluster's " + str(cluster.num_gpus()) +
+            " GPUs");
+  }
+  if (model.num_heads % tp) {
+    invalid("Layout.tp=" + str(tp) + " must divide ModelSpec.num_heads=" + str(model.num_heads));
+  }
+  if (pp * virtual_stages > model.num_layers) {
+    invalid("Layout: pp x virtual_stages = " + str(pp * virtual_stages) + " must not exceed ModelSpec.num_layers=" +
+            str(model.num_layers));
+  }
+  if (model.num_experts % ep) {
+    invalid("Layout.ep=" + str(ep) + " must divide ModelSpec.num_experts=" + str(model.num_experts));
+  }
+  if (seq_len % cp) invalid("Layout.cp=" + str(cp) + " must divide Layout.seq_len=" + str(seq_len));
+  if (sequence_parallel && (seq_len / cp) % tp) {
+    invalid("Layout: with sequence_parallel, tp=" + str(tp) + " must divide seq_len / cp = " + str(seq_len / cp));
+  }
+}
+
+}  // namespace tdx::planner

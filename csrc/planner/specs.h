@@ -1,0 +1,98 @@
+#pragma once
+// The planner's inputs: a model, a cluster, a layout. Torch-free; every
+// figure is computed from these by the formulas in memory.h, pipeline.h and
+// estimate.h. Sizes are validated here: a bad value throws
+// std::invalid_argument naming the field, the value and the rule.
+
+#include <cstdint>
+#include <string>
+#include <utility>
+#include <vector>
+
+namespace tdx::planner {
+
+// A decoder-only transformer (Llama family; MoE optional).
+struct ModelSpec {
+  std::string name;
+  int64_t num_layers = 0;
+  int64_t hidden = 0;
+  int64_t num_heads = 0;
+  int64_t num_kv_heads = 0;       // = num_heads when not grouped
+  int64_t ffn_hidden = 0;         // dense SwiGLU width
+  int64_t vocab_size = 32000;
+  int64_t num_experts = 1;        // routed experts per MoE layer (1: dense)
+  int64_t experts_per_token = 1;  // top-k
+  int64_t moe_ffn_hidden = 0;     // expert SwiGLU width
+  int64_t num_dense_layers = 0;   // leading layers with a dense MLP in an MoE model (DeepSeek-V3: 3)
+  int64_t num_shared_experts = 0; // experts every token uses, besides the routed top-k
+  double num_params_override = 0; // published total, when the architecture is outside this formula
+
+  int64_t head_dim() const { return hidden / num_heads; }
+  bool is_moe() const { return num_experts > 1; }
+  int64_t num_moe_layers() const { return is_moe() ? num_layers - num_dense_layers : 0; }
+  void validate() const;
+};
+
+// Parameter counts of a ModelSpec (untied embeddings, SwiGLU MLPs, RMSNorm, biases-free).
+struct ParamCount {
+  double total = 0;        // every parameter
+  double active = 0;       // used per token (routed experts: top-k of them)
+  double expert = 0;       // in routed experts (sharded by expert parallelism)
+  double per_layer_dense = 0;  // attention + norms of one layer
+  double embedding = 0;    // input embedding + LM head
+};
+ParamCount count_params(const ModelSpec& model);
+
+struct GpuSpec {
+  std::string name;
+  double memory_bytes = 0;
+  double bf16_flops = 0;        // dense peak, FLOP/s
+  double nvlink_bytes_per_s = 0;     // per GPU, one direction, inside an NVLink domain
+  double internode_bytes_per_s = 0;  // per GPU, one direction, between domains
+  void validate() const;
+};
+
+// GPUs in NVLink domains (nodes, or NVL72 racks); ranks are numbered in
+// `groups` order, a group being `count` GPUs of one type.
+struct ClusterSpec {
+  std::vector<std::pair<GpuSpec, int64_t>> groups;
+  int64_t gpus_per_domain = 8;
+
+  int64_t num_gpus() const;
+  const GpuSpec& gpu_of_rank(int64_t rank) const;
+  double min_memory_bytes() const;
+  double min_bf16_flops() const;
+  bool mixed() const;
+  void validate() const;
+};
+
+// Parallel layout and training settings. Mesh order, innermost first:
+// tp, cp, ep, dp, pp (tp groups are consecutive ranks). Expert-parallel ranks
+// see different tokens: dense parameters are data-parallel over dp x ep and
+// expert parameters over dp. A step trains micro_batch x num_microbatches x
+// dp x ep sequences of seq_len tokens (context parallelism splits each sequence).
+struct Layout {
+  int64_t tp = 1, pp = 1, dp = 1, cp = 1, ep = 1;
+  int zero_stage = 0;
+  bool sequence_parallel = false;
+  std::string recompute = "none";  // none | selective | full
+  int64_t micro_batch = 1;
+  int64_t num_microbatches = 1;
+  std::string schedule = "1f1b";   // 1f1b | gpipe | interleaved | zb-h1 | zb-v
+  int64_t virtual_stages = 1;
+  int64_t seq_len = 4096;
+  std::string precision = "bf16-mixed";  // bf16-mixed | fp8-mixed
+  // fp8 recipe (with precision == "fp8-mixed")
+  int64_t fp8_amax_history = 1024;
+  std::string fp8_grad_format = "e5m2";  // e5m2 | e4m3
+  bool fp8_attention = false;            // fp8 around softmax (attention GEMMs in fp8)
+
+  int64_t world_size() const { return tp * pp * dp * cp * ep; }
+  int64_t sequences_per_step() const { return micro_batch * num_microbatches * dp * ep; }
+  // Stride of an axis in the mesh order: the product of the inner axes' sizes.
+  int64_t stride(const std::string& axis) const;
+  void validate() const;
+  void validate_for(const ModelSpec& model, const ClusterSpec& cluster) const;
+};
+
+}  // namespace tdx::planner

@@ -1,0 +1,175 @@
+// The planner's formulas against hand computations written out here, and the
+// figures of ../shared/reference (one of which is wrong: see BubbleOf8StagesAnd4MicroBatches).
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <stdexcept>
+
+#include "planner/checks.h"
+#include "planner/estimate.h"
+#include "planner/memory.h"
+#include "planner/pipeline.h"
+#include "planner/specs.h"
+
+using namespace tdx::planner;
+
+namespace {
+
+constexpr double kGiB = 1024.0 * 1024.0 * 1024.0;
+
+ModelSpec llama3_70b() {
+  ModelSpec m;
+  m.num_layers = 80, m.hidden = 8192, m.num_heads = 64, m.num_kv_heads = 8, m.ffn_hidden = 28672;
+  m.vocab_size = 128256;
+  return m;
+}
+
+GpuSpec h100() { return {"h100-80gb", 80 * kGiB, 989e12, 450e9, 50e9}; }
+GpuSpec a100() { return {"a100-80gb", 80 * kGiB, 312e12, 300e9, 25e9}; }
+
+ClusterSpec cluster_of(GpuSpec gpu, int64_t count) {
+  ClusterSpec c;
+  c.groups = {{gpu, count}};
+  return c;
+}
+
+}  // namespace
+
+TEST(ModelStates, SixteenBytesPerParameterWithMixedPrecisionAdam) {
+  // 2 (bf16 params) + 2 (bf16 grads) + 4 + 4 + 4 (fp32 master, Adam m, Adam v) = 16 bytes.
+  EXPECT_DOUBLE_EQ(model_state_bytes(70e9, 0, 1, "bf16-mixed").total(), 70e9 * 16);  // 1.12 TB, as in the notes
+  EXPECT_DOUBLE_EQ(model_state_bytes(13e9, 0, 1, "bf16-mixed").total(), 208e9);
+  // ZeRO-3 over 32 ranks: 1.12 TB / 32 = 35 GB per GPU.
+  EXPECT_DOUBLE_EQ(model_state_bytes(70e9, 3, 32, "bf16-mixed").total(), 35e9);
+}
+
+TEST(ModelStates, ZeroStagesReduceByFourEightAndDp) {
+  // Rajbhandari et al. 2019: stage 1 -> 4x, stage 2 -> 8x, stage 3 -> Nd x as Nd grows.
+  // (The reference notes say "ZeRO-1 up to 8x": that is stage 2's figure.)
+  const double dp = 1024, full = 16;
+  EXPECT_NEAR(full / (model_state_bytes(1, 1, dp, "bf16-mixed").total()), 4.0, 0.05);  // 16 / (4 + 12/Nd)
+  EXPECT_NEAR(full / (model_state_bytes(1, 2, dp, "bf16-mixed").total()), 8.0, 0.1);   // 16 / (2 + 14/Nd)
+  EXPECT_DOUBLE_EQ(full / (model_state_bytes(1, 3, 64, "bf16-mixed").total()), 64.0);
+  EXPECT_DOUBLE_EQ(model_state_bytes(1, 0, 1, "fp8-mixed").total(), 17.0);
+  EXPECT_THROW(model_state_bytes(1, 4, 1, "bf16-mixed"), std::invalid_argument);
+  EXPECT_THROW(model_state_bytes(1, 0, 1, "fp16"), std::invalid_argument);
+}
+
+TEST(Activations, KorthikantiTable2) {
+  // Llama-3 70B shapes: s = 4096, b = 1, h = 8192, a = 64; sbh = 33,554,432.
+  const double sbh = 4096.0 * 8192.0;
+  // No parallelism: sbh (34 + 5 a s / h) = sbh (34 + 160) = 6.51e9 bytes; x 80 layers = 520.8 GB (the notes' figures).
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, "none"), sbh * 194);
+  EXPECT_NEAR(80 * activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, "none") / 1e9, 520.8, 0.1);
+  // TP = 8 without SP: sbh (10 + 24/8 + 5*64*4096/(8192*8)) = sbh (13 + 20).
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, "none"), sbh * 33);
+  // TP + SP: sbh (34/8 + 20); selective recomputation drops the 20; full keeps 2 sbh / t.
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, "none"), sbh * 24.25);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, "selective"), sbh * 4.25);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, "full"), sbh * 2 / 8);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, "full"), sbh * 2);
+  EXPECT_THROW(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, "some"), std::invalid_argument);
+}
+
+TEST(Pipeline, BubbleOf8StagesAnd4MicroBatches) {
+  // (p - 1) / (m + p - 1) = 7 / 11 = 63.6%. The reference notes' "46%" is not this formula's value
+  // (nor (p-1)/m = 175%): it is the wrong figure there.
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 4, "1f1b", 1), 7.0 / 11.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, "1f1b", 1), 7.0 / 39.0);    // m = 4p: 17.9%
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, "interleaved", 2), 7.0 / 71.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, "zb-h1", 1), 7.0 / 103.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, "zb-v", 1), 0.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(1, 1, "gpipe", 1), 0.0);
+}
+
+TEST(Pipeline, SimulatedTimelinesHaveTheClosedFormBubble) {
+  for (long p : {2, 4, 8}) {
+    for (long m : {1, 3, 8, 16}) {
+      for (const char* schedule : {"gpipe", "1f1b", "zb-h1"}) {
+        const auto timeline = simulate_schedule(p, m, schedule);
+        ASSERT_EQ(timeline.size(), static_cast<size_t>(p * m * (std::string(schedule) == "zb-h1" ? 3 : 2)));
+        if (std::string(schedule) == "zb-h1" && m < p) continue;  // the closed form assumes m >= p
+        EXPECT_NEAR(idle_fraction(timeline, p), bubble_fraction(p, m, schedule, 1), 1e-12)
+            << schedule << " p=" << p << " m=" << m;
+      }
+    }
+  }
+}
+
+TEST(Pipeline, OneFOneBHoldsAtMostPMicroBatches) {
+  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, "1f1b", 1), 8);
+  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, "gpipe", 1), 32);
+  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 4, "1f1b", 1), 4);
+  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, "interleaved", 2), 8 * (1 + 7.0 / 16.0));
+}
+
+TEST(Compute, SixNDAndGpuHours) {
+  // Chinchilla-optimal 70B on 1.4T tokens: 6 x 70e9 x 1.4e12 = 5.88e23 FLOPs (as in the notes).
+  EXPECT_DOUBLE_EQ(training_flops(70e9, 1.4e12), 5.88e23);
+  // On H100s at the dense bf16 peak (989 TFLOP/s): 5.88e23 / 989e12 / 3600 = 165,150 GPU-hours,
+  // 412,900 at 40% MFU: not the "13 million hours" the reference notes give for one H100.
+  EXPECT_NEAR(gpu_hours(5.88e23, cluster_of(h100(), 1), 1.0), 5.88e23 / 989e12 / 3600, 1e-6);
+  EXPECT_NEAR(gpu_hours(5.88e23, cluster_of(h100(), 1), 0.4), 412875, 1);
+}
+
+TEST(Params, PublishedTotals) {
+  // Llama-3 70B per layer: q, o 8192^2 each; k, v 8192 x 1024 each; SwiGLU 3 x 8192 x 28672; 2 norms.
+  const double per_layer = 2 * 8192.0 * 8192 + 2 * 8192.0 * 1024 + 3 * 8192.0 * 28672 + 2 * 8192;
+  const double embeddings = 2 * 8192.0 * 128256 + 8192;
+  EXPECT_DOUBLE_EQ(count_params(llama3_70b()).total, 80 * per_layer + embeddings);
+  EXPECT_NEAR(count_params(llama3_70b()).total / 70.6e9, 1.0, 0.02);
+}
+
+TEST(Layout, AxesMustMultiplyToTheGpuCount) {
+  Layout l;
+  l.tp = 8, l.pp = 4;
+  try {
+    l.validate_for(llama3_70b(), cluster_of(h100(), 64));
+    FAIL() << "expected invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_NE(std::string(e.what()).find("must equal the cluster's 64 GPUs"), std::string::npos) << e.what();
+  }
+  l.tp = 3, l.pp = 1, l.dp = 1;
+  EXPECT_THROW(l.validate_for(llama3_70b(), cluster_of(h100(), 3)), std::invalid_argument);  // 64 heads % 3
+}
+
+TEST(Checks, TensorParallelismAcrossNodesIsAnError) {
+  Layout l;
+  l.tp = 16, l.dp = 2;
+  l.sequence_parallel = true;
+  const auto findings = check(llama3_70b(), cluster_of(h100(), 32), l);
+  ASSERT_EQ(findings.size(), 1u);
+  EXPECT_EQ(findings[0].code, "TDX001");
+  EXPECT_EQ(findings[0].severity, "error");
+  l.tp = 8, l.dp = 4;
+  EXPECT_TRUE(check(llama3_70b(), cluster_of(h100(), 32), l).empty());
+}
+
+TEST(Checks, MixedGpuTypesInsideATensorParallelGroup) {
+  ClusterSpec mixed;
+  mixed.groups = {{h100(), 12}, {a100(), 4}};  // the second node is half H100, half A100
+  Layout l;
+  l.tp = 8, l.dp = 2;
+  const auto findings = check(llama3_70b(), mixed, l);
+  ASSERT_EQ(findings.size(), 1u);
+  EXPECT_EQ(findings[0].code, "TDX006");
+  mixed.groups = {{h100(), 8}, {a100(), 8}};  // one type per node: only data parallelism mixes them
+  EXPECT_TRUE(check(llama3_70b(), mixed, l).empty());
+}
+
+TEST(Estimate, MemoryBreakdownOfZero3Tp8OnH100) {
+  // Llama-3 70B, TP = 8, ZeRO-3 over dp = 4, SP, selective recomputation, s = 4096, b = 1, m = 8.
+  Layout l;
+  l.tp = 8, l.dp = 4, l.zero_stage = 3, l.sequence_parallel = true, l.recompute = "selective";
+  l.num_microbatches = 8;
+  const Estimate e = estimate(llama3_70b(), cluster_of(h100(), 32), l);
+  const ParamCount params = count_params(llama3_70b());
+  const double per_gpu = params.total / 8;  // pp = 1: every layer and both embeddings, split over tp
+  EXPECT_NEAR(e.params_per_gpu, per_gpu, 1);
+  EXPECT_NEAR(e.params + e.grads + e.optimizer, per_gpu * 16 / 4, 1);
+  EXPECT_NEAR(e.activations, 80 * 4096.0 * 8192 * 34 / 8, 1);  // one micro-batch in flight without pp
+  EXPECT_TRUE(e.fits());
+  EXPECT_GT(e.mfu, 0.2);
+  EXPECT_LT(e.mfu, 0.7);
+}

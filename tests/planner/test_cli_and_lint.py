@@ -1,0 +1,130 @@
+"""The planner CLI (text, --json parsed back, --plot PNG) and the static lint of training scripts."""
+
+import json
+import subprocess
+import sys
+import textwrap
+
+import pytest
+
+from torchdist_ext.plan import main
+from torchdist_ext.planner import lint
+
+
+def run_cli(capsys, *argv):
+    assert main(list(argv)) in (0, 1)
+    return capsys.readouterr().out
+
+
+def test_estimate_text(capsys):
+    out = run_cli(capsys, "--model", "llama3-70b", "--gpus", "32", "--gpu", "h100-80gb", "--seq", "4096",
+                  "--global-batch", "32", "--tp", "8", "--zero", "3", "--sp")
+    assert "llama3-70b: 70.6B parameters" in out
+    assert "layout tp=8 dp=4 zero3 sp" in out
+    assert "fits" in out and "MFU" in out and "findings: none" in out
+
+
+def test_estimate_json_round_trip(capsys):
+    out = run_cli(capsys, "--model", "llama3-70b", "--gpus", "64", "--tp", "16", "--json")
+    document = json.loads(out)
+    assert document["mode"] == "estimate"
+    assert document["layout"]["tp"] == 16 and document["layout"]["dp"] == 4
+    assert [f["code"] for f in document["findings"]] == ["TDX001"]
+    assert document["estimate"]["memory"]["total"] > 0
+    assert document["estimate"]["comm"]["tp"]["placement"] == "inter-node"
+
+
+def test_search_json_and_table(capsys):
+    document = json.loads(run_cli(capsys, "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--json",
+                                  "--top", "5"))
+    assert document["mode"] == "search" and 1 <= len(document["results"]) <= 5
+    steps = [r["estimate"]["step_seconds"] for r in document["results"]]
+    assert steps == sorted(steps)
+    table = run_cli(capsys, "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--top", "3")
+    assert "fastest feasible layouts" in table and "tokens/s" in table
+
+
+def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys):
+    path = tmp_path / "plan.png"
+    run_cli(capsys, "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--global-batch", "64",
+            "--plot", str(path))
+    data = path.read_bytes()
+    assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
+    search_plot = tmp_path / "search.png"
+    run_cli(capsys, "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--plot", str(search_plot))
+    assert search_plot.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_module_entry_point_runs_as_a_program():
+    result = subprocess.run([sys.executable, "-m", "torchdist_ext.plan", "--model", "llama3-8b", "--gpus", "8",
+                             "--tp", "8", "--json"], capture_output=True, text=True, timeout=300)
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["layout"]["tp"] == 8
+
+
+def write(tmp_path, name, source):
+    path = tmp_path / name
+    path.write_text(textwrap.dedent(source))
+    return path
+
+
+CLEAN = """
+    import torch
+    from torch.distributed.fsdp import fully_shard
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    def train(model, dataset, optimizer, epochs, accumulation):
+        fully_shard(model)
+        sampler = DistributedSampler(dataset)
+        loader = DataLoader(dataset, sampler=sampler)
+        for epoch in range(epochs):
+            sampler.set_epoch(epoch)
+            for step, batch in enumerate(loader):
+                model.set_requires_gradient_sync((step + 1) % accumulation == 0)
+                model(batch).backward()
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                optimizer.step()
+"""
+
+
+def test_clean_script_has_no_findings(tmp_path):
+    assert lint(write(tmp_path, "clean.py", CLEAN)) == []
+
+
+@pytest.mark.parametrize(
+    "code, mistake, fix",
+    [
+        ("TDX003", "sampler.set_epoch(epoch)", "pass"),
+        ("TDX004", "model.set_requires_gradient_sync((step + 1) % accumulation == 0)",
+         "with model.no_sync():\n                    model(batch).backward()"),
+        ("TDX005", "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+         "torch.nn.utils.clip_grad_norm_([p.grad.to_local() for p in model.parameters()], 1.0)"),
+        ("TDX005", "torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)",
+         "norms = [p.grad.norm() for p in model.parameters()]"),
+    ],
+)
+def test_each_code_triggers_on_its_mistake(tmp_path, code, mistake, fix):
+    source = textwrap.dedent(CLEAN).replace(mistake, fix)
+    assert source != textwrap.dedent(CLEAN)
+    findings = lint(write(tmp_path, "train.py", source))
+    assert [f.code for f in findings] == [code]
+    assert findings[0].line > 0 and str(findings[0]).startswith(str(tmp_path / "train.py"))
+
+
+def test_unsharded_scripts_may_use_no_sync_and_local_norms(tmp_path):
+    source = textwrap.dedent(CLEAN).replace("fully_shard(model)", "model = DDP(model)").replace(
+        "from torch.distributed.fsdp import fully_shard",
+        "from torch.nn.parallel import DistributedDataParallel as DDP")
+    source = source.replace("model.set_requires_gradient_sync((step + 1) % accumulation == 0)",
+                            "with model.no_sync():\n                    pass")
+    assert lint(write(tmp_path, "ddp.py", source)) == []
+
+
+def test_lint_cli_and_bad_paths(tmp_path, capsys):
+    path = write(tmp_path, "train.py", textwrap.dedent(CLEAN).replace("sampler.set_epoch(epoch)", "pass"))
+    assert main(["lint", str(path), "--json"]) == 1
+    assert [f["code"] for f in json.loads(capsys.readouterr().out)] == ["TDX003"]
+    with pytest.raises(ValueError, match="is not a file"):
+        lint(tmp_path / "missing.py")
+    with pytest.raises(ValueError, match="is not valid Python"):
+        lint(write(tmp_path, "broken.py", "def ("))

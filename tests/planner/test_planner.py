@@ -1,0 +1,200 @@
+"""The planner's Python API against hand computations, published figures and published layouts.
+
+(The C++ formulas are also unit-tested in tests/cpp/test_planner.cpp.)
+"""
+
+import math
+
+import pytest
+
+from torchdist_ext.planner import (
+    ClusterSpec,
+    GpuSpec,
+    Layout,
+    ModelSpec,
+    activation_bytes_per_layer,
+    bubble_fraction,
+    check,
+    estimate,
+    gpu_hours,
+    model_state_bytes,
+    search,
+    simulate_schedule,
+    training_flops,
+)
+
+GiB = 2**30
+
+
+@pytest.mark.parametrize(
+    "name, total, active",
+    [
+        ("llama3-8b", 8.03e9, None),      # Llama 3 paper
+        ("llama3-70b", 70.6e9, None),
+        ("llama3.1-405b", 405e9, None),
+        ("mixtral-8x7b", 46.7e9, 12.9e9),  # Jiang et al. 2024
+        ("deepseek-v3", 671e9, 37e9),      # DeepSeek-AI 2024
+    ],
+)
+def test_presets_match_published_parameter_counts(name, total, active):
+    model = ModelSpec.preset(name)
+    assert model.num_params == pytest.approx(total, rel=0.02)
+    if active is not None:
+        # DeepSeek-V3's MLA attention is counted as plain attention: its active count is within 5%.
+        assert model.num_active_params == pytest.approx(active, rel=0.05)
+
+
+def test_llama3_8b_count_written_out():
+    h, kv, ffn, vocab, layers = 4096, 8 * 128, 14336, 128256, 32
+    per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
+    assert ModelSpec.preset("llama3-8b").num_params == layers * per_layer + 2 * h * vocab + h
+
+
+def test_model_states_and_the_reference_notes():
+    # 16 bytes per parameter: 70B -> 1.12 TB, 13B -> 208 GB; ZeRO-3 over 32 -> 35 GB per GPU.
+    assert model_state_bytes(70e9)["total"] == 1.12e12
+    assert model_state_bytes(13e9)["total"] == 208e9
+    assert model_state_bytes(70e9, zero_stage=3, dp=32)["total"] == 35e9
+    zero1 = model_state_bytes(1, zero_stage=1, dp=8)
+    assert zero1 == {"params": 2, "grads": 2, "optimizer": 12 / 8, "total": 4 + 12 / 8}
+
+
+def test_activation_and_bubble_closed_forms():
+    sbh = 4096 * 8192
+    assert activation_bytes_per_layer(4096, 1, 8192, 64) == sbh * (34 + 5 * 64 * 4096 / 8192)  # 6.51 GB
+    assert activation_bytes_per_layer(4096, 1, 8192, 64, tp=8, sequence_parallel=True,
+                                      recompute="selective") == sbh * 34 / 8
+    # p = 8, m = 4: 7/11 = 63.6% (the reference notes' 46% is wrong); m >= 4p: 7/39 = 17.9%.
+    assert bubble_fraction(8, 4) == pytest.approx(7 / 11)
+    assert bubble_fraction(8, 32) == pytest.approx(7 / 39)
+    assert bubble_fraction(8, 32, schedule="interleaved", virtual_stages=4) == pytest.approx(7 / 135)
+    passes = simulate_schedule(4, 8, "1f1b")
+    makespan = max(p["end"] for p in passes)
+    busy = sum(p["end"] - p["start"] for p in passes)
+    assert 1 - busy / (4 * makespan) == pytest.approx(bubble_fraction(4, 8))
+
+
+def test_flops_and_gpu_hours():
+    assert training_flops(70e9, 1.4e12) == 5.88e23  # Chinchilla 70B: as in the notes
+    hours = gpu_hours(5.88e23, ClusterSpec.preset("h100-80gb", 1), mfu=1.0)
+    assert hours == pytest.approx(5.88e23 / 989e12 / 3600)  # 165,150 GPU-hours, not "13 million"
+    assert gpu_hours(5.88e23, ClusterSpec.preset("h100-80gb", 1024), mfu=0.4) == pytest.approx(hours / 0.4)
+
+
+def mt_nlg_530b() -> ModelSpec:
+    # Smith et al. 2022: 105 layers, hidden 20480, 128 heads, GELU MLP 4h (8h^2 parameters, as SwiGLU
+    # of width 8h/3), vocabulary 51200.
+    return ModelSpec(105, 20480, 128, ffn_hidden=54613, vocab_size=51200, name="mt-nlg-530b")
+
+
+def test_published_layouts_are_feasible():
+    # MT-NLG 530B: 2240 A100 80GB, TP 8 x PP 35 x DP 8, sequence 2048, batch 1920, activation checkpointing.
+    mt_nlg = mt_nlg_530b()
+    assert mt_nlg.num_params == pytest.approx(530e9, rel=0.01)
+    layout = Layout(tp=8, pp=35, dp=8, zero_stage=1, sequence_parallel=False, recompute="full",
+                    micro_batch=1, num_microbatches=1920 // 8, seq_len=2048)
+    cluster = ClusterSpec.preset("a100-80gb", 2240)
+    e = estimate(mt_nlg, cluster, layout)
+    assert e.fits, e.memory
+    assert not [f for f in check(mt_nlg, cluster, layout) if f.severity == "error"]
+    assert 0.2 < e.mfu < 0.6  # the paper reports 126 TFLOP/s per A100, 40% of peak
+    # Llama 3.1 405B: 16,384 H100, TP 8 x PP 16 x DP 128, sequence 8192, 16 sequences per DP rank.
+    llama = ModelSpec.preset("llama3.1-405b")
+    layout = Layout(tp=8, pp=16, dp=128, zero_stage=1, sequence_parallel=True, recompute="full",
+                    micro_batch=1, num_microbatches=16, schedule="interleaved", virtual_stages=2, seq_len=8192)
+    cluster = ClusterSpec.preset("h100-80gb", 16384)
+    e = estimate(llama, cluster, layout)
+    assert e.fits, e.memory
+    findings = check(llama, cluster, layout)
+    assert [f.code for f in findings] == ["TDX002"]  # m = 16 < 4p = 64: a warning, not an error
+    assert 0.2 < e.mfu < 0.6  # the paper reports 38-43% MFU
+
+
+def test_estimate_breakdown_is_consistent():
+    model, cluster = ModelSpec.preset("llama3-70b"), ClusterSpec.preset("h100-80gb", 32)
+    layout = Layout(tp=8, dp=4, zero_stage=3, sequence_parallel=True, recompute="selective", num_microbatches=8)
+    e = estimate(model, cluster, layout)
+    parts = ("params", "grads", "optimizer", "activations", "buffers")
+    assert e.memory["total"] == pytest.approx(sum(e.memory[p] for p in parts))
+    assert e.params_per_gpu == pytest.approx(model.num_params / 8)
+    assert e.memory["params"] + e.memory["grads"] + e.memory["optimizer"] == pytest.approx(
+        model.num_params / 8 * 16 / 4)
+    assert e.tokens_per_step == 4 * 8 * 4096
+    assert set(e.comm) == {"tp", "dp"}
+    assert e.comm["tp"]["placement"] == "intra-domain" and e.comm["dp"]["placement"] == "inter-node"
+    assert e.step_seconds >= e.compute_seconds
+    assert e.tokens_per_second == pytest.approx(e.tokens_per_step / e.step_seconds)
+
+
+def test_every_layout_finding_triggers_and_stays_silent_when_clean():
+    model, cluster = ModelSpec.preset("llama3-70b"), ClusterSpec.preset("h100-80gb", 64)
+    clean = Layout(tp=8, pp=2, dp=4, zero_stage=1, sequence_parallel=True, num_microbatches=8)
+    assert check(model, cluster, clean) == []
+    cases = {
+        "TDX001": Layout(tp=16, pp=1, dp=4, sequence_parallel=True),
+        "TDX002": Layout(tp=8, pp=8, dp=1, num_microbatches=4),
+        "TDX007": Layout(tp=8, pp=2, dp=4, num_microbatches=8, precision="fp8-mixed", fp8_amax_history=1),
+    }
+    for code, layout in cases.items():
+        assert [f.code for f in check(model, cluster, layout)] == [code]
+    fp8 = Layout(tp=8, pp=2, dp=4, num_microbatches=8, precision="fp8-mixed", fp8_grad_format="e4m3",
+                 fp8_attention=True)
+    assert [f.code for f in check(model, cluster, fp8)] == ["TDX007", "TDX007"]
+    assert check(model, cluster, Layout(tp=8, pp=2, dp=4, num_microbatches=8, precision="fp8-mixed")) == []
+    h100, a100 = ClusterSpec.preset("h100-80gb", 1).groups[0][0], ClusterSpec.preset("a100-80gb", 1).groups[0][0]
+    mixed = ClusterSpec(((h100, 60), (a100, 4)))  # the last node half A100: in a tp group and in pp groups
+    findings = check(model, mixed, clean)
+    assert [f.code for f in findings] == ["TDX006", "TDX006"]
+    assert "a tp group" in findings[0].message and "a pp group" in findings[1].message
+    assert check(model, ClusterSpec(((h100, 56), (a100, 8))), Layout(tp=8, dp=8)) == []
+
+
+def test_search_returns_feasible_layouts_fastest_first():
+    model, cluster = ModelSpec.preset("llama3-70b"), ClusterSpec.preset("h100-80gb", 32)
+    results = search(model, cluster, seq_len=4096, global_batch=32, top=10)
+    assert 1 <= len(results) <= 10
+    times = [e.step_seconds for _, e in results]
+    assert times == sorted(times)
+    for layout, e in results:
+        assert layout.num_gpus == 32 and e.fits
+        assert layout.num_microbatches * layout.micro_batch * layout.dp * layout.ep == 32
+        assert not [f for f in check(model, cluster, layout) if f.severity == "error"]
+        assert layout.tp <= 8
+
+
+def test_mixtral_with_expert_parallelism():
+    model, cluster = ModelSpec.preset("mixtral-8x7b"), ClusterSpec.preset("h100-80gb", 64)
+    e = estimate(model, cluster, Layout(tp=2, ep=8, dp=4, zero_stage=1, sequence_parallel=True,
+                                        recompute="selective", num_microbatches=4))
+    assert e.fits and "ep" in e.comm
+    # Each GPU holds 1/8 of the experts: fewer parameters than the dense-equivalent split.
+    assert e.params_per_gpu < model.num_params / 2 / 4
+
+
+@pytest.mark.parametrize(
+    "make, message",
+    [
+        (lambda: ModelSpec(0, 4096, 32), "ModelSpec.num_layers must be positive, got 0"),
+        (lambda: ModelSpec(32, -1, 32), "ModelSpec.hidden must be positive"),
+        (lambda: ModelSpec(32, 4096, 30), "hidden=4096 must be divisible by num_heads=30"),
+        (lambda: Layout(tp=0), "Layout.tp must be positive, got 0"),
+        (lambda: Layout(recompute="some"), "Layout.recompute must be one of none, selective, full"),
+        (lambda: estimate(ModelSpec.preset("llama3-8b"), ClusterSpec.preset("h100-80gb", 16), Layout(tp=8, dp=4)),
+         r"tp x pp x dp x cp x ep = 8 x 1 x 4 x 1 x 1 = 32 must equal the cluster's 16 GPUs"),
+        (lambda: estimate(ModelSpec.preset("llama3-8b"), ClusterSpec.preset("h100-80gb", 3), Layout(tp=3)),
+         "Layout.tp=3 must divide ModelSpec.num_heads=32"),
+        (lambda: ModelSpec.preset("gpt-5"), "unknown model preset 'gpt-5'"),
+        (lambda: ClusterSpec.preset("tpu-v5", 8), "unknown GPU preset 'tpu-v5'"),
+        (lambda: ClusterSpec.preset("h100-80gb", 0), "GPU count must be positive"),
+        (lambda: ClusterSpec(((GpuSpec("x", 0, 1, 1, 1), 8),)).to_cpp(), r"GpuSpec\(x\).memory_bytes must be positive"),
+    ],
+)
+def test_bad_input_names_the_field(make, message):
+    with pytest.raises(ValueError, match=message):
+        make()
+
+
+def test_layout_rejects_non_integers():
+    with pytest.raises(TypeError, match="Layout.tp must be an int"):
+        Layout(tp=2.5)
+    assert math.isclose(Layout(tp=2, dp=2).num_gpus, 4)

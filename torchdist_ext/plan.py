@@ -1,0 +1,175 @@
+"""The planner's command line.
+
+    python -m torchdist_ext.plan --model llama3-70b --gpus 32 --gpu h100-80gb --seq 4096 --global-batch 32 \\
+        [--tp 8 --pp 1 --cp 1 --ep 1 --zero 3 --sp --recompute selective ...] [--json] [--plot FILE.png]
+    python -m torchdist_ext.plan lint train.py [--json]
+
+With any of --tp/--pp/--dp/--cp/--ep the layout is complete (unset axes are 1,
+dp takes the remaining GPUs) and the estimate and its findings are printed;
+without them the layout search prints its table. --json prints one JSON
+document instead; --plot writes the per-GPU memory of the layout(s) and, for a
+pipeline, the schedule's timeline.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from torchdist_ext.planner import (
+    GPU_PRESETS,
+    MODEL_PRESETS,
+    ClusterSpec,
+    Layout,
+    ModelSpec,
+    check,
+    estimate,
+    lint,
+    search,
+    simulate_schedule,
+)
+from torchdist_ext.planner.plot import plot_plan
+
+_TIMELINE_SCHEDULES = {"gpipe", "1f1b", "zb-h1"}
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m torchdist_ext.plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True, choices=sorted(MODEL_PRESETS))
+    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpu", default="h100-80gb", choices=sorted(GPU_PRESETS))
+    parser.add_argument("--seq", type=int, default=4096, help="sequence length (tokens)")
+    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 4 x dp)")
+    for axis in ("tp", "pp", "dp", "cp", "ep"):
+        parser.add_argument(f"--{axis}", type=int, default=None)
+    parser.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
+    parser.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
+    parser.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
+    parser.add_argument("--micro-batch", type=int, default=1)
+    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"])
+    parser.add_argument("--virtual-stages", type=int, default=1)
+    parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp8-mixed"])
+    parser.add_argument("--top", type=int, default=10, help="rows of the search table")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of text")
+    parser.add_argument("--plot", metavar="FILE.png", help="write the memory breakdown (and pipeline timeline)")
+    return parser
+
+
+def _layout(args, gpus: int) -> Layout:
+    sizes = {axis: getattr(args, axis) or 1 for axis in ("tp", "pp", "cp", "ep")}
+    others = sizes["tp"] * sizes["pp"] * sizes["cp"] * sizes["ep"]
+    dp = args.dp if args.dp is not None else max(1, gpus // others)
+    global_batch = args.global_batch or 4 * dp * sizes["ep"] * args.micro_batch
+    per_step = dp * sizes["ep"] * args.micro_batch
+    if global_batch % per_step:
+        raise ValueError(f"--global-batch {global_batch} must be divisible by dp x ep x micro-batch = {per_step}")
+    return Layout(**sizes, dp=dp, zero_stage=args.zero, sequence_parallel=args.sp, recompute=args.recompute,
+                  micro_batch=args.micro_batch, num_microbatches=global_batch // per_step, schedule=args.schedule,
+                  virtual_stages=args.virtual_stages, seq_len=args.seq, precision=args.precision)
+
+
+def _describe(layout: Layout) -> str:
+    parts = [f"{axis}={getattr(layout, axis)}" for axis in ("tp", "pp", "dp", "cp", "ep") if getattr(layout, axis) > 1]
+    parts.append(f"zero{layout.zero_stage}")
+    if layout.sequence_parallel:
+        parts.append("sp")
+    parts.append(f"rc={layout.recompute}")
+    parts.append(f"mb={layout.micro_batch}x{layout.num_microbatches}")
+    if layout.pp > 1:
+        parts.append(layout.schedule + (f"(v={layout.virtual_stages})" if layout.virtual_stages > 1 else ""))
+    return " ".join(parts) if parts else "single GPU"
+
+
+def _gib(value: float) -> str:
+    return f"{value / 2**30:7.1f} GiB"
+
+
+def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
+    print(f"{model.name}: {model.num_params / 1e9:.1f}B parameters ({model.num_active_params / 1e9:.1f}B active); "
+          f"layout {_describe(layout)} on {layout.num_gpus} GPUs")
+    print("memory per GPU (fullest stage):")
+    for part in ("params", "grads", "optimizer", "activations", "buffers", "total"):
+        print(f"  {part:<12} {_gib(e.memory[part])}")
+    print(f"  {'GPU':<12} {_gib(e.gpu_memory)}   {'fits' if e.fits else 'DOES NOT FIT'}")
+    print(f"step: {e.tokens_per_step:,.0f} tokens, {e.flops_per_step:.3e} model FLOPs; compute "
+          f"{e.compute_seconds:.3f} s, bubble {100 * e.bubble:.1f}%, step {e.step_seconds:.3f} s, "
+          f"MFU {100 * e.mfu:.1f}%, {e.tokens_per_second:,.0f} tokens/s")
+    if e.comm:
+        print("communication per GPU per step:")
+        for axis, c in e.comm.items():
+            print(f"  {axis:<3} {c['bytes'] / 2**30:9.2f} GiB  {c['seconds']:8.3f} s  "
+                  f"exposed {c['exposed_seconds']:8.3f} s  {c['placement']}")
+    print("findings:" if findings else "findings: none")
+    for f in findings:
+        print(f"  {f}")
+
+
+def _plot(path: str, entries, pp_layout: Layout | None) -> None:
+    timeline, title = None, ""
+    if pp_layout is not None and pp_layout.pp > 1:
+        schedule = pp_layout.schedule if pp_layout.schedule in _TIMELINE_SCHEDULES else "1f1b"
+        timeline = simulate_schedule(pp_layout.pp, pp_layout.num_microbatches, schedule)
+        title = f"{schedule} timeline: {pp_layout.pp} stages, {pp_layout.num_microbatches} micro-batches"
+        if schedule != pp_layout.schedule:
+            title += f" (drawn as 1f1b; {pp_layout.schedule} is not simulated)"
+    plot_plan(path, entries, timeline, title)
+
+
+def _lint_main(argv: list[str]) -> int:
+    parser = argparse.ArgumentParser(prog="python -m torchdist_ext.plan lint")
+    parser.add_argument("paths", nargs="+")
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    findings = [f for path in args.paths for f in lint(path)]
+    if args.json:
+        print(json.dumps([f.__dict__ for f in findings], indent=2))
+    else:
+        for f in findings:
+            print(f)
+        print(f"{len(findings)} finding(s)")
+    return 1 if findings else 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv and argv[0] == "lint":
+        return _lint_main(argv[1:])
+    args = _parser().parse_args(argv)
+    model = ModelSpec.preset(args.model)
+    cluster = ClusterSpec.preset(args.gpu, args.gpus)
+    if any(getattr(args, axis) is not None for axis in ("tp", "pp", "dp", "cp", "ep")):
+        layout = _layout(args, args.gpus)
+        e, findings = estimate(model, cluster, layout), check(model, cluster, layout)
+        if args.json:
+            print(json.dumps({"mode": "estimate", "model": model.name, "gpus": args.gpus, "gpu": args.gpu,
+                              "layout": layout.__dict__, "estimate": e.to_dict(),
+                              "findings": [f.__dict__ for f in findings]}, indent=2))
+        else:
+            _print_estimate(model, layout, e, findings)
+        if args.plot:
+            _plot(args.plot, [(_describe(layout), e)], layout)
+        return 0
+    global_batch = args.global_batch or 4 * args.gpus
+    results = search(model, cluster, seq_len=args.seq, global_batch=global_batch, top=args.top)
+    if args.json:
+        print(json.dumps({"mode": "search", "model": model.name, "gpus": args.gpus, "gpu": args.gpu,
+                          "results": [{"layout": layout.__dict__, "estimate": e.to_dict()} for layout, e in results]},
+                         indent=2))
+    else:
+        print(f"{model.name} on {args.gpus} x {args.gpu}, seq {args.seq}, global batch {global_batch}: "
+              f"{len(results)} fastest feasible layouts")
+        print(f"{'#':>3} {'layout':<58} {'memory':>11} {'step s':>8} {'MFU':>6} {'tokens/s':>12}")
+        for rank, (layout, e) in enumerate(results, 1):
+            print(f"{rank:>3} {_describe(layout):<58} {_gib(e.memory['total'])} {e.step_seconds:8.3f} "
+                  f"{100 * e.mfu:5.1f}% {e.tokens_per_second:12,.0f}")
+        if not results:
+            print("no layout fits: more GPUs, a longer pipeline or full recomputation may")
+    if args.plot and results:
+        _plot(args.plot, [(_describe(layout), e) for layout, e in results[:6]],
+              next((layout for layout, _ in results if layout.pp > 1), None))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,54 @@
+"""The planner's closed forms (csrc/planner/{memory,pipeline,estimate}.h), with keyword arguments."""
+
+from __future__ import annotations
+
+from torchdist_ext import _planner
+from torchdist_ext.planner.specs import ClusterSpec
+
+__all__ = [
+    "activation_bytes_per_layer",
+    "bubble_fraction",
+    "gpu_hours",
+    "model_state_bytes",
+    "simulate_schedule",
+    "training_flops",
+]
+
+
+def model_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,
+                      precision: str = "bf16-mixed") -> dict[str, float]:
+    """Bytes per GPU of parameters, gradients and optimizer states (keys params, grads, optimizer, total).
+
+    bf16-mixed Adam: 2 + 2 + 12 = 16 bytes per parameter; fp8-mixed 17 (a cached fp8 weight copy).
+    ZeRO-1 shards the optimizer over ``dp``, ZeRO-2 also the gradients, ZeRO-3 also the parameters.
+    """
+    states = _planner.model_state_bytes(float(num_params), zero_stage, dp, precision)
+    return {"params": states.params, "grads": states.grads, "optimizer": states.optimizer, "total": states.total()}
+
+
+def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, num_heads: int, *, tp: int = 1,
+                               sequence_parallel: bool = False, recompute: str = "none") -> float:
+    """Activation bytes one layer stores per micro-batch (Korthikanti et al. 2022, Table 2, 16-bit)."""
+    return _planner.activation_bytes_per_layer(seq_len, micro_batch, hidden, num_heads, tp, sequence_parallel,
+                                               recompute)
+
+
+def bubble_fraction(pp: int, num_microbatches: int, *, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
+    """Idle fraction of a pipeline step: (p-1)/(m+p-1) for 1F1B and GPipe, less for interleaved and zero-bubble."""
+    return _planner.bubble_fraction(pp, num_microbatches, schedule, virtual_stages)
+
+
+def training_flops(num_params: float, num_tokens: float) -> float:
+    """6 N D: forward 2ND, backward 4ND."""
+    return _planner.training_flops(float(num_params), float(num_tokens))
+
+
+def gpu_hours(flops: float, cluster: ClusterSpec, *, mfu: float) -> float:
+    """GPU-hours to run ``flops`` at ``mfu`` of the (slowest) GPU's dense bf16 peak."""
+    return _planner.gpu_hours(float(flops), cluster.to_cpp(), float(mfu))
+
+
+def simulate_schedule(pp: int, num_microbatches: int, schedule: str = "1f1b") -> list[dict]:
+    """One simulated step pass by pass (stage, kind F/B/W, micro-batch, start, end), for gpipe, 1f1b, zb-h1."""
+    return [{"stage": p.stage, "kind": p.kind, "microbatch": p.microbatch, "start": p.start, "end": p.end}
+            for p in _planner.simulate_schedule(pp, num_microbatches, schedule)]

@@ -1,0 +1,212 @@
+"""Model, cluster and layout descriptions of the planner, with presets.
+
+Thin Python faces of the C++ structs in ``csrc/planner/specs.h`` (validation
+and every formula live there). Bad values raise ``ValueError`` naming the field.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+from torchdist_ext import _planner
+
+__all__ = ["ModelSpec", "GpuSpec", "ClusterSpec", "Layout", "MODEL_PRESETS", "GPU_PRESETS"]
+
+GiB = 2**30
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """A decoder-only transformer: Llama-style (GQA, SwiGLU, untied embeddings), MoE optional.
+
+    ``num_params`` is computed from the shapes unless given. Beyond the basic
+    shape, ``num_dense_layers`` (leading layers with a dense MLP in an MoE model)
+    and ``num_shared_experts`` (experts every token uses) describe DeepSeek-style MoE.
+    """
+
+    num_layers: int
+    hidden: int
+    num_heads: int
+    num_kv_heads: int | None = None
+    ffn_hidden: int | None = None
+    vocab_size: int = 32000
+    num_experts: int = 1
+    experts_per_token: int = 1
+    moe_ffn_hidden: int | None = None
+    num_params_given: float | None = field(default=None, repr=False)
+    num_dense_layers: int = 0
+    num_shared_experts: int = 0
+    name: str = "custom"
+
+    def __init__(self, num_layers: int, hidden: int, num_heads: int, *, num_kv_heads: int | None = None,
+                 ffn_hidden: int | None = None, vocab_size: int = 32000, num_experts: int = 1,
+                 experts_per_token: int = 1, moe_ffn_hidden: int | None = None, num_params: float | None = None,
+                 num_dense_layers: int = 0, num_shared_experts: int = 0, name: str = "custom"):
+        values = dict(num_layers=num_layers, hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
+                      ffn_hidden=ffn_hidden, vocab_size=vocab_size, num_experts=num_experts,
+                      experts_per_token=experts_per_token, moe_ffn_hidden=moe_ffn_hidden,
+                      num_params_given=num_params, num_dense_layers=num_dense_layers,
+                      num_shared_experts=num_shared_experts, name=name)
+        for key, value in values.items():
+            object.__setattr__(self, key, value)
+        self.to_cpp().validate()
+
+    def to_cpp(self) -> _planner.ModelSpec:
+        spec = _planner.ModelSpec()
+        spec.name = self.name
+        for key in ("num_layers", "hidden", "num_heads", "vocab_size", "num_experts", "experts_per_token",
+                    "num_dense_layers", "num_shared_experts"):
+            value = getattr(self, key)
+            if not isinstance(value, int) or isinstance(value, bool):
+                raise TypeError(f"ModelSpec.{key} must be an int, got {value!r}")
+            setattr(spec, key, value)
+        spec.num_kv_heads = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
+        spec.ffn_hidden = self.ffn_hidden or 0
+        spec.moe_ffn_hidden = self.moe_ffn_hidden or 0
+        spec.num_params_override = float(self.num_params_given or 0)
+        return spec
+
+    @property
+    def num_params(self) -> float:
+        """Total parameters (embeddings and LM head included)."""
+        return _planner.count_params(self.to_cpp()).total
+
+    @property
+    def num_active_params(self) -> float:
+        """Parameters a token goes through (MoE: the routed top-k experts, plus shared ones)."""
+        return _planner.count_params(self.to_cpp()).active
+
+    @classmethod
+    def preset(cls, name: str) -> "ModelSpec":
+        """One of ``MODEL_PRESETS`` (published architectures)."""
+        if name not in MODEL_PRESETS:
+            raise ValueError(f"unknown model preset {name!r}; known: {', '.join(sorted(MODEL_PRESETS))}")
+        return MODEL_PRESETS[name]
+
+
+MODEL_PRESETS: dict[str, ModelSpec] = {
+    # Llama 3 (Meta 2024, "The Llama 3 Herd of Models", Table 3); published totals 8.03B, 70.6B, 405B.
+    "llama3-8b": ModelSpec(32, 4096, 32, num_kv_heads=8, ffn_hidden=14336, vocab_size=128256, name="llama3-8b"),
+    "llama3-70b": ModelSpec(80, 8192, 64, num_kv_heads=8, ffn_hidden=28672, vocab_size=128256, name="llama3-70b"),
+    "llama3.1-405b": ModelSpec(126, 16384, 128, num_kv_heads=8, ffn_hidden=53248, vocab_size=128256,
+                               name="llama3.1-405b"),
+    # Mixtral 8x7B (Jiang et al. 2024): 46.7B total, 12.9B active.
+    "mixtral-8x7b": ModelSpec(32, 4096, 32, num_kv_heads=8, vocab_size=32000, num_experts=8, experts_per_token=2,
+                              moe_ffn_hidden=14336, name="mixtral-8x7b"),
+    # DeepSeek-V3 (DeepSeek-AI 2024): 671B total, 37B active; 3 dense layers, 1 shared + 256 routed experts
+    # (top-8). Its MLA attention is counted as 128-head attention of width 7168 (within 0.2% of the total).
+    "deepseek-v3": ModelSpec(61, 7168, 128, ffn_hidden=18432, vocab_size=129280, num_experts=256,
+                             experts_per_token=8, moe_ffn_hidden=2048, num_dense_layers=3, num_shared_experts=1,
+                             name="deepseek-v3"),
+}
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """One GPU type: memory, dense bf16 peak, and per-direction link bandwidths per GPU."""
+
+    name: str
+    memory_bytes: float
+    bf16_flops: float
+    nvlink_bytes_per_s: float
+    internode_bytes_per_s: float
+
+    def to_cpp(self) -> _planner.GpuSpec:
+        spec = _planner.GpuSpec()
+        for f in dataclasses.fields(self):
+            setattr(spec, f.name, getattr(self, f.name))
+        return spec
+
+
+# Vendor datasheets. NVLink: per GPU, one direction (half the quoted bidirectional figure).
+# Inter-node: one NIC per GPU (HDR 200 Gb/s for A100, NDR 400 Gb/s after).
+GPU_PRESETS: dict[str, GpuSpec] = {
+    "a100-80gb": GpuSpec("a100-80gb", 80 * GiB, 312e12, 300e9, 25e9),
+    "h100-80gb": GpuSpec("h100-80gb", 80 * GiB, 989e12, 450e9, 50e9),
+    "h200-141gb": GpuSpec("h200-141gb", 141e9, 989e12, 450e9, 50e9),
+    "b200-192gb": GpuSpec("b200-192gb", 192e9, 2.25e15, 900e9, 50e9),
+    "gb200-nvl72": GpuSpec("gb200-nvl72", 186e9, 2.5e15, 900e9, 50e9),
+}
+_DOMAIN_SIZE = {"gb200-nvl72": 72}
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    """GPUs numbered in ``groups`` order, in NVLink domains of ``gpus_per_domain`` consecutive GPUs.
+
+    ``groups`` is a tuple of ``(GpuSpec, count)``; several entries make a mixed cluster.
+    """
+
+    groups: tuple[tuple[GpuSpec, int], ...]
+    gpus_per_domain: int = 8
+
+    @classmethod
+    def preset(cls, name: str, num_gpus: int) -> "ClusterSpec":
+        """``num_gpus`` GPUs of one preset type (``GPU_PRESETS``)."""
+        if name not in GPU_PRESETS:
+            raise ValueError(f"unknown GPU preset {name!r}; known: {', '.join(sorted(GPU_PRESETS))}")
+        cluster = cls(((GPU_PRESETS[name], num_gpus),), _DOMAIN_SIZE.get(name, 8))
+        cluster.to_cpp()
+        return cluster
+
+    @property
+    def num_gpus(self) -> int:
+        return sum(count for _, count in self.groups)
+
+    def to_cpp(self) -> _planner.ClusterSpec:
+        spec = _planner.ClusterSpec()
+        spec.groups = [(gpu.to_cpp(), count) for gpu, count in self.groups]
+        spec.gpus_per_domain = self.gpus_per_domain
+        spec.validate()
+        return spec
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A 5-D parallel layout and its training settings (mesh order, innermost first: tp, cp, ep, dp, pp).
+
+    Expert-parallel ranks see different tokens (dense parameters are
+    data-parallel over dp x ep). A step trains micro_batch x num_microbatches
+    x dp x ep sequences of seq_len tokens. The fp8 fields apply with
+    ``precision="fp8-mixed"``.
+    """
+
+    tp: int = 1
+    pp: int = 1
+    dp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero_stage: int = 0
+    sequence_parallel: bool = False
+    recompute: str = "none"
+    micro_batch: int = 1
+    num_microbatches: int = 1
+    schedule: str = "1f1b"
+    virtual_stages: int = 1
+    seq_len: int = 4096
+    precision: str = "bf16-mixed"
+    fp8_amax_history: int = 1024
+    fp8_grad_format: str = "e5m2"
+    fp8_attention: bool = False
+
+    def __post_init__(self):
+        self.to_cpp()
+
+    @property
+    def num_gpus(self) -> int:
+        return self.tp * self.pp * self.dp * self.cp * self.ep
+
+    def to_cpp(self) -> _planner.Layout:
+        spec = _planner.Layout()
+        for f in dataclasses.fields(self):
+            value = getattr(self, f.name)
+            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
+                raise TypeError(f"Layout.{f.name} must be an int, got {value!r}")
+            setattr(spec, f.name, value)
+        spec.validate()
+        return spec
+
+    @classmethod
+    def from_cpp(cls, spec: _planner.Layout) -> "Layout":
+        return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(cls)})
