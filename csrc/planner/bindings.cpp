@@ -96,8 +96,10 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("kind", &ScheduledPass::kind)
       .def_readonly("microbatch", &ScheduledPass::microbatch)
       .def_readonly("start", &ScheduledPass::start)
-      .def_readonly("end", &ScheduledPass::end);
-  m.def("simulate_schedule", &simulate_schedule);
+      .def_readonly("end", &ScheduledPass::end)
+      .def_readonly("chunk", &ScheduledPass::chunk);
+  m.def("simulate_schedule", &simulate_schedule, py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"),
+        py::arg("virtual_stages") = 1);
   m.def("idle_fraction", &idle_fraction);
 
   py::class_<AxisComm>(m, "AxisComm")

@@ -17,11 +17,89 @@ double bubble_fraction(long p, long m, const std::string& schedule, long v) {
   throw std::invalid_argument("schedule must be one of 1f1b, gpipe, interleaved, zb-h1, zb-v, got '" + schedule + "'");
 }
 
-std::vector<ScheduledPass> simulate_schedule(long p, long m, const std::string& schedule) {
-  if (p < 1 || m < 1) throw std::invalid_argument("pp and num_microbatches must be >= 1");
+namespace {
+
+struct OrderedPass {
+  char kind;
+  long chunk;
+  long microbatch;
+};
+
+// Megatron-LM's interleaved 1F1B order on device d (forward_backward_pipelining_with_interleaving):
+// forwards walk micro-batches in groups of p through chunks 0..v-1, backwards through v-1..0;
+// (p - d - 1) * 2 + (v - 1) * p warm-up forwards, then one forward / one backward, then the rest.
+std::vector<OrderedPass> interleaved_order(long d, long p, long m, long v) {
+  const long total = m * v;
+  auto forward = [&](long f) { return OrderedPass{'F', (f / p) % v, (f / (p * v)) * p + f % p}; };
+  auto backward = [&](long b) { return OrderedPass{'B', v - 1 - (b / p) % v, (b / (p * v)) * p + b % p}; };
+  std::vector<OrderedPass> order;
+  const long warmup = std::min((p - d - 1) * 2 + (v - 1) * p, total);
+  long f = 0, b = 0;
+  for (; f < warmup; ++f) order.push_back(forward(f));
+  while (f < total) {
+    order.push_back(forward(f++));
+    order.push_back(backward(b++));
+  }
+  while (b < total) order.push_back(backward(b++));
+  return order;
+}
+
+// Runs fixed per-device orders over p * v virtual stages (chunk c of device d is stage c * p + d).
+std::vector<ScheduledPass> simulate_interleaved(long p, long m, long v) {
+  if (m % p) throw std::invalid_argument("the interleaved schedule needs num_microbatches divisible by pp");
+  const long stages = p * v;
+  const double forward_cost = 1.0 / static_cast<double>(v), backward_cost = 2.0 / static_cast<double>(v);
+  std::vector<std::vector<OrderedPass>> orders;
+  for (long d = 0; d < p; ++d) orders.push_back(interleaved_order(d, p, m, v));
+  std::map<std::tuple<long, char, long>, double> finished;  // (virtual stage, kind, micro-batch) -> end
+  std::vector<size_t> cursor(p, 0);
+  std::vector<double> free_at(p, 0.0);
+  std::vector<ScheduledPass> timeline;
+  for (size_t remaining = static_cast<size_t>(2 * m * v * p); remaining > 0;) {
+    bool progressed = false;
+    for (long d = 0; d < p; ++d) {
+      if (cursor[d] == orders[d].size()) continue;
+      const OrderedPass pass = orders[d][cursor[d]];
+      const long stage = pass.chunk * p + d;
+      std::vector<std::tuple<long, char, long>> inputs;
+      if (pass.kind == 'F' && stage > 0) inputs.emplace_back(stage - 1, 'F', pass.microbatch);
+      if (pass.kind == 'B') {
+        inputs.emplace_back(stage, 'F', pass.microbatch);
+        if (stage + 1 < stages) inputs.emplace_back(stage + 1, 'B', pass.microbatch);
+      }
+      double start = free_at[d];
+      bool ready = true;
+      for (const auto& input : inputs) {
+        const auto found = finished.find(input);
+        if (found == finished.end()) {
+          ready = false;
+          break;
+        }
+        start = std::max(start, found->second);
+      }
+      if (!ready) continue;
+      const double end = start + (pass.kind == 'F' ? forward_cost : backward_cost);
+      timeline.push_back({d, pass.kind, pass.microbatch, start, end, pass.chunk});
+      finished[{stage, pass.kind, pass.microbatch}] = end;
+      free_at[d] = end;
+      ++cursor[d];
+      --remaining;
+      progressed = true;
+    }
+    if (!progressed) throw std::logic_error("simulate_schedule: the interleaved pass orders deadlock");
+  }
+  return timeline;
+}
+
+}  // namespace
+
+std::vector<ScheduledPass> simulate_schedule(long p, long m, const std::string& schedule, long v) {
+  if (p < 1 || m < 1 || v < 1) throw std::invalid_argument("pp, num_microbatches and virtual_stages must be >= 1");
+  if (schedule == "interleaved") return simulate_interleaved(p, m, v);
   const bool gpipe = schedule == "gpipe", split = schedule == "zb-h1";
   if (!gpipe && !split && schedule != "1f1b") {
-    throw std::invalid_argument("simulate_schedule supports gpipe, 1f1b and zb-h1, got '" + schedule + "'");
+    throw std::invalid_argument("simulate_schedule supports gpipe, 1f1b, zb-h1 and interleaved, got '" + schedule +
+                                "'");
   }
   // Every stage, whenever it is free at an integer time, starts the first ready pass by priority:
   //   gpipe  F, then B (all forwards first);

@@ -19,20 +19,24 @@ double bubble_fraction(long pp, long num_microbatches, const std::string& schedu
 // One pass of one micro-batch on one stage: 'F' forward, 'B' backward (input
 // gradient, and also the weight gradient in gpipe / 1f1b), 'W' weight gradient.
 struct ScheduledPass {
-  long stage;
+  long stage;  // the device (pipeline rank)
   char kind;
   long microbatch;
   double start;
   double end;
+  long chunk = 0;  // the model chunk on that device (interleaved: 0..v-1)
 };
 
 // The step simulated pass by pass: a pass starts when its stage is free and
 // its inputs exist (F after the previous stage's F; B after the next stage's B
 // and its own F; W after its own B), stages choosing among ready passes by the
-// schedule's priorities (pipeline.cpp). T_F = T_B = T_W = 1 (B = 2 when it
-// includes W). Supported: gpipe, 1f1b, zb-h1; the simulated idle fraction
-// equals bubble_fraction for them, which the tests check.
-std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, const std::string& schedule);
+// schedule's priorities, or, for interleaved, following Megatron-LM's pass
+// order (pipeline.cpp). T_F = T_B = T_W = 1 for a whole stage (B = 2 when it
+// includes W; a chunk of an interleaved stage costs 1/v of it). Supported:
+// gpipe, 1f1b, zb-h1, interleaved (num_microbatches divisible by pp); the
+// simulated idle fraction equals bubble_fraction for them (tested).
+std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, const std::string& schedule,
+                                             long virtual_stages = 1);
 
 // Idle fraction of a simulated timeline: 1 - busy time / (stages x makespan).
 double idle_fraction(const std::vector<ScheduledPass>& timeline, long pp);

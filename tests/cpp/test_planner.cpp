@@ -97,6 +97,20 @@ TEST(Pipeline, SimulatedTimelinesHaveTheClosedFormBubble) {
   }
 }
 
+TEST(Pipeline, SimulatedInterleavedScheduleHasTheClosedFormBubble) {
+  for (long p : {2, 4, 8}) {
+    for (long v : {2, 3, 4}) {
+      for (long m : {p, 2 * p, 4 * p}) {
+        const auto timeline = simulate_schedule(p, m, "interleaved", v);
+        ASSERT_EQ(timeline.size(), static_cast<size_t>(2 * p * m * v));
+        EXPECT_NEAR(idle_fraction(timeline, p), bubble_fraction(p, m, "interleaved", v), 1e-12)
+            << "p=" << p << " v=" << v << " m=" << m;
+      }
+    }
+  }
+  EXPECT_THROW(simulate_schedule(4, 6, "interleaved", 2), std::invalid_argument);  // m % p != 0
+}
+
 TEST(Pipeline, OneFOneBHoldsAtMostPMicroBatches) {
   EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, "1f1b", 1), 8);
   EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, "gpipe", 1), 32);

@@ -44,10 +44,11 @@ def test_search_json_and_table(capsys):
     assert "fastest feasible layouts" in table and "tokens/s" in table
 
 
-def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys):
+@pytest.mark.parametrize("schedule", [["--schedule", "1f1b"], ["--schedule", "interleaved", "--virtual-stages", "2"]])
+def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys, schedule):
     path = tmp_path / "plan.png"
     run_cli(capsys, "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--global-batch", "64",
-            "--plot", str(path))
+            *schedule, "--plot", str(path))
     data = path.read_bytes()
     assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 20_000
     search_plot = tmp_path / "search.png"

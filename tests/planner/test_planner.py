@@ -68,10 +68,12 @@ def test_activation_and_bubble_closed_forms():
     assert bubble_fraction(8, 4) == pytest.approx(7 / 11)
     assert bubble_fraction(8, 32) == pytest.approx(7 / 39)
     assert bubble_fraction(8, 32, schedule="interleaved", virtual_stages=4) == pytest.approx(7 / 135)
-    passes = simulate_schedule(4, 8, "1f1b")
-    makespan = max(p["end"] for p in passes)
-    busy = sum(p["end"] - p["start"] for p in passes)
-    assert 1 - busy / (4 * makespan) == pytest.approx(bubble_fraction(4, 8))
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2)):
+        passes = simulate_schedule(4, 8, schedule, virtual_stages=v)
+        makespan = max(p["end"] for p in passes)
+        busy = sum(p["end"] - p["start"] for p in passes)
+        expected = bubble_fraction(4, 8, schedule=schedule, virtual_stages=v)
+        assert 1 - busy / (4 * makespan) == pytest.approx(expected), schedule
 
 
 def test_flops_and_gpu_hours():

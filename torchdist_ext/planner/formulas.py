@@ -48,7 +48,13 @@ def gpu_hours(flops: float, cluster: ClusterSpec, *, mfu: float) -> float:
     return _planner.gpu_hours(float(flops), cluster.to_cpp(), float(mfu))
 
 
-def simulate_schedule(pp: int, num_microbatches: int, schedule: str = "1f1b") -> list[dict]:
-    """One simulated step pass by pass (stage, kind F/B/W, micro-batch, start, end), for gpipe, 1f1b, zb-h1."""
-    return [{"stage": p.stage, "kind": p.kind, "microbatch": p.microbatch, "start": p.start, "end": p.end}
-            for p in _planner.simulate_schedule(pp, num_microbatches, schedule)]
+def simulate_schedule(pp: int, num_microbatches: int, schedule: str = "1f1b", *,
+                      virtual_stages: int = 1) -> list[dict]:
+    """One simulated step pass by pass: stage (device), kind F/B/W, micro-batch, start, end, chunk.
+
+    Schedules gpipe, 1f1b, zb-h1 and interleaved (Megatron-LM's order; ``num_microbatches``
+    divisible by ``pp``); its idle fraction equals ``bubble_fraction``.
+    """
+    return [{"stage": p.stage, "kind": p.kind, "microbatch": p.microbatch, "start": p.start, "end": p.end,
+             "chunk": p.chunk}
+            for p in _planner.simulate_schedule(pp, num_microbatches, schedule, virtual_stages)]
