@@ -14,9 +14,7 @@ counting one read of the logits forward and one read + one write backward.
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -24,37 +22,14 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_timing import copy_bandwidth, median_seconds  # noqa: E402
+
 import torchdist_ext  # noqa: E402,F401
 from torchdist_ext.ops import vocab_parallel_cross_entropy  # noqa: E402
 from torchdist_ext.testing import spawn_world  # noqa: E402
 
 SHAPES = {"cuda": [(4096, 32000), (8192, 128256), (16384, 50304)], "cpu": [(512, 8000), (1024, 32000)]}
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_seconds(fn, device: str, repeats: int, warmup: int = 3) -> float:
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: str) -> float:
-    """Bytes per second of a large device-to-device copy (read + write)."""
-    src = torch.empty(256 * 2**20 if device == "cuda" else 64 * 2**20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    seconds = median_seconds(lambda: dst.copy_(src), device, repeats=10)
-    return 2 * src.numel() / seconds
 
 
 def run(device: str, repeats: int) -> list[dict]:

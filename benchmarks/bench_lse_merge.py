@@ -16,42 +16,19 @@ and one write of the accumulator and one read of the block.
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from device_timing import copy_bandwidth, median_seconds  # noqa: E402
+
 from torchdist_ext.ops import lse_merge_  # noqa: E402
 
 SHAPES = {"cuda": [(1, 32, 8192, 128), (4, 32, 4096, 128), (1, 64, 16384, 128)],
           "cpu": [(1, 8, 4096, 64), (1, 32, 4096, 128)]}
-
-
-def synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def median_seconds(fn, device: str, repeats: int) -> float:
-    for _ in range(3):
-        fn()
-    times = []
-    for _ in range(repeats):
-        synchronize(device)
-        start = time.perf_counter()
-        fn()
-        synchronize(device)
-        times.append(time.perf_counter() - start)
-    return statistics.median(times)
-
-
-def copy_bandwidth(device: str) -> float:
-    src = torch.empty(256 * 2**20 if device == "cuda" else 64 * 2**20, dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    return 2 * src.numel() / median_seconds(lambda: dst.copy_(src), device, 10)
 
 
 def unfused(out, lse, block_out, block_lse):
