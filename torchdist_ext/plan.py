@@ -31,7 +31,7 @@ from torchdist_ext.planner import (
 )
 from torchdist_ext.planner.plot import plot_plan
 
-_TIMELINE_SCHEDULES = {"gpipe", "1f1b", "zb-h1", "interleaved"}
+
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -108,15 +108,12 @@ def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
 def _plot(path: str, entries, pp_layout: Layout | None) -> None:
     timeline, title = None, ""
     if pp_layout is not None and pp_layout.pp > 1:
-        # ZB-V's V-shaped schedule is not simulated: its timeline is drawn as ZB-H1's, and said so.
-        schedule = pp_layout.schedule if pp_layout.schedule in _TIMELINE_SCHEDULES else "zb-h1"
+        schedule = pp_layout.schedule
         timeline = simulate_schedule(pp_layout.pp, pp_layout.num_microbatches, schedule,
-                                     virtual_stages=pp_layout.virtual_stages if schedule == "interleaved" else 1)
+                                     virtual_stages=pp_layout.virtual_stages)
         title = f"{schedule} timeline: {pp_layout.pp} stages, {pp_layout.num_microbatches} micro-batches"
-        if schedule == "interleaved":
-            title += f", {pp_layout.virtual_stages} chunks per stage"
-        if schedule != pp_layout.schedule:
-            title += f" (drawn as zb-h1; the {pp_layout.schedule} schedule is not simulated)"
+        if schedule in ("interleaved", "zb-v"):
+            title += f", {pp_layout.virtual_stages if schedule == 'interleaved' else 2} chunks per stage"
     plot_plan(path, entries, timeline, title)
 
 

@@ -28,7 +28,8 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
                                   bool sequence_parallel, const std::string& recompute);
 
 // Micro-batches whose activations a pipeline stage holds at its peak.
-//   gpipe: all m;  1f1b, zb-h1, zb-v: min(p, m) (the first stage warms up p);
+//   gpipe: all m;  1f1b, zb-h1, zb-v: min(p, m) (the first stage warms up p; the zero-bubble
+//   schedules also keep the inputs of deferred weight-gradient passes, which this ignores);
 //   interleaved with v virtual stages: min(m, p) * (1 + (p - 1) / (p v)) (Narayanan et al. 2021).
 double in_flight_microbatches(long pp, long num_microbatches, const std::string& schedule, long virtual_stages);
 

@@ -12,8 +12,11 @@ double bubble_fraction(long p, long m, const std::string& schedule, long v) {
   const double stages = static_cast<double>(p), micro = static_cast<double>(m);
   if (schedule == "gpipe" || schedule == "1f1b") return (stages - 1) / (micro + stages - 1);
   if (schedule == "interleaved") return (stages - 1) / (static_cast<double>(v) * micro + stages - 1);
-  if (schedule == "zb-h1" || (schedule == "zb-v" && m < p)) return (stages - 1) / (3 * micro + stages - 1);
-  if (schedule == "zb-v") return 0.0;
+  if ((schedule == "zb-h1" || schedule == "zb-v") && m < p) {
+    return idle_fraction(simulate_schedule(p, m, schedule), p);  // too few micro-batches for the closed form
+  }
+  if (schedule == "zb-h1") return (stages - 1) / (3 * micro + stages - 1);
+  if (schedule == "zb-v") return (stages - 1) / (6 * micro + stages - 1);
   throw std::invalid_argument("schedule must be one of 1f1b, gpipe, interleaved, zb-h1, zb-v, got '" + schedule + "'");
 }
 
@@ -91,15 +94,78 @@ std::vector<ScheduledPass> simulate_interleaved(long p, long m, long v) {
   return timeline;
 }
 
+// ZB-V (Qi et al. 2024): device d holds chunk 0 = stage d (the way down) and chunk 1 = stage
+// 2p-1-d (the way back up); every pass of a chunk costs 1/2. A free device starts, in order of
+// preference: a ready backward (chunk 0 first: it ends a micro-batch), a ready forward on chunk 1,
+// a ready forward on chunk 0 while fewer than p micro-batches are in flight on it (1F1B's memory),
+// then a pending weight gradient.
+std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
+  const long stages = 2 * p;
+  auto device_of = [&](long stage) { return stage < p ? stage : stages - 1 - stage; };
+  std::map<std::tuple<long, char, long>, double> finished;  // (stage, kind, micro-batch) -> end
+  auto done_by = [&](long stage, char kind, long micro, double t) {
+    const auto found = finished.find({stage, kind, micro});
+    return found != finished.end() && found->second <= t;
+  };
+  std::vector<long> next_forward(stages, 0), next_backward(stages, 0), in_flight(p, 0);
+  std::vector<std::vector<std::pair<long, long>>> pending_weights(p);  // (stage, micro-batch)
+  std::vector<double> free_at(p, 0.0);
+  std::vector<ScheduledPass> timeline;
+  const size_t total = static_cast<size_t>(3 * stages * m);
+  for (double t = 0; timeline.size() < total; t += 0.5) {
+    for (long d = 0; d < p; ++d) {
+      if (free_at[d] > t) continue;
+      const long down = d, up = stages - 1 - d;
+      char kind = 0;
+      long stage = 0, micro = 0;
+      for (long candidate : {down, up}) {
+        const long b = next_backward[candidate];
+        if (b < m && done_by(candidate, 'F', b, t) &&
+            (candidate == stages - 1 || done_by(candidate + 1, 'B', b, t))) {
+          kind = 'B', stage = candidate, micro = b;
+          break;
+        }
+      }
+      if (kind == 0 && next_forward[up] < m && done_by(up - 1, 'F', next_forward[up], t)) {
+        kind = 'F', stage = up, micro = next_forward[up];
+      }
+      if (kind == 0 && next_forward[down] < m && in_flight[d] < p &&
+          (down == 0 || done_by(down - 1, 'F', next_forward[down], t))) {
+        kind = 'F', stage = down, micro = next_forward[down];
+      }
+      if (kind == 0 && !pending_weights[d].empty()) {
+        kind = 'W';
+        std::tie(stage, micro) = pending_weights[d].front();
+        pending_weights[d].erase(pending_weights[d].begin());
+      }
+      if (kind == 0) continue;
+      timeline.push_back({device_of(stage), kind, micro, t, t + 0.5, stage == down ? 0L : 1L});
+      finished[{stage, kind, micro}] = t + 0.5;
+      free_at[d] = t + 0.5;
+      if (kind == 'F') {
+        ++next_forward[stage];
+        if (stage == down) ++in_flight[d];
+      }
+      if (kind == 'B') {
+        ++next_backward[stage];
+        if (stage == down) --in_flight[d];
+        pending_weights[d].emplace_back(stage, micro);
+      }
+    }
+  }
+  return timeline;
+}
+
 }  // namespace
 
 std::vector<ScheduledPass> simulate_schedule(long p, long m, const std::string& schedule, long v) {
   if (p < 1 || m < 1 || v < 1) throw std::invalid_argument("pp, num_microbatches and virtual_stages must be >= 1");
   if (schedule == "interleaved") return simulate_interleaved(p, m, v);
+  if (schedule == "zb-v") return simulate_zb_v(p, m);
   const bool gpipe = schedule == "gpipe", split = schedule == "zb-h1";
   if (!gpipe && !split && schedule != "1f1b") {
-    throw std::invalid_argument("simulate_schedule supports gpipe, 1f1b, zb-h1 and interleaved, got '" + schedule +
-                                "'");
+    throw std::invalid_argument("simulate_schedule supports gpipe, 1f1b, zb-h1, zb-v and interleaved, got '" +
+                                schedule + "'");
   }
   // Every stage, whenever it is free at an integer time, starts the first ready pass by priority:
   //   gpipe  F, then B (all forwards first);

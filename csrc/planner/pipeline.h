@@ -13,7 +13,12 @@ namespace tdx::planner {
 //   gpipe, 1f1b   (p - 1) / (m + p - 1)              (Huang et al. 2018; Narayanan et al. 2019)
 //   interleaved   (p - 1) / (v m + p - 1)            (Narayanan et al. 2021: the bubble shrinks by v)
 //   zb-h1         (p - 1) / (3 m + p - 1)            (Qi et al. 2024: bubble (p-1)(T_F + T_B - T_W), a third of 1F1B's)
-//   zb-v          0 when m >= p, else as zb-h1       (Qi et al. 2024: bubble (p-1)(T_F + T_B - 2 T_W) = 0)
+//   zb-v          (p - 1) / (6 m + p - 1)            V-shaped placement, chunks of half a stage: the start-up and
+//                                                    cool-down triangles halve again. Qi et al. report near-zero
+//                                                    bubbles; with equal pass times a pipeline still fills and
+//                                                    drains, and our simulation of their schedule (pipeline.cpp)
+//                                                    reaches exactly this.
+// With m < p the zero-bubble schedules have no closed form here: the value is the simulated one.
 double bubble_fraction(long pp, long num_microbatches, const std::string& schedule, long virtual_stages);
 
 // One pass of one micro-batch on one stage: 'F' forward, 'B' backward (input
@@ -32,9 +37,9 @@ struct ScheduledPass {
 // and its own F; W after its own B), stages choosing among ready passes by the
 // schedule's priorities, or, for interleaved, following Megatron-LM's pass
 // order (pipeline.cpp). T_F = T_B = T_W = 1 for a whole stage (B = 2 when it
-// includes W; a chunk of an interleaved stage costs 1/v of it). Supported:
-// gpipe, 1f1b, zb-h1, interleaved (num_microbatches divisible by pp); the
-// simulated idle fraction equals bubble_fraction for them (tested).
+// includes W; a chunk of an interleaved stage costs 1/v of it, a ZB-V chunk
+// 1/2). Supported: gpipe, 1f1b, zb-h1, zb-v, interleaved (num_microbatches
+// divisible by pp); the simulated idle fraction equals bubble_fraction (tested).
 std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, const std::string& schedule,
                                              long virtual_stages = 1);
 

@@ -44,7 +44,11 @@ def test_search_json_and_table(capsys):
     assert "fastest feasible layouts" in table and "tokens/s" in table
 
 
-@pytest.mark.parametrize("schedule", [["--schedule", "1f1b"], ["--schedule", "interleaved", "--virtual-stages", "2"]])
+@pytest.mark.parametrize(
+    "schedule",
+    [["--schedule", "1f1b"], ["--schedule", "zb-v"], ["--schedule", "interleaved", "--virtual-stages", "2"]],
+    ids=["1f1b", "zb-v", "interleaved"],
+)
 def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys, schedule):
     path = tmp_path / "plan.png"
     run_cli(capsys, "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--global-batch", "64",

@@ -68,7 +68,8 @@ def test_activation_and_bubble_closed_forms():
     assert bubble_fraction(8, 4) == pytest.approx(7 / 11)
     assert bubble_fraction(8, 32) == pytest.approx(7 / 39)
     assert bubble_fraction(8, 32, schedule="interleaved", virtual_stages=4) == pytest.approx(7 / 135)
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("interleaved", 2)):
+    assert bubble_fraction(8, 32, schedule="zb-v") == pytest.approx(7 / 199)
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-v", 1), ("interleaved", 2)):
         passes = simulate_schedule(4, 8, schedule, virtual_stages=v)
         makespan = max(p["end"] for p in passes)
         busy = sum(p["end"] - p["start"] for p in passes)

@@ -52,7 +52,7 @@ def simulate_schedule(pp: int, num_microbatches: int, schedule: str = "1f1b", *,
                       virtual_stages: int = 1) -> list[dict]:
     """One simulated step pass by pass: stage (device), kind F/B/W, micro-batch, start, end, chunk.
 
-    Schedules gpipe, 1f1b, zb-h1 and interleaved (Megatron-LM's order; ``num_microbatches``
+    Schedules gpipe, 1f1b, zb-h1, zb-v and interleaved (Megatron-LM's order; ``num_microbatches``
     divisible by ``pp``); its idle fraction equals ``bubble_fraction``.
     """
     return [{"stage": p.stage, "kind": p.kind, "microbatch": p.microbatch, "start": p.start, "end": p.end,
