@@ -32,8 +32,6 @@ from torchdist_ext.planner import (
 from torchdist_ext.planner.plot import plot_plan
 
 
-
-
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m torchdist_ext.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, choices=sorted(MODEL_PRESETS))
