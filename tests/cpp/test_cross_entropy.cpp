@@ -23,8 +23,10 @@ struct Problem {
   std::vector<int64_t> target;
 };
 
-Problem make_problem() {
+// vocab_local above the kernels' 2048-element block makes rows span several blocks.
+Problem make_problem(int64_t vocab_local = 37) {
   Problem p;
+  p.vocab_local = vocab_local;
   std::mt19937 gen(7);
   std::normal_distribution<float> normal(0.0f, 4.0f);
   for (int64_t i = 0; i < p.rows * p.vocab_local; ++i) p.logits.push_back(normal(gen));
@@ -73,40 +75,84 @@ TEST(VocabShardStats, RowRangesComposeAndLeaveOtherRowsUntouched) {
   }
 }
 
-TEST(VocabShardGrad, IsSoftmaxMinusOneHotTimesUpstream) {
-  const Problem p = make_problem();
-  std::vector<float> lse(p.rows), upstream(p.rows), grad(p.rows * p.vocab_local);
-  for (int64_t r = 0; r < p.rows; ++r) {
-    lse[r] = 3.0f + 0.5f * r;  // any value: the kernel must use it as given
-    upstream[r] = 0.25f * (r + 1);
+// Rows longer than the kernels' 2048-element block, with logits that rise
+// along the row so that every block raises the running maximum and the sum
+// must be rescaled online; bf16 inputs are widened block by block.
+TEST(VocabShardStats, LongRowsRescaleAcrossBlocksInEveryElementType) {
+  const int64_t rows = 3, vocab = 5000;
+  std::mt19937 gen(11);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  std::vector<float> logits;
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t v = 0; v < vocab; ++v) logits.push_back(normal(gen) + (r == 1 ? -0.004f : 0.004f) * v);
   }
-  cpu::vocab_shard_grad<float>(ElementType::kFloat32, upstream.data(), p.logits.data(), p.target.data(), lse.data(),
-                               0, p.rows, p.vocab_local, p.vocab_start, -100, grad.data());
-  for (int64_t r = 0; r < p.rows; ++r) {
-    for (int64_t v = 0; v < p.vocab_local; ++v) {
-      const double x = p.logits[r * p.vocab_local + v];
-      double expected = upstream[r] * (std::exp(x - lse[r]) - (p.vocab_start + v == p.target[r] ? 1.0 : 0.0));
-      if (p.target[r] == -100) expected = 0.0;
-      EXPECT_NEAR(grad[r * p.vocab_local + v], expected, 1e-6 * (1 + std::abs(expected))) << r << "," << v;
+  std::vector<tdx::kernels::BFloat16> logits_bf16;
+  std::vector<float> rounded;
+  for (float x : logits) {
+    logits_bf16.push_back(tdx::kernels::to_bfloat16(x));
+    rounded.push_back(tdx::kernels::load(logits_bf16.back()));
+  }
+  const std::vector<int64_t> target = {4999, 2048, 0};
+  struct Case {
+    ElementType type;
+    const void* data;
+    const std::vector<float>* values;
+  };
+  for (const Case& c : {Case{ElementType::kFloat32, logits.data(), &logits},
+                        Case{ElementType::kBFloat16, logits_bf16.data(), &rounded}}) {
+    std::vector<float> max(rows), sumexp(rows), target_logit(rows);
+    cpu::vocab_shard_stats<float>(c.type, c.data, target.data(), 0, rows, vocab, 0, max.data(), sumexp.data(),
+                                  target_logit.data());
+    for (int64_t r = 0; r < rows; ++r) {
+      const float* x = c.values->data() + r * vocab;
+      double m = -INFINITY, s = 0;
+      for (int64_t v = 0; v < vocab; ++v) m = std::max(m, double(x[v]));
+      for (int64_t v = 0; v < vocab; ++v) s += std::exp(double(x[v]) - m);
+      EXPECT_FLOAT_EQ(max[r], m) << "row " << r;
+      EXPECT_NEAR(sumexp[r], s, 1e-5 * s) << "row " << r;
+      EXPECT_FLOAT_EQ(target_logit[r], x[target[r]]) << "row " << r;
+    }
+  }
+}
+
+TEST(VocabShardGrad, IsSoftmaxMinusOneHotTimesUpstream) {
+  for (const int64_t vocab_local : {37, 4500}) {
+    const Problem p = make_problem(vocab_local);
+    std::vector<float> lse(p.rows), upstream(p.rows), grad(p.rows * p.vocab_local);
+    for (int64_t r = 0; r < p.rows; ++r) {
+      lse[r] = 3.0f + 0.5f * r;  // any value: the kernel must use it as given
+      upstream[r] = 0.25f * (r + 1);
+    }
+    cpu::vocab_shard_grad<float>(ElementType::kFloat32, upstream.data(), p.logits.data(), p.target.data(), lse.data(),
+                                 0, p.rows, p.vocab_local, p.vocab_start, -100, grad.data());
+    for (int64_t r = 0; r < p.rows; ++r) {
+      for (int64_t v = 0; v < p.vocab_local; ++v) {
+        const double x = p.logits[r * p.vocab_local + v];
+        double expected = upstream[r] * (std::exp(x - lse[r]) - (p.vocab_start + v == p.target[r] ? 1.0 : 0.0));
+        if (p.target[r] == -100) expected = 0.0;
+        EXPECT_NEAR(grad[r * p.vocab_local + v], expected, 1e-6 * (1 + std::abs(expected))) << r << "," << v;
+      }
     }
   }
 }
 
 TEST(VocabShardGrad, BFloat16MatchesFloatWithinRounding) {
-  const Problem p = make_problem();
-  std::vector<tdx::kernels::BFloat16> logits, upstream;
-  for (float x : p.logits) logits.push_back(tdx::kernels::to_bfloat16(x));
-  std::vector<float> lse(p.rows, 5.0f), upstream_f(p.rows, 1.0f), rounded_logits;
-  for (auto x : logits) rounded_logits.push_back(tdx::kernels::load(x));
-  for (float u : upstream_f) upstream.push_back(tdx::kernels::to_bfloat16(u));
-  std::vector<tdx::kernels::BFloat16> grad(p.rows * p.vocab_local);
-  std::vector<float> grad_f(p.rows * p.vocab_local);
-  cpu::vocab_shard_grad<float>(ElementType::kBFloat16, upstream.data(), logits.data(), p.target.data(), lse.data(),
-                               0, p.rows, p.vocab_local, p.vocab_start, -100, grad.data());
-  cpu::vocab_shard_grad<float>(ElementType::kFloat32, upstream_f.data(), rounded_logits.data(), p.target.data(),
-                               lse.data(), 0, p.rows, p.vocab_local, p.vocab_start, -100, grad_f.data());
-  for (size_t i = 0; i < grad.size(); ++i) {
-    EXPECT_NEAR(tdx::kernels::load(grad[i]), grad_f[i], std::ldexp(1.0, -8) * std::abs(grad_f[i]) + 1e-30) << i;
+  for (const int64_t vocab_local : {37, 4500}) {
+    const Problem p = make_problem(vocab_local);
+    std::vector<tdx::kernels::BFloat16> logits, upstream;
+    for (float x : p.logits) logits.push_back(tdx::kernels::to_bfloat16(x));
+    std::vector<float> lse(p.rows, 5.0f), upstream_f(p.rows, 1.0f), rounded_logits;
+    for (auto x : logits) rounded_logits.push_back(tdx::kernels::load(x));
+    for (float u : upstream_f) upstream.push_back(tdx::kernels::to_bfloat16(u));
+    std::vector<tdx::kernels::BFloat16> grad(p.rows * p.vocab_local);
+    std::vector<float> grad_f(p.rows * p.vocab_local);
+    cpu::vocab_shard_grad<float>(ElementType::kBFloat16, upstream.data(), logits.data(), p.target.data(), lse.data(),
+                                 0, p.rows, p.vocab_local, p.vocab_start, -100, grad.data());
+    cpu::vocab_shard_grad<float>(ElementType::kFloat32, upstream_f.data(), rounded_logits.data(), p.target.data(),
+                                 lse.data(), 0, p.rows, p.vocab_local, p.vocab_start, -100, grad_f.data());
+    for (size_t i = 0; i < grad.size(); ++i) {
+      EXPECT_NEAR(tdx::kernels::load(grad[i]), grad_f[i], std::ldexp(1.0, -8) * std::abs(grad_f[i]) + 1e-30) << i;
+    }
   }
 }
 

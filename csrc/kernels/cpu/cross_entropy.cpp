@@ -17,6 +17,12 @@ namespace {
 // (the build passes -fno-trapping-math so that selects become blends).
 constexpr int kLanes = 16;
 
+// Rows are processed in blocks of kBlock elements: 16-bit inputs are widened
+// into an L1-resident Acc buffer once per block (a plain conversion loop), and
+// the row's statistics are updated online from each block's maximum, so the
+// logits are read from memory once.
+constexpr int64_t kBlock = 2048;
+
 template <typename Acc>
 TDX_INLINE Acc exp_acc(Acc x) {
   if constexpr (std::is_same_v<Acc, float>) {
@@ -31,34 +37,45 @@ TDX_INLINE Acc larger(Acc a, Acc b) {
   return a > b ? a : b;
 }
 
+// The block x[0, n) as Acc values: x itself when it already is, else widened into buffer.
 template <typename T, typename Acc>
-TDX_INLINE Acc row_max(const T* x, int64_t n) {
+TDX_INLINE const Acc* widen(const T* x, int64_t n, Acc* buffer) {
+  if constexpr (std::is_same_v<T, Acc>) {
+    return x;
+  } else {
+    for (int64_t v = 0; v < n; ++v) buffer[v] = static_cast<Acc>(load(x[v]));
+    return buffer;
+  }
+}
+
+// Writes values[0, n) into out, rounding to T.
+template <typename T, typename Acc>
+TDX_INLINE void narrow(const Acc* values, int64_t n, T* out) {
+  for (int64_t v = 0; v < n; ++v) store(out[v], values[v]);
+}
+
+template <typename Acc>
+TDX_INLINE Acc block_max(const Acc* x, int64_t n) {
   Acc lanes[kLanes];
   for (int l = 0; l < kLanes; ++l) lanes[l] = -std::numeric_limits<Acc>::infinity();
   int64_t v = 0;
   for (; v + kLanes <= n; v += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      lanes[l] = larger(lanes[l], static_cast<Acc>(load(x[v + l])));
-    }
+    for (int l = 0; l < kLanes; ++l) lanes[l] = larger(lanes[l], x[v + l]);
   }
   Acc max = -std::numeric_limits<Acc>::infinity();
-  for (; v < n; ++v) max = larger(max, static_cast<Acc>(load(x[v])));
+  for (; v < n; ++v) max = larger(max, x[v]);
   for (int l = 0; l < kLanes; ++l) max = larger(max, lanes[l]);
   return max;
 }
 
-template <typename T, typename Acc>
-TDX_INLINE Acc row_sumexp(const T* x, int64_t n, Acc max) {
+template <typename Acc>
+TDX_INLINE Acc block_sumexp(const Acc* x, int64_t n, Acc max) {
   Acc lanes[kLanes] = {};
   int64_t v = 0;
   for (; v + kLanes <= n; v += kLanes) {
-    for (int l = 0; l < kLanes; ++l) {
-      lanes[l] += exp_acc<Acc>(static_cast<Acc>(load(x[v + l])) - max);
-    }
+    for (int l = 0; l < kLanes; ++l) lanes[l] += exp_acc<Acc>(x[v + l] - max);
   }
-  for (; v < n; ++v) {
-    lanes[0] += exp_acc<Acc>(static_cast<Acc>(load(x[v])) - max);
-  }
+  for (; v < n; ++v) lanes[0] += exp_acc<Acc>(x[v] - max);
   Acc sum = 0;
   for (int l = 0; l < kLanes; ++l) sum += lanes[l];
   return sum;
@@ -66,13 +83,23 @@ TDX_INLINE Acc row_sumexp(const T* x, int64_t n, Acc max) {
 
 template <typename T, typename Acc>
 TDX_MULTIVERSION void stats_rows(const T* logits, const int64_t* target, int64_t row_begin, int64_t row_end,
-                int64_t vocab_local, int64_t vocab_start, Acc* max_out, Acc* sumexp_out,
-                Acc* target_logit) {
+                                 int64_t vocab_local, int64_t vocab_start, Acc* max_out, Acc* sumexp_out,
+                                 Acc* target_logit) {
+  alignas(64) Acc buffer[kBlock];
   for (int64_t row = row_begin; row < row_end; ++row) {
     const T* x = logits + row * vocab_local;
-    const Acc max = row_max<T, Acc>(x, vocab_local);
+    // Online: when a block raises the maximum, the sum so far is rescaled to it.
+    Acc max = -std::numeric_limits<Acc>::infinity();
+    Acc sumexp = 0;
+    for (int64_t begin = 0; begin < vocab_local; begin += kBlock) {
+      const int64_t n = std::min(kBlock, vocab_local - begin);
+      const Acc* block = widen(x + begin, n, buffer);
+      const Acc new_max = larger(max, block_max(block, n));
+      sumexp = sumexp * exp_acc<Acc>(max - new_max) + block_sumexp(block, n, new_max);
+      max = new_max;
+    }
     max_out[row] = max;
-    sumexp_out[row] = row_sumexp<T, Acc>(x, vocab_local, max);
+    sumexp_out[row] = sumexp;
     const int64_t local_target = target[row] - vocab_start;
     target_logit[row] = (local_target >= 0 && local_target < vocab_local)
                             ? static_cast<Acc>(load(x[local_target]))
@@ -82,19 +109,28 @@ TDX_MULTIVERSION void stats_rows(const T* logits, const int64_t* target, int64_t
 
 template <typename T, typename Acc>
 TDX_MULTIVERSION void grad_rows(const T* grad_loss, const T* logits, const int64_t* target, const Acc* lse,
-               int64_t row_begin, int64_t row_end, int64_t vocab_local, int64_t vocab_start,
-               int64_t ignore_index, T* grad_logits) {
+                                int64_t row_begin, int64_t row_end, int64_t vocab_local, int64_t vocab_start,
+                                int64_t ignore_index, T* grad_logits) {
+  alignas(64) Acc input[kBlock];
   for (int64_t row = row_begin; row < row_end; ++row) {
     const T* x = logits + row * vocab_local;
     T* dx = grad_logits + row * vocab_local;
     if (target[row] == ignore_index) {
-      for (int64_t v = 0; v < vocab_local; ++v) store(dx[v], 0.0f);
+      for (int64_t v = 0; v < vocab_local; ++v) store(dx[v], Acc(0));
       continue;
     }
     const Acc g = static_cast<Acc>(load(grad_loss[row]));
     const Acc row_lse = lse[row];
-    for (int64_t v = 0; v < vocab_local; ++v) {
-      store(dx[v], g * exp_acc<Acc>(static_cast<Acc>(load(x[v])) - row_lse));
+    for (int64_t begin = 0; begin < vocab_local; begin += kBlock) {
+      const int64_t n = std::min(kBlock, vocab_local - begin);
+      const Acc* block = widen(x + begin, n, input);
+      if constexpr (std::is_same_v<T, Acc>) {
+        for (int64_t v = 0; v < n; ++v) dx[begin + v] = g * exp_acc<Acc>(block[v] - row_lse);
+      } else {
+        alignas(64) Acc output[kBlock];
+        for (int64_t v = 0; v < n; ++v) output[v] = g * exp_acc<Acc>(block[v] - row_lse);
+        narrow(output, n, dx + begin);
+      }
     }
     const int64_t local_target = target[row] - vocab_start;
     if (local_target >= 0 && local_target < vocab_local) {
