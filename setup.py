@@ -40,7 +40,7 @@ def locate_cuda_toolkit() -> None:
 locate_cuda_toolkit()
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parent  # absolute: torch < 2.14 runs ninja outside the source tree
 CUDA_HOST_SUFFIX = "_cuda.cpp"
 # Ampere, Hopper, Blackwell; set TORCH_CUDA_ARCH_LIST to build for others.
 DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0"
