@@ -115,6 +115,29 @@ TEST(VocabShardStats, LongRowsRescaleAcrossBlocksInEveryElementType) {
   }
 }
 
+// Masked logits (-inf) count for nothing, also when whole blocks of a row are
+// masked before its first finite logit; a NaN logit makes the row's sum NaN
+// (as F.cross_entropy's loss is), it is never dropped.
+TEST(VocabShardStats, MaskedLogitsVanishAndNanPropagates) {
+  const int64_t vocab = 5000, masked = 4500;  // row 0: columns [0, 4500) masked, past two blocks
+  std::vector<float> logits(2 * vocab);
+  std::mt19937 gen(5);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (float& x : logits) x = normal(gen);
+  for (int64_t v = 0; v < masked; ++v) logits[v] = -INFINITY;
+  logits[vocab + 3000] = NAN;
+  const std::vector<int64_t> target = {4700, 7};
+  std::vector<float> max(2), sumexp(2), target_logit(2);
+  cpu::vocab_shard_stats<float>(ElementType::kFloat32, logits.data(), target.data(), 0, 2, vocab, 0, max.data(),
+                                sumexp.data(), target_logit.data());
+  double m = -INFINITY, s = 0;
+  for (int64_t v = masked; v < vocab; ++v) m = std::max(m, double(logits[v]));
+  for (int64_t v = masked; v < vocab; ++v) s += std::exp(double(logits[v]) - m);
+  EXPECT_FLOAT_EQ(max[0], m);
+  EXPECT_NEAR(sumexp[0], s, 1e-5 * s);
+  EXPECT_TRUE(std::isnan(sumexp[1]));
+}
+
 TEST(VocabShardGrad, IsSoftmaxMinusOneHotTimesUpstream) {
   for (const int64_t vocab_local : {37, 4500}) {
     const Problem p = make_problem(vocab_local);
@@ -166,5 +189,6 @@ TEST(ExpApprox, WithinFewUlpOfStdExpAndZeroBelowTheNormalRange) {
   EXPECT_EQ(tdx::kernels::cpu::exp_approx(0.0f), 1.0f);
   EXPECT_EQ(tdx::kernels::cpu::exp_approx(-100.0f), 0.0f);
   EXPECT_EQ(tdx::kernels::cpu::exp_approx(-INFINITY), 0.0f);
+  EXPECT_TRUE(std::isnan(tdx::kernels::cpu::exp_approx(NAN)));
   EXPECT_TRUE(std::isfinite(tdx::kernels::cpu::exp_approx(1000.0f)));
 }

@@ -95,7 +95,9 @@ TDX_MULTIVERSION void stats_rows(const T* logits, const int64_t* target, int64_t
       const int64_t n = std::min(kBlock, vocab_local - begin);
       const Acc* block = widen(x + begin, n, buffer);
       const Acc new_max = larger(max, block_max(block, n));
-      sumexp = sumexp * exp_acc<Acc>(max - new_max) + block_sumexp(block, n, new_max);
+      // While every logit so far is -inf (masked), shift by 0: -inf - -inf is NaN.
+      const Acc shift = new_max == -std::numeric_limits<Acc>::infinity() ? Acc(0) : new_max;
+      sumexp = sumexp * exp_acc<Acc>(max - shift) + block_sumexp(block, n, shift);
       max = new_max;
     }
     max_out[row] = max;

@@ -3,7 +3,7 @@
 // with -fno-trapping-math): no branches, no libm calls. Cody-Waite reduction x = n ln2 + r, |r| <= ln2/2,
 // Cephes' degree-6 polynomial for e^r (relative error < 2e-7), then 2^n from
 // the exponent bits. Inputs below -87.3 give 0 (e^-87.3 ~ 1.2e-38, the smallest
-// normal float); inputs above 88 give e^88 ~ 1.7e38 (finite).
+// normal float); inputs above 88 give e^88 ~ 1.7e38 (finite); NaN gives NaN.
 
 #include <cstdint>
 #include <cstring>
@@ -35,7 +35,8 @@ TDX_INLINE float exp_approx(float x) {
   float two_n;
   std::memcpy(&two_n, &bits, sizeof(two_n));
   const float result = e_r * two_n;
-  return x > kLowest ? result : 0.0f;
+  const float result_or_zero = x > kLowest ? result : 0.0f;
+  return x == x ? result_or_zero : x;  // NaN stays NaN
 }
 
 }  // namespace tdx::kernels::cpu

@@ -33,7 +33,10 @@ __device__ __forceinline__ T store_as(Acc v) {
 template <typename Acc>
 __device__ __forceinline__ void merge(Acc& max, Acc& sum, Acc other_max, Acc other_sum) {
   const Acc new_max = max > other_max ? max : other_max;
-  if (new_max == -INFINITY) return;
+  if (new_max == -INFINITY) {  // both sums are 0 (or NaN, which must survive)
+    sum += other_sum;
+    return;
+  }
   sum = sum * exp(max - new_max) + other_sum * exp(other_max - new_max);
   max = new_max;
 }
@@ -54,7 +57,8 @@ __global__ void stats_kernel(const T* __restrict__ logits, const int64_t* __rest
       sum = sum * exp(max - value) + Acc(1);
       max = value;
     } else {
-      sum += exp(value - max);
+      // value <= max, or NaN (which must reach the sum); while max is -inf, so is value: shift by 0.
+      sum += exp(value - (max == -INFINITY ? Acc(0) : max));
     }
   }
   for (int offset = 16; offset > 0; offset /= 2) {
