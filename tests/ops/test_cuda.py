@@ -14,6 +14,8 @@ from torchdist_ext.ops import (
     all_gather_matmul,
     all_gather_weight_grad,
     matmul_reduce_scatter,
+    all_to_all_heads_to_seq,
+    all_to_all_seq_to_heads,
     vocab_parallel_cross_entropy,
 )
 from torchdist_ext.testing import spawn_world
@@ -103,6 +105,26 @@ def check_ring_attention_blocks(dtype, causal):
 @pytest.mark.parametrize("causal", [False, True], ids=["full", "causal"])
 def test_ring_attention_block_kernels(cuda_world, dtype, causal):
     assert cuda_world.run(check_ring_attention_blocks, dtype, causal) == [True]
+
+
+def check_ulysses_all_to_all():
+    """One rank: the NCCL all-to-all and the fused re-layout are the identity, each the other's gradient."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(2, 8, 16, 32, generator=gen).cuda().requires_grad_(True)
+    heads = all_to_all_seq_to_heads(x, group_name())
+    torch.testing.assert_close(heads, x, atol=0, rtol=0)
+    back = all_to_all_heads_to_seq(heads, group_name())
+    torch.testing.assert_close(back, x, atol=0, rtol=0)
+    grad = torch.randn_like(x)
+    back.backward(grad)
+    torch.testing.assert_close(x.grad, grad, atol=0, rtol=0)
+    for op in (torch.ops.tdx.all_to_all_seq_to_heads, torch.ops.tdx.all_to_all_heads_to_seq):
+        torch.library.opcheck(op, (x.detach().requires_grad_(True), group_name()))
+    return True
+
+
+def test_ulysses_all_to_all(cuda_world):
+    assert cuda_world.run(check_ulysses_all_to_all) == [True]
 
 
 def test_lse_merge_kernel_matches_cpu():
