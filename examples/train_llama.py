@@ -187,6 +187,12 @@ def main(argv=None) -> int:
             status = 0 if worst <= args.check_tolerance else 1
         verdict = torch.tensor([status])
         dist.all_reduce(verdict)
+        # all_reduce returns once gloo's worker thread has finished, but that thread
+        # releases the tensor (which takes the GIL) a moment later; if it only gets
+        # there during interpreter shutdown, the process aborts ("terminate called
+        # without an active exception"). barrier() waits, with the GIL released, until
+        # the worker has let go of every earlier work.
+        dist.barrier()
         return int(verdict.item() != 0)
     finally:
         dist.destroy_process_group()
