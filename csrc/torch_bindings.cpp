@@ -29,12 +29,17 @@ TORCH_LIBRARY(tdx, m) {
   // logits: this rank's vocab shard [..., V/tp], covering [vocab_start, vocab_start + V/tp)
   // of a vocabulary of vocab_size. Returns the per-row loss (0 where target ==
   // ignore_index) and the global log-sum-exp (fp32, fp64 for fp64 logits).
+  // inplace_backward: autograd writes the logits' gradient over the (contiguous) logits.
   m.def(
       "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, int vocab_size, "
-      "int ignore_index, str group_name) -> (Tensor loss, Tensor lse)");
+      "int ignore_index, str group_name, bool inplace_backward=False) -> (Tensor loss, Tensor lse)");
   m.def(
       "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
       "Tensor lse, int vocab_start, int ignore_index) -> Tensor");
+  // The same gradient written over the contiguous logits.
+  m.def(
+      "vocab_parallel_cross_entropy_backward_(Tensor grad_loss, Tensor(a!) logits, Tensor target, "
+      "Tensor lse, int vocab_start, int ignore_index) -> ()");
 
   // ---- attention: context-parallel attention over a sequence-sharded ring ----
   // q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] (Hq % Hkv == 0), this rank's sequence

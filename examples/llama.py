@@ -178,7 +178,8 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         block.ffn_norm = RMSNorm.from_rms_norm(block.ffn_norm, **kw)
     model.norm = RMSNorm.from_rms_norm(model.norm, **kw)
     model.output = ColumnParallelLinear.from_linear(model.output, **kw)
-    model.loss_fn = partial(vocab_parallel_cross_entropy, tp_mesh=tp_mesh)
+    # The logits feed nothing but the loss: their gradient can take their memory.
+    model.loss_fn = partial(vocab_parallel_cross_entropy, tp_mesh=tp_mesh, inplace_backward=True)
     for index, block in enumerate(model.layers):
         if compile:
             block = torch.compile(block, fullgraph=True)

@@ -13,6 +13,7 @@ namespace {
 
 constexpr const char* kForward = "vocab_parallel_cross_entropy";
 constexpr const char* kBackward = "vocab_parallel_cross_entropy_backward";
+constexpr const char* kBackwardInplace = "vocab_parallel_cross_entropy_backward_";
 
 // fp64 logits keep fp64 statistics; every other dtype accumulates in fp32.
 c10::ScalarType stats_dtype(c10::ScalarType logits_dtype) {
@@ -29,6 +30,20 @@ void check_logits_and_target(const char* op, const at::Tensor& logits, const at:
   TORCH_CHECK(
       target.device() == logits.device(), op, ": target and logits must be on the same device, got ",
       target.device(), " and ", logits.device());
+}
+
+void check_backward_args(const char* op, const at::Tensor& grad_loss, const at::Tensor& logits,
+                         const at::Tensor& target, const at::Tensor& lse) {
+  check_logits_and_target(op, logits, target);
+  TORCH_CHECK(
+      grad_loss.sizes() == target.sizes() && lse.sizes() == target.sizes(), op, ": grad_loss ", grad_loss.sizes(),
+      " and lse ", lse.sizes(), " must have the target's shape ", target.sizes());
+  TORCH_CHECK_TYPE(
+      grad_loss.scalar_type() == logits.scalar_type(), op, ": grad_loss dtype ", grad_loss.scalar_type(),
+      " must equal the logits dtype ", logits.scalar_type());
+  TORCH_CHECK_TYPE(
+      lse.scalar_type() == stats_dtype(logits.scalar_type()), op, ": lse must be ",
+      stats_dtype(logits.scalar_type()), " for ", logits.scalar_type(), " logits, got ", lse.scalar_type());
 }
 
 // Per-row loss and log-sum-exp from every rank's statistics:
@@ -85,7 +100,7 @@ void cpu_shard_grad(const at::Tensor& grad_loss, const at::Tensor& logits, const
 
 std::tuple<at::Tensor, at::Tensor> cpu_forward(
     const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start, int64_t vocab_size,
-    int64_t ignore_index, c10::string_view group_name) {
+    int64_t ignore_index, c10::string_view group_name, bool /*inplace_backward: autograd's concern*/) {
   // Out-of-range targets are checked here; on CUDA the check would cost a sync.
   if (target.numel() > 0) {
     const auto bad = ((target < 0) | (target >= vocab_size)) & (target != ignore_index);
@@ -101,6 +116,12 @@ at::Tensor cpu_backward(const at::Tensor& grad_loss, const at::Tensor& logits, c
                         const at::Tensor& lse, int64_t vocab_start, int64_t ignore_index) {
   return vocab_parallel_cross_entropy_backward(
       &cpu_shard_grad, grad_loss, logits, target, lse, vocab_start, ignore_index);
+}
+
+void cpu_backward_inplace(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+                          const at::Tensor& lse, int64_t vocab_start, int64_t ignore_index) {
+  vocab_parallel_cross_entropy_backward_(&cpu_shard_grad, grad_loss, logits, target, lse, vocab_start,
+                                         ignore_index);
 }
 
 }  // namespace
@@ -124,17 +145,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy(
 at::Tensor vocab_parallel_cross_entropy_backward(
     ShardGradKernel kernel, const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
     const at::Tensor& lse, int64_t vocab_start, int64_t ignore_index) {
-  check_logits_and_target(kBackward, logits, target);
-  TORCH_CHECK(
-      grad_loss.sizes() == target.sizes() && lse.sizes() == target.sizes(), kBackward,
-      ": grad_loss ", grad_loss.sizes(), " and lse ", lse.sizes(), " must have the target's shape ",
-      target.sizes());
-  TORCH_CHECK_TYPE(
-      grad_loss.scalar_type() == logits.scalar_type(), kBackward, ": grad_loss dtype ",
-      grad_loss.scalar_type(), " must equal the logits dtype ", logits.scalar_type());
-  TORCH_CHECK_TYPE(
-      lse.scalar_type() == stats_dtype(logits.scalar_type()), kBackward, ": lse must be ",
-      stats_dtype(logits.scalar_type()), " for ", logits.scalar_type(), " logits, got ", lse.scalar_type());
+  check_backward_args(kBackward, grad_loss, logits, target, lse);
   const int64_t vocab_local = logits.size(-1);
   const auto logits_2d = logits.reshape({-1, vocab_local}).contiguous();
   auto grad_logits = at::empty_like(logits_2d);
@@ -143,9 +154,20 @@ at::Tensor vocab_parallel_cross_entropy_backward(
   return grad_logits.view(logits.sizes());
 }
 
+void vocab_parallel_cross_entropy_backward_(
+    ShardGradKernel kernel, const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+    const at::Tensor& lse, int64_t vocab_start, int64_t ignore_index) {
+  check_backward_args(kBackwardInplace, grad_loss, logits, target, lse);
+  TORCH_CHECK(logits.is_contiguous(), kBackwardInplace, ": logits must be contiguous to take the gradient in place");
+  auto logits_2d = logits.view({-1, logits.size(-1)});
+  kernel(grad_loss.reshape(-1).contiguous(), logits_2d, target.reshape(-1).contiguous(),
+         lse.reshape(-1).contiguous(), vocab_start, ignore_index, logits_2d);
+}
+
 TORCH_LIBRARY_IMPL(tdx, CPU, m) {
   m.impl("vocab_parallel_cross_entropy", &cpu_forward);
   m.impl("vocab_parallel_cross_entropy_backward", &cpu_backward);
+  m.impl("vocab_parallel_cross_entropy_backward_", &cpu_backward_inplace);
 }
 
 }  // namespace tdx::ops

@@ -28,4 +28,9 @@ at::Tensor vocab_parallel_cross_entropy_backward(
     ShardGradKernel kernel, const at::Tensor& grad_loss, const at::Tensor& logits,
     const at::Tensor& target, const at::Tensor& lse, int64_t vocab_start, int64_t ignore_index);
 
+// The gradient written over logits, which must be contiguous.
+void vocab_parallel_cross_entropy_backward_(
+    ShardGradKernel kernel, const at::Tensor& grad_loss, const at::Tensor& logits,
+    const at::Tensor& target, const at::Tensor& lse, int64_t vocab_start, int64_t ignore_index);
+
 }  // namespace tdx::ops

@@ -43,7 +43,7 @@ void cuda_shard_grad(const at::Tensor& grad_loss, const at::Tensor& logits, cons
 
 std::tuple<at::Tensor, at::Tensor> cuda_forward(
     const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start, int64_t vocab_size,
-    int64_t ignore_index, c10::string_view group_name) {
+    int64_t ignore_index, c10::string_view group_name, bool /*inplace_backward: autograd's concern*/) {
   return vocab_parallel_cross_entropy(
       &cuda_shard_stats, logits, target, vocab_start, vocab_size, ignore_index, group_name);
 }
@@ -54,11 +54,18 @@ at::Tensor cuda_backward(const at::Tensor& grad_loss, const at::Tensor& logits, 
       &cuda_shard_grad, grad_loss, logits, target, lse, vocab_start, ignore_index);
 }
 
+void cuda_backward_inplace(const at::Tensor& grad_loss, const at::Tensor& logits, const at::Tensor& target,
+                           const at::Tensor& lse, int64_t vocab_start, int64_t ignore_index) {
+  vocab_parallel_cross_entropy_backward_(&cuda_shard_grad, grad_loss, logits, target, lse, vocab_start,
+                                         ignore_index);
+}
+
 }  // namespace
 
 TORCH_LIBRARY_IMPL(tdx, CUDA, m) {
   m.impl("vocab_parallel_cross_entropy", &cuda_forward);
   m.impl("vocab_parallel_cross_entropy_backward", &cuda_backward);
+  m.impl("vocab_parallel_cross_entropy_backward_", &cuda_backward_inplace);
 }
 
 }  // namespace tdx::ops

@@ -179,6 +179,26 @@ TEST(VocabShardGrad, BFloat16MatchesFloatWithinRounding) {
   }
 }
 
+TEST(VocabShardGrad, InPlaceEqualsOutOfPlace) {
+  const Problem p = make_problem(4500);
+  std::vector<float> lse(p.rows, 6.0f), upstream(p.rows, 0.5f), out_of_place(p.logits.size());
+  cpu::vocab_shard_grad<float>(ElementType::kFloat32, upstream.data(), p.logits.data(), p.target.data(), lse.data(),
+                               0, p.rows, p.vocab_local, p.vocab_start, -100, out_of_place.data());
+  std::vector<float> in_place = p.logits;
+  cpu::vocab_shard_grad<float>(ElementType::kFloat32, upstream.data(), in_place.data(), p.target.data(), lse.data(),
+                               0, p.rows, p.vocab_local, p.vocab_start, -100, in_place.data());
+  EXPECT_EQ(in_place, out_of_place);
+
+  std::vector<tdx::kernels::BFloat16> logits, upstream_bf16, out_of_place_bf16(p.logits.size());
+  for (float x : p.logits) logits.push_back(tdx::kernels::to_bfloat16(x));
+  for (float u : upstream) upstream_bf16.push_back(tdx::kernels::to_bfloat16(u));
+  cpu::vocab_shard_grad<float>(ElementType::kBFloat16, upstream_bf16.data(), logits.data(), p.target.data(),
+                               lse.data(), 0, p.rows, p.vocab_local, p.vocab_start, -100, out_of_place_bf16.data());
+  cpu::vocab_shard_grad<float>(ElementType::kBFloat16, upstream_bf16.data(), logits.data(), p.target.data(),
+                               lse.data(), 0, p.rows, p.vocab_local, p.vocab_start, -100, logits.data());
+  for (size_t i = 0; i < logits.size(); ++i) EXPECT_EQ(logits[i].bits, out_of_place_bf16[i].bits) << i;
+}
+
 TEST(ExpApprox, WithinFewUlpOfStdExpAndZeroBelowTheNormalRange) {
   double worst = 0;
   for (float x = -87.0f; x <= 88.0f; x += 0.001953125f) {

@@ -106,13 +106,18 @@ def run_opcheck():
         logits_full, target = problem(16, torch.float32)
         local, start = shard_args(logits_full)
         local.requires_grad_(requires_grad)
-        torch.library.opcheck(
-            torch.ops.tdx.vocab_parallel_cross_entropy, (local, target, start, 16, IGNORE, name)
-        )
+        for inplace_backward in (False, True):
+            torch.library.opcheck(
+                torch.ops.tdx.vocab_parallel_cross_entropy, (local, target, start, 16, IGNORE, name, inplace_backward)
+            )
         _, lse = vocab_parallel_cross_entropy(local.detach(), target, start, 16, IGNORE, name)
         torch.library.opcheck(
             torch.ops.tdx.vocab_parallel_cross_entropy_backward,
             (torch.ones(target.shape), local.detach(), target, lse, start, IGNORE),
+        )
+        torch.library.opcheck(
+            torch.ops.tdx.vocab_parallel_cross_entropy_backward_,
+            (torch.ones(target.shape), local.detach().clone(), target, lse, start, IGNORE),
         )
     return True
 
@@ -121,13 +126,13 @@ def test_opcheck(world2):
     assert world2.run(run_opcheck) == [True, True]
 
 
-def run_compiled():
+def run_compiled(inplace_backward):
     logits_full, target = problem(16, torch.float32)
     local, start = shard_args(logits_full)
     name = dist.group.WORLD.group_name
 
     def mean_loss(x):
-        loss, _ = vocab_parallel_cross_entropy(x * 2.0, target, start, 16, IGNORE, name)
+        loss, _ = vocab_parallel_cross_entropy(x * 2.0, target, start, 16, IGNORE, name, inplace_backward)
         return loss.sum() / (target != IGNORE).sum()
 
     eager_x = local.clone().requires_grad_(True)
@@ -141,8 +146,53 @@ def run_compiled():
     return True
 
 
-def test_compile_fullgraph(world2):
-    assert world2.run(run_compiled) == [True, True]
+@pytest.mark.parametrize("inplace_backward", [False, True], ids=["out_of_place", "inplace_backward"])
+def test_compile_fullgraph(world2, inplace_backward):
+    assert world2.run(run_compiled, inplace_backward) == [True, True]
+
+
+def check_inplace_backward(dtype):
+    """The gradient written over the logits: the LM head's gradients match the out-of-place
+    backward exactly, and the logits buffer ends up holding its own gradient."""
+    logits_full, target = problem(64, dtype)
+    local, start = shard_args(logits_full)
+    name = dist.group.WORLD.group_name
+    results = {}
+    for inplace in (False, True):
+        hidden = torch.linspace(-1, 1, 3 * 5 * 8).view(3, 5, 8).to(dtype).requires_grad_(True)
+        head = torch.linspace(-2, 2, local.shape[-1] * 8).view(local.shape[-1], 8).to(dtype).requires_grad_(True)
+        logits = hidden @ head.t() + local  # the LM head's output, used by nothing else
+        loss, _ = vocab_parallel_cross_entropy(logits, target, start, 64, IGNORE, name, inplace)
+        upstream = torch.linspace(0.5, 1.5, loss.numel()).view(loss.shape).to(dtype)
+        saved = logits.detach()
+        loss.backward(upstream)
+        results[inplace] = (hidden.grad, head.grad, saved.clone())
+    logits = results[False][2]  # untouched by the out-of-place backward
+    _, lse = vocab_parallel_cross_entropy(logits, target, start, 64, IGNORE, name)
+    grad_logits = torch.ops.tdx.vocab_parallel_cross_entropy_backward(upstream, logits, target, lse, start, IGNORE)
+    torch.testing.assert_close(results[True][0], results[False][0], atol=0, rtol=0)
+    torch.testing.assert_close(results[True][1], results[False][1], atol=0, rtol=0)
+    torch.testing.assert_close(results[True][2], grad_logits, atol=0, rtol=0)
+    return True
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_inplace_backward(world2, dtype):
+    assert world2.run(check_inplace_backward, dtype) == [True, True]
+
+
+def inplace_backward_with_another_consumer():
+    logits_full, target = problem(16, torch.float32)
+    local, start = shard_args(logits_full)
+    logits = (local * 1.0).requires_grad_(True) * 2.0
+    penalty = logits.square().sum()  # saves logits for its backward, which runs after the loss's
+    loss, _ = vocab_parallel_cross_entropy(logits, target, start, 16, IGNORE, dist.group.WORLD.group_name, True)
+    (penalty + loss.sum()).backward()
+
+
+def test_inplace_backward_fails_loudly_when_logits_are_needed_again(world2):
+    with pytest.raises(Exception, match="modified by an inplace operation"):
+        world2.run(inplace_backward_with_another_consumer)
 
 
 def out_of_range_target():

@@ -13,7 +13,7 @@ _REDUCTIONS = ("mean", "sum", "none")
 
 
 def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, tp_mesh: DeviceMesh, ignore_index: int = -100,
-                                 reduction: str = "mean") -> Tensor:
+                                 reduction: str = "mean", inplace_backward: bool = False) -> Tensor:
     """``F.cross_entropy(full_logits, target)`` from this rank's vocab shard of the logits.
 
     Args:
@@ -21,6 +21,9 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, tp_mesh: Dev
             (a ``ColumnParallelLinear`` LM head without gather_output).
         target: ``[...]`` int64 ids in ``[0, V)`` or ``ignore_index``, the same on every rank.
         reduction: ``"mean"`` over non-ignored targets, ``"sum"``, or ``"none"``.
+        inplace_backward: write the logits' gradient over ``logits`` in the backward
+            (one logits-sized buffer less at the step's peak); only when nothing else
+            needs ``logits`` afterwards (see ``torchdist_ext.ops.vocab_parallel_cross_entropy``).
     Returns:
         The loss, identical on every rank of ``tp_mesh``; the gradient flows to
         each rank's logits shard. Full-vocab logits are never built.
@@ -39,7 +42,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, tp_mesh: Dev
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     vocab_local = logits.shape[-1]
     loss, _ = ops.vocab_parallel_cross_entropy(
-        logits, target, tp.rank * vocab_local, vocab_local * tp.size, ignore_index, tp.name
+        logits, target, tp.rank * vocab_local, vocab_local * tp.size, ignore_index, tp.name, inplace_backward
     )
     if reduction == "none":
         return loss

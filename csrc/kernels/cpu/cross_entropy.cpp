@@ -123,6 +123,10 @@ TDX_MULTIVERSION void grad_rows(const T* grad_loss, const T* logits, const int64
     }
     const Acc g = static_cast<Acc>(load(grad_loss[row]));
     const Acc row_lse = lse[row];
+    // Read before the row is written: grad_logits may be logits itself.
+    const int64_t local_target = target[row] - vocab_start;
+    const bool target_here = local_target >= 0 && local_target < vocab_local;
+    const Acc target_logit = target_here ? static_cast<Acc>(load(x[local_target])) : Acc(0);
     for (int64_t begin = 0; begin < vocab_local; begin += kBlock) {
       const int64_t n = std::min(kBlock, vocab_local - begin);
       const Acc* block = widen(x + begin, n, input);
@@ -134,10 +138,8 @@ TDX_MULTIVERSION void grad_rows(const T* grad_loss, const T* logits, const int64
         narrow(output, n, dx + begin);
       }
     }
-    const int64_t local_target = target[row] - vocab_start;
-    if (local_target >= 0 && local_target < vocab_local) {
-      const Acc p = exp_acc<Acc>(static_cast<Acc>(load(x[local_target])) - row_lse);
-      store(dx[local_target], g * (p - Acc(1)));
+    if (target_here) {
+      store(dx[local_target], g * (exp_acc<Acc>(target_logit - row_lse) - Acc(1)));
     }
   }
 }

@@ -20,7 +20,7 @@ void vocab_shard_stats(
 
 // grad_logits[i, v] = grad_loss[i] * (exp(logits[i, v] - lse[i]) - [vocab_start + v == target[i]]),
 // and 0 for rows whose target is ignore_index. grad_loss and grad_logits have
-// the logits' element type.
+// the logits' element type; grad_logits may be logits (in place).
 template <typename Acc>
 void vocab_shard_grad(
     ElementType type, const void* grad_loss, const void* logits, const int64_t* target, const Acc* lse,

@@ -85,11 +85,11 @@ __global__ void stats_kernel(const T* __restrict__ logits, const int64_t* __rest
   }
 }
 
+// grad_logits may be logits (in place): every element is read by the thread that writes it.
 template <typename T, typename Acc>
-__global__ void grad_kernel(const T* __restrict__ grad_loss, const T* __restrict__ logits,
-                            const int64_t* __restrict__ target, const Acc* __restrict__ lse,
-                            int64_t vocab_local, int64_t vocab_start, int64_t ignore_index,
-                            T* __restrict__ grad_logits) {
+__global__ void grad_kernel(const T* __restrict__ grad_loss, const T* logits, const int64_t* __restrict__ target,
+                            const Acc* __restrict__ lse, int64_t vocab_local, int64_t vocab_start,
+                            int64_t ignore_index, T* grad_logits) {
   const int64_t row = blockIdx.x;
   const T* x = logits + row * vocab_local;
   T* dx = grad_logits + row * vocab_local;
