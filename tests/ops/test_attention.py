@@ -129,29 +129,39 @@ def test_opcheck(world2):
     assert all(world2.run(run_opcheck))
 
 
-def run_compiled(method):
+def run_compiled(method, dynamic):
+    """Compiled equals eager, forward and gradients; with dynamic shapes, a second sequence length
+    runs on the same graph (no recompile)."""
     torch._dynamo.reset()
-    q = draw(1, 2, 4, 8, 8, grad=True)
-    k = draw(2, 2, 2, 8, 8, grad=True)
-    v = draw(3, 2, 2, 8, 8, grad=True)
     fn = sharded_attention(method, "contiguous" if method == "ulysses" else "zigzag", True)
-    eager = fn(q, k, v)
-    eager_grads = torch.autograd.grad(eager.square().sum(), (q, k, v))
-    compiled = torch.compile(fn, fullgraph=True)(q, k, v)
-    compiled_grads = torch.autograd.grad(compiled.square().sum(), (q, k, v))
-    torch.testing.assert_close(compiled, eager)
-    for c, e in zip(compiled_grads, eager_grads):
-        torch.testing.assert_close(c, e)
+    compiled_fn = torch.compile(fn, fullgraph=True, dynamic=dynamic)
+    for seq in (16, 32) if dynamic else (16,):  # never equal to head_dim, which would share its symbol
+        q = draw(1, 2, 4, seq, 8, grad=True)
+        k = draw(2, 2, 2, seq, 8, grad=True)
+        v = draw(3, 2, 2, seq, 8, grad=True)
+        eager = fn(q, k, v)
+        eager_grads = torch.autograd.grad(eager.square().sum(), (q, k, v))
+        with torch.compiler.set_stance("fail_on_recompile" if seq > 16 else "default"):
+            compiled = compiled_fn(q, k, v)
+        compiled_grads = torch.autograd.grad(compiled.square().sum(), (q, k, v))
+        torch.testing.assert_close(compiled, eager)
+        for c, e in zip(compiled_grads, eager_grads):
+            torch.testing.assert_close(c, e)
     return True
 
 
+DYNAMIC = [pytest.param(False, id="static"), pytest.param(True, id="dynamic")]
+
+
+@pytest.mark.parametrize("dynamic", DYNAMIC)
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_compile_fullgraph(world2, method):
-    assert all(world2.run(run_compiled, method))
+def test_compile_fullgraph(world2, method, dynamic):
+    assert all(world2.run(run_compiled, method, dynamic))
 
 
-def test_compile_fullgraph_hybrid(world4):
-    assert all(world4.run(run_compiled, "hybrid"))
+@pytest.mark.parametrize("dynamic", DYNAMIC)
+def test_compile_fullgraph_hybrid(world4, dynamic):
+    assert all(world4.run(run_compiled, "hybrid", dynamic))
 
 
 def odd_zigzag_sequence():

@@ -65,3 +65,30 @@ def check_compiled_matches_eager(sequence_parallel):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_compiled_block_matches_eager(world2, sequence_parallel):
     assert all(world2.run(check_compiled_matches_eager, sequence_parallel))
+
+
+def check_dynamic_sequence_length(sequence_parallel):
+    """Compiled with dynamic shapes, three sequence lengths run on one graph and match eager (loss and gradients)."""
+    torch.manual_seed(0)
+    mesh = cached_mesh((dist.get_world_size(),), ("tp",))
+    eager = LanguageModelBlock(mesh, sequence_parallel)
+    torch._dynamo.reset()
+    compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, dynamic=True)
+    for step, seq in enumerate((SEQ, 2 * SEQ, 3 * SEQ)):
+        gen = torch.Generator().manual_seed(seq)
+        ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+        target = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
+        with torch.compiler.set_stance("fail_on_recompile" if step else "default"):
+            compiled_loss = compiled(ids, target)
+            compiled_loss.backward()
+        eager_loss = eager(ids, target)
+        eager_loss.backward()
+        assert_close_to_scale(compiled_loss, eager_loss, what=f"loss at sequence length {seq}")
+    for (name, p_c), p_e in zip(compiled.named_parameters(), eager.parameters()):
+        assert_close_to_scale(p_c.grad.full_tensor(), p_e.grad.full_tensor(), what=f"{name} grad summed over lengths")
+    return True
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_compiled_block_dynamic_sequence_length(world2, sequence_parallel):
+    assert all(world2.run(check_dynamic_sequence_length, sequence_parallel))

@@ -97,8 +97,11 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, sp_mesh: DeviceMesh, c
     group = MeshGroup.of(sp_mesh, "sp_mesh")
 
     def local_attention(q_h, k_h, v_h):
+        # A branch, not an expression: compiled with dynamic shapes, the head counts are symbolic and SDPA
+        # takes only a plain bool.
+        grouped = True if k_h.shape[1] != q_h.shape[1] else False
         return F.scaled_dot_product_attention(
-            q_h, k_h, v_h, is_causal=bool(causal), scale=_scale(q, scale), enable_gqa=k_h.shape[1] != q_h.shape[1]
+            q_h, k_h, v_h, is_causal=bool(causal), scale=_scale(q, scale), enable_gqa=grouped
         )
 
     return _ulysses(q, k, v, group, "sp_mesh", local_attention)
