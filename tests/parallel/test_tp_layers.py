@@ -33,32 +33,34 @@ def seeded(seed, *shape, dtype=torch.float32):
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed)).to(dtype)
 
 
-def into_region(x_full, sequence_parallel, mesh):
-    return shard_replicated(x_full, mesh, 1) if sequence_parallel else x_full
+def into_region(x_full, sequence_parallel, mesh, seq_dim=1):
+    return shard_replicated(x_full, mesh, seq_dim) if sequence_parallel else x_full
 
 
-def out_of_region(y, sequence_parallel, mesh):
-    return gather_replicated(y, mesh, 1) if sequence_parallel else y
+def out_of_region(y, sequence_parallel, mesh, seq_dim=1):
+    return gather_replicated(y, mesh, seq_dim) if sequence_parallel else y
 
 
-def check_mlp(sequence_parallel, bias, dtype):
+def check_mlp(sequence_parallel, bias, dtype, shape=(BATCH, SEQ, HIDDEN), seq_dim=1):
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(HIDDEN, FFN, bias=bias), nn.GELU(), nn.Linear(FFN, HIDDEN, bias=bias))
     reference = reference.to(dtype)
     mesh = tp_mesh()
+    sp = dict(sequence_parallel=sequence_parallel, seq_dim=seq_dim)
     parallel = nn.Sequential(
-        ColumnParallelLinear.from_linear(reference[0], tp_mesh=mesh, sequence_parallel=sequence_parallel),
+        ColumnParallelLinear.from_linear(reference[0], tp_mesh=mesh, **sp),
         nn.GELU(),
-        RowParallelLinear.from_linear(reference[2], tp_mesh=mesh, sequence_parallel=sequence_parallel),
+        RowParallelLinear.from_linear(reference[2], tp_mesh=mesh, **sp),
     )
-    x_ref = seeded(1, BATCH, SEQ, HIDDEN, dtype=dtype).requires_grad_(True)
+    x_ref = seeded(1, *shape, dtype=dtype).requires_grad_(True)
     x_par = x_ref.detach().clone().requires_grad_(True)
-    upstream = seeded(2, BATCH, SEQ, HIDDEN, dtype=dtype)
+    upstream = seeded(2, *shape, dtype=dtype)
 
     # The reference runs in fp32 on the same (possibly bf16-rounded) values.
     expected = reference.float()(x_ref.float())
     expected.backward(upstream.float())
-    actual = out_of_region(parallel(into_region(x_par, sequence_parallel, mesh)), sequence_parallel, mesh)
+    actual = out_of_region(parallel(into_region(x_par, sequence_parallel, mesh, seq_dim)), sequence_parallel, mesh,
+                           seq_dim)
     actual.backward(upstream)
 
     assert actual.dtype == dtype
@@ -79,6 +81,21 @@ def test_mlp_fp32(world, sequence_parallel, bias, request):
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_mlp_bf16(world2, sequence_parallel):
     assert all(world2.run(check_mlp, sequence_parallel, True, torch.bfloat16))
+
+
+# Megatron's [seq, batch, hidden], a negative seq_dim, flattened tokens, and an extra leading dim.
+SEQUENCE_LAYOUTS = {
+    "SBH-dim0": ((SEQ, BATCH, HIDDEN), 0),
+    "BSH-dim-2": ((BATCH, SEQ, HIDDEN), -2),
+    "SH-dim0": ((SEQ, HIDDEN), 0),
+    "BXSH-dim2": ((BATCH, 3, SEQ, HIDDEN), 2),
+}
+
+
+@pytest.mark.parametrize("layout", list(SEQUENCE_LAYOUTS))
+def test_mlp_sequence_dim_layouts(world2, layout):
+    shape, seq_dim = SEQUENCE_LAYOUTS[layout]
+    assert all(world2.run(check_mlp, True, True, torch.float32, shape, seq_dim))
 
 
 def check_unfused_entries_and_exits(bias):
