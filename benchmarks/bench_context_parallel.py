@@ -19,12 +19,9 @@ F.scaled_dot_product_attention on the full sequence in one process (rank 0 alone
 """
 
 import argparse
-import ctypes
 import json
-import os
 import statistics
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -33,6 +30,9 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_memory import PeakMemory  # noqa: E402
+
 import torchdist_ext  # noqa: E402,F401
 from torchdist_ext.parallel import (  # noqa: E402
     hybrid_attention,
@@ -44,41 +44,6 @@ from torchdist_ext.parallel.sequence_sharding import zigzag_order  # noqa: E402
 from torchdist_ext.testing import cached_mesh, spawn_world  # noqa: E402
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
-PAGE = os.sysconf("SC_PAGE_SIZE")
-
-
-class PeakResidentMemory:
-    """Samples this process's resident memory in a thread; ``peak_mb`` above the value at entry.
-
-    On entry the C allocator returns its free memory to the system (glibc ``malloc_trim``), so that
-    memory freed by earlier cases is not silently reused below the baseline.
-    """
-
-    def __enter__(self):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-        self.baseline = self.peak = self._rss()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._sample, daemon=True)
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc):
-        self._stop.set()
-        self._thread.join()
-
-    @staticmethod
-    def _rss() -> int:
-        with open("/proc/self/statm") as f:
-            return int(f.read().split()[1]) * PAGE
-
-    def _sample(self):
-        while not self._stop.is_set():
-            self.peak = max(self.peak, self._rss())
-            time.sleep(0.0005)
-
-    @property
-    def peak_mb(self) -> float:
-        return (self.peak - self.baseline) / 2**20
 
 
 def median_seconds(fn, repeats: int) -> float:
@@ -223,7 +188,7 @@ def run_case(seq_total: int, method: str, repeats: int) -> dict:
     with torch.no_grad():
         result["fwd_s"] = median_seconds(fwd, repeats)
     result["fwd_bwd_s"] = median_seconds(fwd_bwd, repeats)
-    with PeakResidentMemory() as memory:
+    with PeakMemory() as memory:
         fwd_bwd()
     result["peak_mb"] = memory.peak_mb
     return result
