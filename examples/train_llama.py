@@ -187,16 +187,21 @@ def main(argv=None) -> int:
             status = 0 if worst <= args.check_tolerance else 1
         verdict = torch.tensor([status])
         dist.all_reduce(verdict)
-        # all_reduce returns once gloo's worker thread has finished, but that thread
-        # releases the tensor (which takes the GIL) a moment later; if it only gets
-        # there during interpreter shutdown, the process aborts ("terminate called
-        # without an active exception"). barrier() waits, with the GIL released, until
-        # the worker has let go of every earlier work.
-        dist.barrier()
         return int(verdict.item() != 0)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    exit_code = main()
+    # Leave without the interpreter's shutdown. gloo's worker threads outlive the
+    # process group's Python handle: a collective returns once its work is complete,
+    # and the worker drops the work (and with it the last reference to a Python-owned
+    # tensor, which takes the GIL) a moment later. A thread that asks for the GIL
+    # during shutdown is ended by pthread_exit, which unwinds through a noexcept C++
+    # frame and aborts the process ("terminate called without an active exception")
+    # in about one run in 30-50 on an oversubscribed machine. Everything is reported
+    # and the process group destroyed: nothing is left for shutdown to do.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(exit_code)
