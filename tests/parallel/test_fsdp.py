@@ -2,14 +2,15 @@
 
 The reference is the same two-block model in one process on the whole batch.
 Checked: the loss, every gradient (full_tensor()), the weights after an
-optimizer step, and gradient accumulation over two micro-batches.
+optimizer step, gradient accumulation over two micro-batches, and FSDP2's mixed
+precision (bf16 compute and all-gathers, fp32 gradient reduction and master weights).
 """
 
 import pytest
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 import torchdist_ext  # noqa: F401
 from tests.numerics import assert_close_to_scale
@@ -35,7 +36,8 @@ def reference_model() -> nn.Sequential:
     return nn.Sequential(*(Block(nn.Linear(HIDDEN, FFN), nn.Linear(FFN, HIDDEN)) for _ in range(2)))
 
 
-def parallel_model(reference, tp_mesh, dp_mesh, sequence_parallel) -> nn.Sequential:
+def parallel_model(reference, tp_mesh, dp_mesh, sequence_parallel,
+                   mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> nn.Sequential:
     blocks = [
         Block(
             ColumnParallelLinear.from_linear(block.up, tp_mesh=tp_mesh, sequence_parallel=sequence_parallel),
@@ -45,8 +47,8 @@ def parallel_model(reference, tp_mesh, dp_mesh, sequence_parallel) -> nn.Sequent
     ]
     model = nn.Sequential(*blocks)
     for block in model:
-        fully_shard(block, mesh=dp_mesh)
-    return fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    return fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
 
 
 def inputs():
@@ -60,13 +62,13 @@ def loss_fn(y):
 class ParallelRun:
     """The 4-rank side: this rank's data slice, the TP shard in, the full output back."""
 
-    def __init__(self, sequence_parallel):
+    def __init__(self, sequence_parallel, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()):
         mesh = cached_mesh((2, 2), ("dp", "tp"))
         self.tp_mesh = mesh["tp"]
         self.dp_rank = mesh["dp"].get_local_rank()
         self.sp = sequence_parallel
         self.reference = reference_model()
-        self.model = parallel_model(self.reference, mesh["tp"], mesh["dp"], sequence_parallel)
+        self.model = parallel_model(self.reference, mesh["tp"], mesh["dp"], sequence_parallel, mp_policy)
 
     def loss(self, x_dp):
         x = shard_replicated(x_dp, self.tp_mesh, 1) if self.sp else x_dp
@@ -116,6 +118,26 @@ def check_gradient_accumulation(sequence_parallel):
     return True
 
 
+def check_mixed_precision(sequence_parallel):
+    """bf16 parameters in forward/backward, fp32 gradient reduction: the loss is bf16, the
+    gradients and the sharded master weights stay fp32; all within bf16 tolerance of fp32."""
+    run = ParallelRun(sequence_parallel, MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    x = inputs()
+    expected = loss_fn(run.reference(x))
+    expected.backward()
+    actual = run.loss(run.local_batch(x))
+    actual.backward()
+    assert actual.dtype == torch.bfloat16
+    global_loss = actual.detach().float()
+    dist.all_reduce(global_loss, group=cached_mesh((2, 2), ("dp", "tp"))["dp"].get_group())
+    assert_close_to_scale(global_loss / 2, expected, torch.bfloat16, "loss")
+    reference_grads = [p.grad for p in run.reference.parameters()]
+    for p, grad, ref in zip(run.model.parameters(), full_grads(run.model), reference_grads):
+        assert p.dtype == grad.dtype == torch.float32
+        assert_close_to_scale(grad, ref, torch.bfloat16, "grad")
+    return True
+
+
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_loss_gradients_and_optimizer_step_match_one_process(world4, sequence_parallel):
     assert all(world4.run(check_loss_grads_and_step, sequence_parallel))
@@ -124,3 +146,8 @@ def test_loss_gradients_and_optimizer_step_match_one_process(world4, sequence_pa
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
 def test_gradient_accumulation_matches_one_big_batch(world4, sequence_parallel):
     assert all(world4.run(check_gradient_accumulation, sequence_parallel))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
+def test_mixed_precision_bf16_params_fp32_reduce(world4, sequence_parallel):
+    assert all(world4.run(check_mixed_precision, sequence_parallel))
