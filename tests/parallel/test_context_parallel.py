@@ -130,10 +130,11 @@ class AttentionBlock(torch.nn.Module):
         return x + self.wo(self.attend(q, k, v).transpose(1, 2).flatten(-2))
 
 
-def check_fsdp_dp2_cp2(method):
+def check_fsdp_dp2_cp2(method, mixed_precision):
     """dp=2 x cp=2: FSDP2 shards over the flattened dp x cp mesh, because the cp ranks hold the same
-    parameters and their gradients (from different tokens) must be summed too."""
-    from torch.distributed.fsdp import fully_shard
+    parameters and their gradients (from different tokens) must be summed too. With mixed precision,
+    attention runs in bf16 and gradients are reduced in fp32 (bf16 tolerance against fp32)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     mesh = cached_mesh((2, 2), ("dp", "cp"))
     cp = mesh["cp"]
@@ -148,9 +149,12 @@ def check_fsdp_dp2_cp2(method):
     parallel = torch.nn.Sequential(AttentionBlock(attend=attend), AttentionBlock(attend=attend))
     parallel.load_state_dict(reference.state_dict())
     dp_cp = mesh["dp", "cp"]._flatten("dp_cp")
+    policy, dtype = MixedPrecisionPolicy(), torch.float32
+    if mixed_precision:
+        policy, dtype = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32), torch.bfloat16
     for block in parallel:
-        fully_shard(block, mesh=dp_cp)
-    fully_shard(parallel, mesh=dp_cp)
+        fully_shard(block, mesh=dp_cp, mp_policy=policy)
+    fully_shard(parallel, mesh=dp_cp, mp_policy=policy)
 
     x = torch.randn(4, 16, 16, generator=torch.Generator().manual_seed(1))
     expected = reference(x)
@@ -160,14 +164,16 @@ def check_fsdp_dp2_cp2(method):
     y = parallel(x_local)
     loss = (y.sin() * y).mean()
     loss.backward()
-    global_loss = loss.detach().clone()
+    assert loss.dtype == dtype
+    global_loss = loss.detach().float()
     dist.all_reduce(global_loss)
-    assert_close_to_scale(global_loss / 4, expected_loss, what="loss")
+    assert_close_to_scale(global_loss / 4, expected_loss, dtype, "loss")
     for (name, p), ref in zip(parallel.named_parameters(), reference.parameters()):
-        assert_close_to_scale(p.grad.full_tensor(), ref.grad, what=f"{name} grad")
+        assert_close_to_scale(p.grad.full_tensor(), ref.grad, dtype, f"{name} grad")
     return True
 
 
+@pytest.mark.parametrize("mixed_precision", [False, True], ids=["fp32", "bf16-params-fp32-reduce"])
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_fsdp_dp2_x_cp2_gradients_match_one_process(world4, method):
-    assert all(world4.run(check_fsdp_dp2_cp2, method))
+def test_fsdp_dp2_x_cp2_gradients_match_one_process(world4, method, mixed_precision):
+    assert all(world4.run(check_fsdp_dp2_cp2, method, mixed_precision))
