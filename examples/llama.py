@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import fully_shard
+from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchdist_ext.parallel import (
     ColumnParallelLinear,
@@ -151,9 +151,10 @@ def check_layout(cfg: LlamaConfig, tp: int) -> None:
 
 def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool,
                       attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                      compile: bool = False) -> Llama:
+                      compile: bool = False, mp_policy: MixedPrecisionPolicy | None = None) -> Llama:
     """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
-    attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh``.
+    attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh`` (with its
+    mixed-precision policy ``mp_policy``, e.g. bf16 parameters with fp32 gradient reduction).
 
     With sequence parallelism the residual stream between blocks is sharded
     along the sequence over tp; the embedding reduce-scatters into it and the
@@ -184,5 +185,5 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         if compile:
             block = torch.compile(block, fullgraph=True)
             model.layers[index] = block
-        fully_shard(block, mesh=dp_mesh)
-    return fully_shard(model, mesh=dp_mesh)
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+    return fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
