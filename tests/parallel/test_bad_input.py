@@ -31,6 +31,14 @@ def vocab_not_divisible():
     VocabParallelEmbedding(31, 8, tp_mesh=tp())
 
 
+def embedding_with_max_norm():
+    VocabParallelEmbedding.from_embedding(torch.nn.Embedding(32, 8, max_norm=1.0), tp_mesh=tp())
+
+
+def padding_idx_out_of_range():
+    VocabParallelEmbedding(32, 8, tp_mesh=tp(), padding_idx=32)
+
+
 def mesh_not_1d():
     ColumnParallelLinear(16, 16, tp_mesh=cached_mesh((1, dist.get_world_size()), ("dp", "tp")))
 
@@ -92,6 +100,9 @@ CASES = [
     (out_features_not_divisible, ValueError, "out_features=31 must be divisible by the tensor-parallel size 2"),
     (in_features_not_divisible, ValueError, "in_features=31 must be divisible by the tensor-parallel size 2"),
     (vocab_not_divisible, ValueError, "num_embeddings=31 must be divisible by the tensor-parallel size 2"),
+    (embedding_with_max_norm, ValueError, "embedding.max_norm=1.0 is not supported by VocabParallelEmbedding"),
+    (padding_idx_out_of_range, ValueError, r"padding_idx must be an int in \[-num_embeddings, num_embeddings\) = "
+     r"\[-32, 32\), got 32"),
     (mesh_not_1d, ValueError, r"tp_mesh must be a 1-D DeviceMesh .* got a 2-D mesh of shape \(1, 2\)"),
     (mesh_not_a_mesh, TypeError, "tp_mesh must be a torch.distributed DeviceMesh, got ProcessGroup"),
     (nonpositive_features, ValueError, "in_features must be a positive int, got 0"),

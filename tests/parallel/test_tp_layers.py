@@ -159,6 +159,35 @@ def test_embedding_head_and_loss_bf16(world2):
     assert all(world2.run(check_embedding_and_loss, True, torch.bfloat16))
 
 
+def check_embedding_padding_idx(padding_idx):
+    """nn.Embedding's padding row: zero output row from a fresh layer, no gradient, on whichever rank holds it."""
+    torch.manual_seed(0)
+    embedding = nn.Embedding(VOCAB, HIDDEN, padding_idx=padding_idx)
+    mesh = tp_mesh()
+    parallel = VocabParallelEmbedding.from_embedding(embedding, tp_mesh=mesh)
+    fresh = VocabParallelEmbedding(VOCAB, HIDDEN, tp_mesh=mesh, padding_idx=padding_idx)
+    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=torch.Generator().manual_seed(3))
+    padding_row = embedding.padding_idx  # non-negative
+    ids[:, :2] = padding_row
+    upstream = seeded(4, BATCH, SEQ, HIDDEN)
+    embedding(ids).backward(upstream)
+    actual = parallel(ids)
+    actual.backward(upstream)
+    assert_close_to_scale(actual, embedding(ids), what="output")
+    grad = parallel.weight.grad.full_tensor()
+    assert_close_to_scale(grad, embedding.weight.grad, what="weight grad")
+    assert grad[padding_row].abs().max() == 0
+    assert fresh.weight.full_tensor()[padding_row].abs().max() == 0
+    assert fresh(ids)[:, :2].abs().max() == 0
+    return True
+
+
+# The padding row in the first rank's rows, and in the last rank's (given as a negative index).
+@pytest.mark.parametrize("padding_idx", [0, -1], ids=["first-shard", "last-shard-negative"])
+def test_embedding_padding_idx(world2, padding_idx):
+    assert all(world2.run(check_embedding_padding_idx, padding_idx))
+
+
 def check_loss_reductions():
     mesh = tp_mesh()
     logits_full = seeded(4, BATCH, SEQ, VOCAB)

@@ -5,10 +5,11 @@ Tensor parallelism (``tp_mesh``), Megatron semantics, optional sequence parallel
                          sequence_parallel=False, seq_dim=1, device=None, dtype=None)
     RowParallelLinear(in, out, bias=True, *, tp_mesh, input_is_parallel=True,
                       sequence_parallel=False, seq_dim=1, device=None, dtype=None)
-    VocabParallelEmbedding(num_embeddings, embedding_dim, *, tp_mesh,
-                           sequence_parallel=False, seq_dim=1, device=None, dtype=None)
+    VocabParallelEmbedding(num_embeddings, embedding_dim, *, tp_mesh, sequence_parallel=False,
+                           seq_dim=1, padding_idx=None, device=None, dtype=None)
     RMSNorm(dim, *, tp_mesh, sequence_parallel=False, eps=1e-6, device=None, dtype=None)
-    vocab_parallel_cross_entropy(logits, target, *, tp_mesh, ignore_index=-100, reduction="mean")
+    vocab_parallel_cross_entropy(logits, target, *, tp_mesh, ignore_index=-100, reduction="mean",
+                                 inplace_backward=False)
 
 Context parallelism (attention tensors [batch, heads, seq_local, head_dim]):
     ring_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")

@@ -23,6 +23,8 @@ class VocabParallelEmbedding(nn.Module):
     Args:
         num_embeddings: vocabulary size V, divisible by tp.
         embedding_dim: D.
+        padding_idx: as ``nn.Embedding``: that row starts at zero and gets no gradient
+            (on the rank that holds it).
         tp_mesh: 1-D DeviceMesh of the tensor-parallel group.
         sequence_parallel, seq_dim: as for the parallel linears.
 
@@ -33,13 +35,22 @@ class VocabParallelEmbedding(nn.Module):
     """
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_mesh: DeviceMesh,
-                 sequence_parallel: bool = False, seq_dim: int = 1, device=None, dtype=None):
+                 sequence_parallel: bool = False, seq_dim: int = 1, padding_idx: int | None = None,
+                 device=None, dtype=None):
         super().__init__()
         self.tp = MeshGroup.of(tp_mesh)
         for arg, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(value, int) or value <= 0:
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         check_divisible("num_embeddings", num_embeddings, self.tp)
+        if padding_idx is not None:
+            if not isinstance(padding_idx, int) or not -num_embeddings <= padding_idx < num_embeddings:
+                raise ValueError(
+                    f"padding_idx must be an int in [-num_embeddings, num_embeddings) = "
+                    f"[{-num_embeddings}, {num_embeddings}), got {padding_idx!r}"
+                )
+            padding_idx %= num_embeddings
+        self.padding_idx = padding_idx
         self.num_embeddings = num_embeddings
         self.embedding_dim = embedding_dim
         self.sequence_parallel = bool(sequence_parallel)
@@ -48,6 +59,8 @@ class VocabParallelEmbedding(nn.Module):
         weight = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
         if not weight.is_meta:
             nn.init.normal_(weight)
+            if padding_idx is not None:
+                weight[padding_idx].zero_()
         self.weight = distribute_parameter(weight, self.tp, Shard(0), src_data_rank=0)
 
     @classmethod
@@ -55,8 +68,14 @@ class VocabParallelEmbedding(nn.Module):
         """The parallel layer holding ``embedding``'s table (every rank passes the same module)."""
         if not isinstance(embedding, nn.Embedding):
             raise TypeError(f"embedding must be an nn.Embedding, got {type(embedding).__name__}")
-        layer = cls(embedding.num_embeddings, embedding.embedding_dim, tp_mesh=tp_mesh, device="meta",
-                    dtype=embedding.weight.dtype, **kwargs)
+        for option, value, default in (("max_norm", embedding.max_norm, None),
+                                       ("scale_grad_by_freq", embedding.scale_grad_by_freq, False),
+                                       ("sparse", embedding.sparse, False)):
+            if value != default:
+                raise ValueError(f"embedding.{option}={value!r} is not supported by VocabParallelEmbedding "
+                                 f"(only {default!r})")
+        layer = cls(embedding.num_embeddings, embedding.embedding_dim, tp_mesh=tp_mesh,
+                    padding_idx=embedding.padding_idx, device="meta", dtype=embedding.weight.dtype, **kwargs)
         layer.weight = distribute_parameter(embedding.weight.detach(), layer.tp, Shard(0), src_data_rank=None)
         return layer
 
@@ -67,7 +86,7 @@ class VocabParallelEmbedding(nn.Module):
         weight = self.weight.to_local()
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= weight.shape[0])
-        rows = F.embedding(local_ids.masked_fill(outside, 0), weight)
+        rows = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self._local_padding_idx(weight))
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
         if self.sequence_parallel:
             dim = sequence_dim(rows, self.seq_dim)
@@ -75,6 +94,13 @@ class VocabParallelEmbedding(nn.Module):
             return reduce_scatter_to_sequence_region(rows, self.tp, dim)
         return reduce_from_region(rows, self.tp)
 
+    def _local_padding_idx(self, weight: Tensor) -> int | None:
+        """The padding row's index in this rank's rows, if they hold it."""
+        if self.padding_idx is None or not 0 <= self.padding_idx - self.vocab_start < weight.shape[0]:
+            return None
+        return self.padding_idx - self.vocab_start
+
     def extra_repr(self) -> str:
-        return (f"{self.num_embeddings}, {self.embedding_dim}, tp={self.tp.size}, "
+        padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
+        return (f"{self.num_embeddings}, {self.embedding_dim}{padding}, tp={self.tp.size}, "
                 f"sequence_parallel={self.sequence_parallel}, seq_dim={self.seq_dim}")
