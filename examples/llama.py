@@ -151,7 +151,7 @@ def check_layout(cfg: LlamaConfig, tp: int) -> None:
 
 def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool,
                       attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                      compile: bool = False, mp_policy: MixedPrecisionPolicy | None = None) -> Llama:
+                      compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> Llama:
     """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
     attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh`` (with its
     mixed-precision policy ``mp_policy``, e.g. bf16 parameters with fp32 gradient reduction).
@@ -185,5 +185,5 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         if compile:
             block = torch.compile(block, fullgraph=True)
             model.layers[index] = block
-        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
-    return fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy or MixedPrecisionPolicy())
+        fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
+    return fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)

@@ -43,7 +43,8 @@ CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 # rounded to 8 mantissa bits (2^-8 = 3.9e-3 relative), compounded over the steps'
 # updates (measured: 5.2e-3 over the default 50 steps).
 CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2}
-MIXED_PRECISION = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+PRECISION_POLICY = {"fp32": MixedPrecisionPolicy(),
+                    "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -139,7 +140,7 @@ def train_parallel(args, world_size: int, rank: int) -> list[float]:
     attend, cp_mesh, layout = context_parallel_plan(args, mesh)
     model = parallelize_llama(build_model(args), tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
                               sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
-                              mp_policy=MIXED_PRECISION if args.bf16 else None)
+                              mp_policy=PRECISION_POLICY["bf16" if args.bf16 else "fp32"])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dp_rank, fsdp_group = mesh["dp"].get_local_rank(), fsdp_mesh.get_group()
     if rank == 0:

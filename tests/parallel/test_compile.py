@@ -42,39 +42,15 @@ class LanguageModelBlock(nn.Module):
         return vocab_parallel_cross_entropy(logits, target, tp_mesh=self.tp_mesh)
 
 
-def check_compiled_matches_eager(sequence_parallel):
-    torch.manual_seed(0)
-    mesh = cached_mesh((dist.get_world_size(),), ("tp",))
-    eager = LanguageModelBlock(mesh, sequence_parallel)
-    compiled = copy.deepcopy(eager)
-    gen = torch.Generator().manual_seed(1)
-    ids = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-    target = torch.randint(0, VOCAB, (BATCH, SEQ), generator=gen)
-
-    eager_loss = eager(ids, target)
-    eager_loss.backward()
-    torch._dynamo.reset()
-    compiled_loss = torch.compile(compiled, fullgraph=True)(ids, target)
-    compiled_loss.backward()
-    assert_close_to_scale(compiled_loss, eager_loss, what="loss")
-    for (name, p_c), p_e in zip(compiled.named_parameters(), eager.parameters()):
-        assert_close_to_scale(p_c.grad.full_tensor(), p_e.grad.full_tensor(), what=f"{name} grad")
-    return True
-
-
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_compiled_block_matches_eager(world2, sequence_parallel):
-    assert all(world2.run(check_compiled_matches_eager, sequence_parallel))
-
-
-def check_dynamic_sequence_length(sequence_parallel):
-    """Compiled with dynamic shapes, three sequence lengths run on one graph and match eager (loss and gradients)."""
+def check_compiled_matches_eager(sequence_parallel, dynamic):
+    """Compiled equals eager, loss at every sequence length and the gradients summed over them; with
+    dynamic shapes three lengths run on one graph (no recompile)."""
     torch.manual_seed(0)
     mesh = cached_mesh((dist.get_world_size(),), ("tp",))
     eager = LanguageModelBlock(mesh, sequence_parallel)
     torch._dynamo.reset()
-    compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, dynamic=True)
-    for step, seq in enumerate((SEQ, 2 * SEQ, 3 * SEQ)):
+    compiled = torch.compile(copy.deepcopy(eager), fullgraph=True, dynamic=dynamic)
+    for step, seq in enumerate((SEQ, 2 * SEQ, 3 * SEQ) if dynamic else (SEQ,)):
         gen = torch.Generator().manual_seed(seq)
         ids = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
         target = torch.randint(0, VOCAB, (BATCH, seq), generator=gen)
@@ -85,10 +61,11 @@ def check_dynamic_sequence_length(sequence_parallel):
         eager_loss.backward()
         assert_close_to_scale(compiled_loss, eager_loss, what=f"loss at sequence length {seq}")
     for (name, p_c), p_e in zip(compiled.named_parameters(), eager.parameters()):
-        assert_close_to_scale(p_c.grad.full_tensor(), p_e.grad.full_tensor(), what=f"{name} grad summed over lengths")
+        assert_close_to_scale(p_c.grad.full_tensor(), p_e.grad.full_tensor(), what=f"{name} grad")
     return True
 
 
+@pytest.mark.parametrize("dynamic", [False, True], ids=["static", "dynamic"])
 @pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp+sp"])
-def test_compiled_block_dynamic_sequence_length(world2, sequence_parallel):
-    assert all(world2.run(check_dynamic_sequence_length, sequence_parallel))
+def test_compiled_block_matches_eager(world2, sequence_parallel, dynamic):
+    assert all(world2.run(check_compiled_matches_eager, sequence_parallel, dynamic))

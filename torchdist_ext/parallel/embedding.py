@@ -55,7 +55,12 @@ class VocabParallelEmbedding(nn.Module):
         self.embedding_dim = embedding_dim
         self.sequence_parallel = bool(sequence_parallel)
         self.seq_dim = seq_dim
-        self.vocab_start = self.tp.rank * (num_embeddings // self.tp.size)
+        rows_per_rank = num_embeddings // self.tp.size
+        self.vocab_start = self.tp.rank * rows_per_rank
+        # The padding row's index among this rank's rows, if they hold it.
+        self._local_padding_idx = None
+        if padding_idx is not None and 0 <= padding_idx - self.vocab_start < rows_per_rank:
+            self._local_padding_idx = padding_idx - self.vocab_start
         weight = torch.empty(num_embeddings, embedding_dim, device=device, dtype=dtype)
         if not weight.is_meta:
             nn.init.normal_(weight)
@@ -86,19 +91,13 @@ class VocabParallelEmbedding(nn.Module):
         weight = self.weight.to_local()
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= weight.shape[0])
-        rows = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self._local_padding_idx(weight))
+        rows = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self._local_padding_idx)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
         if self.sequence_parallel:
             dim = sequence_dim(rows, self.seq_dim)
             check_divisible(f"input.size({dim})", ids.shape[dim], self.tp)
             return reduce_scatter_to_sequence_region(rows, self.tp, dim)
         return reduce_from_region(rows, self.tp)
-
-    def _local_padding_idx(self, weight: Tensor) -> int | None:
-        """The padding row's index in this rank's rows, if they hold it."""
-        if self.padding_idx is None or not 0 <= self.padding_idx - self.vocab_start < weight.shape[0]:
-            return None
-        return self.padding_idx - self.vocab_start
 
     def extra_repr(self) -> str:
         padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"
