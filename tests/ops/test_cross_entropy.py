@@ -56,24 +56,29 @@ def test_matches_full_vocab_cross_entropy(world, dtype, request):
 
 def check_masked_and_nan_logits():
     """-inf (masked) logits count for nothing, even when they fill rank 0's whole shard and
-    more than one kernel block (2048 columns); a NaN logit makes its row's loss and gradient NaN."""
+    more than one kernel block (2048 columns); a NaN logit makes its row's loss and gradient NaN.
+    An ignored row has loss 0 and gradient exactly 0 even when its logits are all -inf or hold
+    a NaN (where F.cross_entropy's gradient is NaN): an ignored row never poisons the weights."""
     vocab = 8192
     gen = torch.Generator().manual_seed(0)
-    logits_full = 3 * torch.randn(3, vocab, generator=gen)
+    logits_full = 3 * torch.randn(5, vocab, generator=gen)
     logits_full[0, :5000] = float("-inf")
     logits_full[1, 300] = float("nan")
-    target = torch.tensor([6000, 7, vocab - 1])
+    logits_full[3] = float("-inf")
+    logits_full[4, 7000] = float("nan")
+    target = torch.tensor([6000, 7, vocab - 1, IGNORE, IGNORE])
     local, start = shard_args(logits_full)
     local.requires_grad_(True)
     loss, _ = vocab_parallel_cross_entropy(local, target, start, vocab, IGNORE, dist.group.WORLD.group_name)
     loss.sum().backward()
-    reference = logits_full.double().requires_grad_(True)
-    ref_loss = F.cross_entropy(reference, target, ignore_index=IGNORE, reduction="none")
+    reference = logits_full[:3].double().requires_grad_(True)
+    ref_loss = F.cross_entropy(reference, target[:3], ignore_index=IGNORE, reduction="none")
     ref_loss.sum().backward()
-    torch.testing.assert_close(loss.double(), ref_loss.detach(), atol=1e-5, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(loss[:3].double(), ref_loss.detach(), atol=1e-5, rtol=1e-5, equal_nan=True)
     ref_grad = reference.grad.chunk(dist.get_world_size(), dim=-1)[dist.get_rank()]
-    torch.testing.assert_close(local.grad.double(), ref_grad, atol=1e-6, rtol=1e-5, equal_nan=True)
+    torch.testing.assert_close(local.grad[:3].double(), ref_grad, atol=1e-6, rtol=1e-5, equal_nan=True)
     assert loss[1].isnan() and loss[0].isfinite()
+    assert loss[3:].eq(0).all() and local.grad[3:].eq(0).all()
     return True
 
 

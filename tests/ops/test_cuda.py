@@ -54,6 +54,12 @@ def check_cross_entropy(dtype):
     torch.testing.assert_close(lse.cpu(), cpu_lse, atol=tol, rtol=tol)
     torch.library.opcheck(torch.ops.tdx.vocab_parallel_cross_entropy,
                           (logits.detach().requires_grad_(True), target, 0, 1000, -100, group_name()))
+    # an ignored row (5) gets gradient exactly 0, also when all its logits are masked
+    masked = logits.detach().clone()
+    masked[5] = float("-inf")
+    masked.requires_grad_(True)
+    vocab_parallel_cross_entropy(masked, target, 0, 1000, -100, group_name())[0].sum().backward()
+    assert masked.grad[5].eq(0).all() and masked.grad.isfinite().all()
     return True
 
 

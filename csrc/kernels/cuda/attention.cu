@@ -1,19 +1,12 @@
 #include "kernels/cuda/attention.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <stdexcept>
-#include <string>
 #include <type_traits>
+
+#include "kernels/cuda/element.cuh"
+#include "kernels/cuda/launch.cuh"
 
 namespace tdx::kernels::cuda {
 namespace {
-
-__device__ __forceinline__ float load(float v) { return v; }
-__device__ __forceinline__ double load(double v) { return v; }
-__device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float load(__half v) { return __half2float(v); }
 
 // One thread block per query row; threads stride over the features.
 template <typename T, typename Acc>
@@ -52,7 +45,7 @@ void lse_merge(ElementType block_type, Acc* out, int64_t out_outer_stride, Acc* 
   const int threads = dim >= 256 ? 256 : static_cast<int>((dim + 31) / 32 * 32);
   auto launch = [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    merge_kernel<T, Acc><<<outer * rows, threads, 0, stream>>>(
+    TDX_LAUNCH(outer * rows, threads, stream, merge_kernel<T, Acc>)(
         out, out_outer_stride, lse, lse_outer_stride, static_cast<const T*>(block_out), block_out_outer_stride,
         block_lse, block_lse_outer_stride, rows, dim);
   };
@@ -62,8 +55,7 @@ void lse_merge(ElementType block_type, Acc* out, int64_t out_outer_stride, Acc* 
     case ElementType::kBFloat16: launch(static_cast<__nv_bfloat16*>(nullptr)); break;
     case ElementType::kFloat16: launch(static_cast<__half*>(nullptr)); break;
   }
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) throw std::runtime_error(std::string("lse_merge: ") + cudaGetErrorString(error));
+  check_launch("lse_merge");
 }
 
 template void lse_merge<float>(ElementType, float*, int64_t, float*, int64_t, const void*, int64_t, const float*,

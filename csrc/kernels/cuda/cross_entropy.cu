@@ -1,33 +1,15 @@
 #include "kernels/cuda/cross_entropy.cuh"
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-
-#include <stdexcept>
-#include <string>
 #include <type_traits>
+
+#include "kernels/cuda/element.cuh"
+#include "kernels/cuda/launch.cuh"
 
 namespace tdx::kernels::cuda {
 namespace {
 
 constexpr int kThreads = 256;
 constexpr int kWarps = kThreads / 32;
-
-__device__ __forceinline__ float load(float v) { return v; }
-__device__ __forceinline__ double load(double v) { return v; }
-__device__ __forceinline__ float load(__nv_bfloat16 v) { return __bfloat162float(v); }
-__device__ __forceinline__ float load(__half v) { return __half2float(v); }
-
-template <typename T, typename Acc>
-__device__ __forceinline__ T store_as(Acc v) {
-  if constexpr (std::is_same_v<T, __nv_bfloat16>) {
-    return __float2bfloat16(static_cast<float>(v));
-  } else if constexpr (std::is_same_v<T, __half>) {
-    return __float2half(static_cast<float>(v));
-  } else {
-    return static_cast<T>(v);
-  }
-}
 
 // Merges two (max, sum of exp(x - max)) pairs.
 template <typename Acc>
@@ -93,20 +75,16 @@ __global__ void grad_kernel(const T* __restrict__ grad_loss, const T* logits, co
   const int64_t row = blockIdx.x;
   const T* x = logits + row * vocab_local;
   T* dx = grad_logits + row * vocab_local;
-  const bool ignored = target[row] == ignore_index;
-  const Acc g = ignored ? Acc(0) : static_cast<Acc>(load(grad_loss[row]));
+  if (target[row] == ignore_index) {  // exactly 0, also where exp(x - lse) is not finite (a masked row)
+    for (int64_t v = threadIdx.x; v < vocab_local; v += blockDim.x) dx[v] = store_as<T>(Acc(0));
+    return;
+  }
+  const Acc g = static_cast<Acc>(load(grad_loss[row]));
   const Acc row_lse = lse[row];
   const int64_t local_target = target[row] - vocab_start;
   for (int64_t v = threadIdx.x; v < vocab_local; v += blockDim.x) {
     const Acc is_target = v == local_target ? Acc(1) : Acc(0);
     dx[v] = store_as<T>(g * (exp(static_cast<Acc>(load(x[v])) - row_lse) - is_target));
-  }
-}
-
-void check_launch(const char* name) {
-  const cudaError_t error = cudaGetLastError();
-  if (error != cudaSuccess) {
-    throw std::runtime_error(std::string(name) + ": " + cudaGetErrorString(error));
   }
 }
 
@@ -130,8 +108,8 @@ void vocab_shard_stats(ElementType type, const void* logits, const int64_t* targ
   if (rows == 0) return;
   dispatch<Acc>(type, "vocab_shard_stats", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    stats_kernel<T, Acc><<<rows, kThreads, 0, stream>>>(static_cast<const T*>(logits), target, vocab_local,
-                                                        vocab_start, row_max, row_sumexp, target_logit);
+    TDX_LAUNCH(rows, kThreads, stream, stats_kernel<T, Acc>)(static_cast<const T*>(logits), target, vocab_local,
+                                                             vocab_start, row_max, row_sumexp, target_logit);
   });
 }
 
@@ -142,7 +120,7 @@ void vocab_shard_grad(ElementType type, const void* grad_loss, const void* logit
   if (rows == 0) return;
   dispatch<Acc>(type, "vocab_shard_grad", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    grad_kernel<T, Acc><<<rows, kThreads, 0, stream>>>(
+    TDX_LAUNCH(rows, kThreads, stream, grad_kernel<T, Acc>)(
         static_cast<const T*>(grad_loss), static_cast<const T*>(logits), target, lse, vocab_local,
         vocab_start, ignore_index, static_cast<T*>(grad_logits));
   });

@@ -1,0 +1,3 @@
+#pragma once
+// Stand-in: see cuda_runtime.h.
+#include "cuda_runtime.h"
