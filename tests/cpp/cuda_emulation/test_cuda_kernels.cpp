@@ -145,7 +145,21 @@ struct Shard {
 
 // Row lengths: one element, under a warp, not a multiple of the warp, the block
 // size and one past it, several elements per thread.
-constexpr int64_t kVocabSizes[] = {1, 31, 100, 256, 257, 3001};
+const std::vector<int64_t> kVocabSizes = {1, 31, 100, 256, 257, 3001};
+
+// check(Acc{}, type, size) for every element type and size, with the kernels' accumulator type.
+template <typename Check>
+void for_each_type_and_size(const std::vector<int64_t>& sizes, Check check) {
+  for (const int64_t size : sizes) {
+    for (const ElementType type : kAllTypes) {
+      if (type == ElementType::kFloat64) {
+        check(double{}, type, size);
+      } else {
+        check(float{}, type, size);
+      }
+    }
+  }
+}
 
 }  // namespace
 
@@ -211,15 +225,9 @@ void expect_stats_match_cpu(ElementType type, int64_t vocab) {
 }
 
 TEST(CudaCrossEntropyStats, MatchesTheCpuKernelInEveryElementType) {
-  for (const int64_t vocab : kVocabSizes) {
-    for (const ElementType type : kAllTypes) {
-      if (type == ElementType::kFloat64) {
-        expect_stats_match_cpu<double>(type, vocab);
-      } else {
-        expect_stats_match_cpu<float>(type, vocab);
-      }
-    }
-  }
+  for_each_type_and_size(kVocabSizes, [](auto acc, ElementType type, int64_t vocab) {
+    expect_stats_match_cpu<decltype(acc)>(type, vocab);
+  });
 }
 
 TEST(CudaCrossEntropyStats, NoRowsLaunchesNothing) {
@@ -268,15 +276,9 @@ void expect_grad_matches_cpu(ElementType type, int64_t vocab) {
 }
 
 TEST(CudaCrossEntropyGrad, MatchesTheCpuKernelInEveryElementTypeInAndOutOfPlace) {
-  for (const int64_t vocab : kVocabSizes) {
-    for (const ElementType type : kAllTypes) {
-      if (type == ElementType::kFloat64) {
-        expect_grad_matches_cpu<double>(type, vocab);
-      } else {
-        expect_grad_matches_cpu<float>(type, vocab);
-      }
-    }
-  }
+  for_each_type_and_size(kVocabSizes, [](auto acc, ElementType type, int64_t vocab) {
+    expect_grad_matches_cpu<decltype(acc)>(type, vocab);
+  });
 }
 
 // Three partial results merged one after another into an empty accumulator
@@ -314,13 +316,7 @@ void expect_merges_match_cpu(ElementType block_type, int64_t dim) {
 
 TEST(CudaLseMerge, MatchesTheCpuKernelForEveryBlockTypeAndStride) {
   // Features: one, under a warp, not a multiple of the warp, one block of threads, several per thread.
-  for (const int64_t dim : {1, 33, 64, 256, 300}) {
-    for (const ElementType type : kAllTypes) {
-      if (type == ElementType::kFloat64) {
-        expect_merges_match_cpu<double>(type, dim);
-      } else {
-        expect_merges_match_cpu<float>(type, dim);
-      }
-    }
-  }
+  for_each_type_and_size({1, 33, 64, 256, 300}, [](auto acc, ElementType type, int64_t dim) {
+    expect_merges_match_cpu<decltype(acc)>(type, dim);
+  });
 }
