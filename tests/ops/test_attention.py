@@ -69,23 +69,36 @@ def test_lse_merge_opcheck_and_bad_input():
         lse_merge_(out, lse, torch.randn(2, 4, 7), torch.randn(2, 4))
 
 
-def sharded_attention(method, layout, causal):
-    """A replicated function of replicated q, k, v (for gradcheck and compile); meshes are built outside it."""
+def context_mesh(method):
+    """The context-parallel mesh of `method`: one mesh, or (ulysses, ring) meshes for hybrid."""
     if method == "hybrid":
         mesh = cached_mesh((2, dist.get_world_size() // 2), ("ring", "ulysses"))
-        cp = (mesh["ulysses"], mesh["ring"])
-    else:
-        cp = cp_mesh()
+        return mesh["ulysses"], mesh["ring"]
+    return cp_mesh()
+
+
+def local_attention(method, layout, causal):
+    """Attention of this rank's shards of q, k, v (what a model calls); meshes are built outside it."""
+    cp = context_mesh(method)
+
+    def run(q, k, v):
+        if method == "ring":
+            return parallel_ring_attention(q, k, v, cp_mesh=cp, causal=causal, layout=layout)
+        if method == "ulysses":
+            return ulysses_attention(q, k, v, sp_mesh=cp, causal=causal)
+        return hybrid_attention(q, k, v, ulysses_mesh=cp[0], ring_mesh=cp[1], causal=causal, layout=layout)
+
+    return run
+
+
+def sharded_attention(method, layout, causal):
+    """A replicated function of replicated q, k, v (for gradcheck and compile); meshes are built outside it."""
+    cp = context_mesh(method)
+    attention = local_attention(method, layout, causal)
 
     def run(q, k, v):
         local = [shard_sequence(t, cp_mesh=cp, dim=2, layout=layout) for t in (q, k, v)]
-        if method == "ring":
-            out = parallel_ring_attention(*local, cp_mesh=cp, causal=causal, layout=layout)
-        elif method == "ulysses":
-            out = ulysses_attention(*local, sp_mesh=cp, causal=causal)
-        else:
-            out = hybrid_attention(*local, ulysses_mesh=cp[0], ring_mesh=cp[1], causal=causal, layout=layout)
-        return unshard_sequence(out, cp_mesh=cp, dim=2, layout=layout)
+        return unshard_sequence(attention(*local), cp_mesh=cp, dim=2, layout=layout)
 
     return run
 
@@ -130,18 +143,23 @@ def test_opcheck(world2):
 
 
 def run_compiled(method, dynamic):
-    """Compiled equals eager, forward and gradients; with dynamic shapes, a second sequence length
-    runs on the same graph (no recompile)."""
+    """Compiled equals eager, forward and gradients. Static: the whole replicated function, sharding
+    and unsharding included. Dynamic: the attention of local shards, as a model compiles it, at two
+    sequence lengths on one graph (no recompile)."""
     torch._dynamo.reset()
-    fn = sharded_attention(method, "contiguous" if method == "ulysses" else "zigzag", True)
+    layout = "contiguous" if method == "ulysses" else "zigzag"
+    if dynamic:
+        fn, cp = local_attention(method, layout, True), context_mesh(method)
+        shard = lambda t: shard_sequence(t, cp_mesh=cp, dim=2, layout=layout).requires_grad_(True)  # noqa: E731
+    else:
+        fn, shard = sharded_attention(method, layout, True), lambda t: t.requires_grad_(True)
     compiled_fn = torch.compile(fn, fullgraph=True, dynamic=dynamic)
-    for seq in (16, 32) if dynamic else (16,):  # never equal to head_dim, which would share its symbol
-        q = draw(1, 2, 4, seq, 8, grad=True)
-        k = draw(2, 2, 2, seq, 8, grad=True)
-        v = draw(3, 2, 2, seq, 8, grad=True)
+    # Local lengths never equal a head count or head_dim, which would share their symbol.
+    for seq in (24, 48) if dynamic else (16,):
+        q, k, v = (shard(draw(seed, 2, heads, seq, 8)) for seed, heads in ((1, 4), (2, 2), (3, 2)))
         eager = fn(q, k, v)
         eager_grads = torch.autograd.grad(eager.square().sum(), (q, k, v))
-        with torch.compiler.set_stance("fail_on_recompile" if seq > 16 else "default"):
+        with torch.compiler.set_stance("fail_on_recompile" if seq > 24 else "default"):
             compiled = compiled_fn(q, k, v)
         compiled_grads = torch.autograd.grad(compiled.square().sum(), (q, k, v))
         torch.testing.assert_close(compiled, eager)
