@@ -72,8 +72,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{CHECK_TOLERANCE['fp32']:.0e}, with --bf16 {CHECK_TOLERANCE['bf16']:.0e})")
     args = parser.parse_args(argv)
     if args.check_tolerance is None:
-        args.check_tolerance = CHECK_TOLERANCE["bf16" if args.bf16 else "fp32"]
+        args.check_tolerance = CHECK_TOLERANCE[precision(args)]
     return args
+
+
+def precision(args: argparse.Namespace) -> str:
+    """The key of CHECK_TOLERANCE and PRECISION_POLICY for this run."""
+    return "bf16" if args.bf16 else "fp32"
 
 
 def batches(steps: int, batch: int, seq: int, seed: int):
@@ -140,7 +145,7 @@ def train_parallel(args, world_size: int, rank: int) -> list[float]:
     attend, cp_mesh, layout = context_parallel_plan(args, mesh)
     model = parallelize_llama(build_model(args), tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
                               sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
-                              mp_policy=PRECISION_POLICY["bf16" if args.bf16 else "fp32"])
+                              mp_policy=PRECISION_POLICY[precision(args)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dp_rank, fsdp_group = mesh["dp"].get_local_rank(), fsdp_mesh.get_group()
     if rank == 0:

@@ -77,9 +77,8 @@ def context_mesh(method):
     return cp_mesh()
 
 
-def local_attention(method, layout, causal):
-    """Attention of this rank's shards of q, k, v (what a model calls); meshes are built outside it."""
-    cp = context_mesh(method)
+def local_attention(method, cp, layout, causal):
+    """Attention of this rank's shards of q, k, v over `cp` = context_mesh(method) (what a model calls)."""
 
     def run(q, k, v):
         if method == "ring":
@@ -94,7 +93,7 @@ def local_attention(method, layout, causal):
 def sharded_attention(method, layout, causal):
     """A replicated function of replicated q, k, v (for gradcheck and compile); meshes are built outside it."""
     cp = context_mesh(method)
-    attention = local_attention(method, layout, causal)
+    attention = local_attention(method, cp, layout, causal)
 
     def run(q, k, v):
         local = [shard_sequence(t, cp_mesh=cp, dim=2, layout=layout) for t in (q, k, v)]
@@ -148,11 +147,12 @@ def run_compiled(method, dynamic):
     sequence lengths on one graph (no recompile)."""
     torch._dynamo.reset()
     layout = "contiguous" if method == "ulysses" else "zigzag"
-    if dynamic:
-        fn, cp = local_attention(method, layout, True), context_mesh(method)
-        shard = lambda t: shard_sequence(t, cp_mesh=cp, dim=2, layout=layout).requires_grad_(True)  # noqa: E731
-    else:
-        fn, shard = sharded_attention(method, layout, True), lambda t: t.requires_grad_(True)
+    cp = context_mesh(method)
+    fn = local_attention(method, cp, layout, True) if dynamic else sharded_attention(method, layout, True)
+
+    def shard(t):
+        return (shard_sequence(t, cp_mesh=cp, dim=2, layout=layout) if dynamic else t).requires_grad_(True)
+
     compiled_fn = torch.compile(fn, fullgraph=True, dynamic=dynamic)
     # Local lengths never equal a head count or head_dim, which would share their symbol.
     for seq in (24, 48) if dynamic else (16,):

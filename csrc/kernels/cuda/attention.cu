@@ -3,7 +3,6 @@
 #include <type_traits>
 
 #include "kernels/cuda/element.cuh"
-#include "kernels/cuda/launch.cuh"
 
 namespace tdx::kernels::cuda {
 namespace {
@@ -43,19 +42,12 @@ void lse_merge(ElementType block_type, Acc* out, int64_t out_outer_stride, Acc* 
                int64_t block_lse_outer_stride, int64_t outer, int64_t rows, int64_t dim, cudaStream_t stream) {
   if (outer * rows == 0) return;
   const int threads = dim >= 256 ? 256 : static_cast<int>((dim + 31) / 32 * 32);
-  auto launch = [&](auto* tag) {
+  launch_for(block_type, "lse_merge", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     TDX_LAUNCH(outer * rows, threads, stream, merge_kernel<T, Acc>)(
         out, out_outer_stride, lse, lse_outer_stride, static_cast<const T*>(block_out), block_out_outer_stride,
         block_lse, block_lse_outer_stride, rows, dim);
-  };
-  switch (block_type) {
-    case ElementType::kFloat32: launch(static_cast<float*>(nullptr)); break;
-    case ElementType::kFloat64: launch(static_cast<double*>(nullptr)); break;
-    case ElementType::kBFloat16: launch(static_cast<__nv_bfloat16*>(nullptr)); break;
-    case ElementType::kFloat16: launch(static_cast<__half*>(nullptr)); break;
-  }
-  check_launch("lse_merge");
+  });
 }
 
 template void lse_merge<float>(ElementType, float*, int64_t, float*, int64_t, const void*, int64_t, const float*,

@@ -3,7 +3,6 @@
 #include <type_traits>
 
 #include "kernels/cuda/element.cuh"
-#include "kernels/cuda/launch.cuh"
 
 namespace tdx::kernels::cuda {
 namespace {
@@ -88,17 +87,6 @@ __global__ void grad_kernel(const T* __restrict__ grad_loss, const T* logits, co
   }
 }
 
-template <typename Acc, typename Launch>
-void dispatch(ElementType type, const char* name, Launch&& launch) {
-  switch (type) {
-    case ElementType::kFloat32: launch(static_cast<float*>(nullptr)); break;
-    case ElementType::kFloat64: launch(static_cast<double*>(nullptr)); break;
-    case ElementType::kBFloat16: launch(static_cast<__nv_bfloat16*>(nullptr)); break;
-    case ElementType::kFloat16: launch(static_cast<__half*>(nullptr)); break;
-  }
-  check_launch(name);
-}
-
 }  // namespace
 
 template <typename Acc>
@@ -106,7 +94,7 @@ void vocab_shard_stats(ElementType type, const void* logits, const int64_t* targ
                        int64_t vocab_local, int64_t vocab_start, Acc* row_max, Acc* row_sumexp,
                        Acc* target_logit, cudaStream_t stream) {
   if (rows == 0) return;
-  dispatch<Acc>(type, "vocab_shard_stats", [&](auto* tag) {
+  launch_for(type, "vocab_shard_stats", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     TDX_LAUNCH(rows, kThreads, stream, stats_kernel<T, Acc>)(static_cast<const T*>(logits), target, vocab_local,
                                                              vocab_start, row_max, row_sumexp, target_logit);
@@ -118,7 +106,7 @@ void vocab_shard_grad(ElementType type, const void* grad_loss, const void* logit
                       const Acc* lse, int64_t rows, int64_t vocab_local, int64_t vocab_start,
                       int64_t ignore_index, void* grad_logits, cudaStream_t stream) {
   if (rows == 0) return;
-  dispatch<Acc>(type, "vocab_shard_grad", [&](auto* tag) {
+  launch_for(type, "vocab_shard_grad", [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     TDX_LAUNCH(rows, kThreads, stream, grad_kernel<T, Acc>)(
         static_cast<const T*>(grad_loss), static_cast<const T*>(logits), target, lse, vocab_local,

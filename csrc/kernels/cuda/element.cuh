@@ -1,11 +1,15 @@
 #pragma once
-// Element loads and stores of the CUDA kernels: 16-bit floats are read as
-// float and written from the accumulator with round-to-nearest-even.
+// Element types of the CUDA kernels: loads and stores (16-bit floats are read
+// as float and written from the accumulator with round-to-nearest-even), and
+// the launch of a kernel template for a run-time element type.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
 #include <type_traits>
+
+#include "kernels/cuda/launch.cuh"
+#include "kernels/dtype.h"
 
 namespace tdx::kernels::cuda {
 
@@ -23,6 +27,19 @@ __device__ __forceinline__ T store_as(Acc v) {
   } else {
     return static_cast<T>(v);
   }
+}
+
+// Calls launch(static_cast<T*>(nullptr)) with the device type T of `type`
+// (launch instantiates and launches its kernel for T), then check_launch.
+template <typename Launch>
+void launch_for(ElementType type, const char* kernel_name, Launch&& launch) {
+  switch (type) {
+    case ElementType::kFloat32: launch(static_cast<float*>(nullptr)); break;
+    case ElementType::kFloat64: launch(static_cast<double*>(nullptr)); break;
+    case ElementType::kBFloat16: launch(static_cast<__nv_bfloat16*>(nullptr)); break;
+    case ElementType::kFloat16: launch(static_cast<__half*>(nullptr)); break;
+  }
+  check_launch(kernel_name);
 }
 
 }  // namespace tdx::kernels::cuda
