@@ -6,7 +6,7 @@ never needed to build: the decision does not ask `torch.cuda.is_available()`.
 
 Sources are picked by folder:
   csrc/*.cpp, csrc/comm/*.cpp, csrc/ops/*.cpp, csrc/kernels/cpu/*.cpp   always
-  csrc/ops/*_cuda.cpp, csrc/kernels/cuda/*.cu                           with CUDA
+  csrc/kernels/cuda/*.cu                                                with CUDA (-DTDX_WITH_CUDA)
   csrc/planner/*.cpp                                                    torchdist_ext._planner (torch-free)
 """
 
@@ -41,7 +41,6 @@ locate_cuda_toolkit()
 from torch.utils.cpp_extension import CUDA_HOME, BuildExtension, CppExtension, CUDAExtension  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent  # absolute: torch < 2.14 runs ninja outside the source tree
-CUDA_HOST_SUFFIX = "_cuda.cpp"
 # Ampere, Hopper, Blackwell; set TORCH_CUDA_ARCH_LIST to build for others.
 DEFAULT_CUDA_ARCHS = "8.0;9.0;10.0"
 
@@ -55,24 +54,12 @@ def build_with_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
-def pip_cuda_include_dirs() -> list[str]:
-    """Headers of the CUDA libraries torch's wheel depends on (cuBLAS, cuSPARSE, ...).
-
-    ATen's CUDA headers include them; a compiler-only toolkit lacks them, but
-    the nvidia-* wheels installed beside torch ship them (nvidia/cu13/include).
-    """
-    nvidia = Path(torch.__file__).resolve().parent.parent / "nvidia"
-    return sorted(str(d) for d in nvidia.glob("*/include") if (d / "cusparse.h").exists())
-
-
 def files(folder: str, pattern: str) -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob(pattern))
 
 
 def extension():
     host = files("csrc", "*.cpp") + files("csrc/comm", "*.cpp") + files("csrc/ops", "*.cpp")
-    cpu_host = [f for f in host if not f.endswith(CUDA_HOST_SUFFIX)]
-    cuda_host = [f for f in host if f.endswith(CUDA_HOST_SUFFIX)]
     cpu_kernels = files("csrc/kernels/cpu", "*.cpp")
     # -fno-trapping-math lets the CPU kernels' selects become vector blends (we never trap on FP exceptions).
     cxx_flags = ["-O3", "-fno-trapping-math", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
@@ -83,14 +70,13 @@ def extension():
     )
     if not build_with_cuda():
         return CppExtension(
-            sources=cpu_host + cpu_kernels,
+            sources=host + cpu_kernels,
             extra_compile_args={"cxx": cxx_flags},
             **common,
         )
     os.environ.setdefault("TORCH_CUDA_ARCH_LIST", DEFAULT_CUDA_ARCHS)
-    common["include_dirs"] += pip_cuda_include_dirs()
     return CUDAExtension(
-        sources=cpu_host + cpu_kernels + cuda_host + files("csrc/kernels/cuda", "*.cu"),
+        sources=host + cpu_kernels + files("csrc/kernels/cuda", "*.cu"),
         extra_compile_args={
             "cxx": cxx_flags + ["-DTDX_WITH_CUDA"],
             "nvcc": ["-O3", "-DTDX_WITH_CUDA", "--expt-relaxed-constexpr"],

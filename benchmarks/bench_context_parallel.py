@@ -156,8 +156,7 @@ def run_case(seq_total: int, method: str, repeats: int) -> dict:
         layout = {"ring_contiguous": "contiguous", "ring_zigzag": "zigzag", "ulysses": "contiguous",
                   "hybrid": "zigzag", "allgather_kv": "zigzag"}[method]
         if method == "hybrid":
-            mesh = cached_mesh((n // 2, 2), ("ring", "ulysses"))
-            cp = (mesh["ulysses"], mesh["ring"])
+            cp = cached_mesh((n // 2, 2), ("ring", "ulysses"))
         else:
             cp = cached_mesh((n,), ("cp",))
         q, k, v = (shard_sequence(t, cp_mesh=cp, dim=2, layout=layout).detach().requires_grad_(True) for t in full)
@@ -166,10 +165,10 @@ def run_case(seq_total: int, method: str, repeats: int) -> dict:
                 return ring_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)
         elif method == "ulysses":
             def fwd():
-                return ulysses_attention(q, k, v, sp_mesh=cp, causal=True)
+                return ulysses_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)
         elif method == "hybrid":
             def fwd():
-                return hybrid_attention(q, k, v, ulysses_mesh=cp[0], ring_mesh=cp[1], causal=True, layout=layout)
+                return hybrid_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)
         else:
             mask = causal_mask_for(layout, n, rank, q.shape[2])
             def fwd():

@@ -33,7 +33,7 @@ from device_timing import copy_bandwidth, median_seconds  # noqa: E402
 from peak_memory import PeakMemory  # noqa: E402
 
 import torchdist_ext  # noqa: E402,F401
-from torchdist_ext.ops import vocab_parallel_cross_entropy  # noqa: E402
+from torchdist_ext.ops import vocab_parallel_cross_entropy_fwd  # noqa: E402
 from torchdist_ext.testing import spawn_world  # noqa: E402
 
 SHAPES = {"cuda": [(4096, 32000), (8192, 128256), (16384, 50304)], "cpu": [(512, 8000), (1024, 32000)]}
@@ -52,7 +52,7 @@ def run(device: str, repeats: int) -> list[dict]:
             target = torch.randint(0, vocab, (tokens,), generator=gen).to(device)
 
             def ours():
-                loss, _ = vocab_parallel_cross_entropy(logits, target, 0, vocab, -100, group)
+                loss, _ = vocab_parallel_cross_entropy_fwd(logits, target, 0, vocab, -100, group)
                 loss.mean().backward()
 
             def torch_fused():
@@ -96,8 +96,8 @@ def run_head_memory(device: str, repeats: int) -> list[dict]:
 
         variants = {
             "torch_fused": lambda logits: F.cross_entropy(logits, target),
-            "ours": lambda logits: vocab_parallel_cross_entropy(logits, target, 0, vocab, -100, group)[0].mean(),
-            "ours_inplace": lambda logits: vocab_parallel_cross_entropy(
+            "ours": lambda logits: vocab_parallel_cross_entropy_fwd(logits, target, 0, vocab, -100, group)[0].mean(),
+            "ours_inplace": lambda logits: vocab_parallel_cross_entropy_fwd(
                 logits, target, 0, vocab, -100, group, inplace_backward=True)[0].mean(),
         }
         row = {"bench": "lm_head_memory", "device": device, "tokens": tokens, "vocab": vocab, "hidden": hidden_size,

@@ -1,13 +1,14 @@
 // The index of every tdx op: one TORCH_LIBRARY with all schemas, grouped by
-// family. Implementations live in csrc/ops/<family>.cpp (CPU) and
-// csrc/ops/<family>_cuda.cpp (CUDA); fake impls and autograd in
+// family. Each family's host code (csrc/ops/<family>.cpp) implements its ops
+// once for every device; fake impls and autograd are in
 // torchdist_ext/ops/<family>.py.
 //
 // Conventions: tensors are batch-first; an op that communicates takes
 // `str group_name` (torch.distributed's registered name of the process group,
-// `mesh.get_group().group_name`) and resolves it in C++.
+// `mesh.get_group().group_name`) and resolves it in C++. A differentiable op
+// with a separate backward is named <name>_fwd / <name>_bwd; a trailing `_`
+// marks an op that writes into an argument.
 
-#include <Python.h>
 #include <torch/library.h>
 
 TORCH_LIBRARY(tdx, m) {
@@ -30,15 +31,17 @@ TORCH_LIBRARY(tdx, m) {
   // of a vocabulary of vocab_size. Returns the per-row loss (0 where target ==
   // ignore_index) and the global log-sum-exp (fp32, fp64 for fp64 logits).
   // inplace_backward: autograd writes the logits' gradient over the (contiguous) logits.
+  // A target outside [0, vocab_size) other than ignore_index raises (ValueError) while index
+  // checks are on (torchdist_ext.set_index_checks), else gives that row a NaN loss and lse.
   m.def(
-      "vocab_parallel_cross_entropy(Tensor logits, Tensor target, int vocab_start, int vocab_size, "
+      "vocab_parallel_cross_entropy_fwd(Tensor logits, Tensor target, int vocab_start, int vocab_size, "
       "int ignore_index, str group_name, bool inplace_backward=False) -> (Tensor loss, Tensor lse)");
   m.def(
-      "vocab_parallel_cross_entropy_backward(Tensor grad_loss, Tensor logits, Tensor target, "
+      "vocab_parallel_cross_entropy_bwd(Tensor grad_loss, Tensor logits, Tensor target, "
       "Tensor lse, int vocab_start, int ignore_index) -> Tensor");
   // The same gradient written over the contiguous logits.
   m.def(
-      "vocab_parallel_cross_entropy_backward_(Tensor grad_loss, Tensor(a!) logits, Tensor target, "
+      "vocab_parallel_cross_entropy_bwd_(Tensor grad_loss, Tensor(a!) logits, Tensor target, "
       "Tensor lse, int vocab_start, int ignore_index) -> ()");
 
   // ---- attention: context-parallel attention over a sequence-sharded ring ----
@@ -56,14 +59,8 @@ TORCH_LIBRARY(tdx, m) {
   m.def("lse_merge_(Tensor(a!) out, Tensor(b!) lse, Tensor block_out, Tensor block_lse) -> ()");
 
   // ---- all_to_all: Ulysses sequence <-> head re-sharding ----
-  // [B, H, S/N, D] (sequence shard, contiguous layout) -> [B, H/N, S, D] (head shard), and back.
-  m.def("all_to_all_seq_to_heads(Tensor x, str group_name) -> Tensor");
-  m.def("all_to_all_heads_to_seq(Tensor x, str group_name) -> Tensor");
-}
-
-// `import torchdist_ext._C` loads this library, which registers the ops above;
-// the module itself has no Python members.
-PyMODINIT_FUNC PyInit__C(void) {
-  static struct PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
-  return PyModule_Create(&module);
+  // [B, H, S/N, D] (this rank's sequence shard in `layout`: 'contiguous' or 'zigzag') ->
+  // [B, H/N, S, D] (a head shard of the whole sequence, in order), and back.
+  m.def("all_to_all_seq_to_heads(Tensor x, str group_name, str layout) -> Tensor");
+  m.def("all_to_all_heads_to_seq(Tensor x, str group_name, str layout) -> Tensor");
 }

@@ -5,19 +5,24 @@
     torchrun --nproc-per-node 4 examples/train_llama.py --cp 2 --cp-method ring   # dp=1 x cp=2 x tp=2
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 1 --cp 4 --cp-method hybrid --cp-ulysses 2
     torchrun --nproc-per-node 4 examples/train_llama.py --bf16 --check      # FSDP2 mixed precision
+    torchrun --nproc-per-node 8 examples/train_llama.py --device cuda       # 8 GPUs: dp=4 x tp=2, NCCL, bf16
 
 Every rank builds the same single-process model (same seed), converts it to
 tensor-parallel layers with the same weights and shards it with FSDP2 over
 dp x cp. Each step draws one global batch of byte windows (same generator on
 every rank); data-parallel rank d trains on its slice, and context-parallel
-ranks split its sequence (tokens, targets and RoPE positions) with the
-method's layout: ring "zigzag", Ulysses "contiguous", hybrid zigzag over the
-ring ranks and contiguous over the Ulysses ranks inside. The loss printed is
+ranks split its sequence (tokens, targets and RoPE positions) zigzag, which
+balances causal work (for the hybrid: zigzag over the ring ranks, contiguous
+over the Ulysses ranks inside each ring shard). The loss printed is
 the global mean. ``--check`` then trains the plain model in one process
 (rank 0, fp32) on the whole batches and prints the largest relative loss
 difference over the steps; it exits non-zero above ``--check-tolerance``.
 ``--bf16`` trains with FSDP2 mixed precision: bf16 parameters, activations and
 all-gathers, fp32 gradient reduction, master weights and optimizer state.
+``--device cuda`` runs one process per GPU (NCCL, gloo for the few CPU
+tensors), in bf16 unless ``--fp32``, and prints each step's tokens/s and model
+FLOPs utilisation (MFU, against the GPU's dense bf16 peak from the planner's
+presets when the GPU is one of them).
 """
 
 import argparse
@@ -37,6 +42,7 @@ from llama import Llama, LlamaConfig, parallelize_llama  # noqa: E402
 
 import torchdist_ext  # noqa: E402,F401
 from torchdist_ext.parallel import hybrid_attention, ring_attention, shard_sequence, ulysses_attention  # noqa: E402
+from torchdist_ext.planner import GPU_PRESETS  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 # fp32: summation order only. bf16 against the fp32 run: every GEMM input and the loss
@@ -64,8 +70,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="torch.compile every transformer block (fullgraph)")
-    parser.add_argument("--bf16", action="store_true",
-                        help="FSDP2 mixed precision: bf16 parameters and activations, fp32 gradient reduction")
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu",
+                        help="cuda: one process per GPU (LOCAL_RANK), NCCL, bf16 unless --fp32")
+    numerics = parser.add_mutually_exclusive_group()
+    numerics.add_argument("--bf16", action="store_true",
+                          help="FSDP2 mixed precision: bf16 parameters and activations, fp32 gradient reduction "
+                               "(the default with --device cuda)")
+    numerics.add_argument("--fp32", action="store_true", help="fp32 throughout (the default on the CPU)")
     parser.add_argument("--check", action="store_true", help="also train in one process (fp32) and compare losses")
     parser.add_argument("--check-tolerance", type=float, default=None,
                         help=f"largest relative loss difference allowed by --check (default: "
@@ -78,7 +89,24 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def precision(args: argparse.Namespace) -> str:
     """The key of CHECK_TOLERANCE and PRECISION_POLICY for this run."""
-    return "bf16" if args.bf16 else "fp32"
+    return "bf16" if args.bf16 or (args.device == "cuda" and not args.fp32) else "fp32"
+
+
+def model_flops_per_token(model: Llama, seq: int) -> float:
+    """6 N for the weights' GEMMs (forward 2N, backward 4N) plus causal attention's
+    6 L S d (QK^T and PV: 4 S d per token and layer forward, half of it masked, x3 with backward)."""
+    cfg = model.cfg
+    weights = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
+    return 6 * weights + 6 * cfg.num_layers * seq * cfg.dim
+
+
+def gpu_peak_flops(device: torch.device) -> float | None:
+    """The dense bf16 peak of this GPU from the planner's presets (None if it is not one of them)."""
+    name = torch.cuda.get_device_name(device).lower()
+    for key in ("gb200", "b200", "h200", "h100", "a100"):
+        if key in name:
+            return next(gpu.bf16_flops for preset, gpu in GPU_PRESETS.items() if preset.startswith(key))
+    return None
 
 
 def batches(steps: int, batch: int, seq: int, seed: int):
@@ -101,9 +129,9 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
     return total
 
 
-def build_model(args) -> Llama:
+def build_model(args, device: torch.device) -> Llama:
     torch.manual_seed(args.seed)
-    return Llama(LlamaConfig(max_seq_len=args.seq))
+    return Llama(LlamaConfig(max_seq_len=args.seq)).to(device)
 
 
 def context_parallel_split(args) -> tuple[int, int]:
@@ -118,32 +146,37 @@ def context_parallel_split(args) -> tuple[int, int]:
 
 
 def context_parallel_plan(args, mesh):
-    """(attention function or None, the cp_mesh argument of shard_sequence, layout)."""
+    """(attention function or None, the cp_mesh of the attention and of shard_sequence). Every method
+    shards the sequence zigzag, which balances causal work over the ring (or Ulysses) ranks."""
     if args.cp == 1:
-        return None, None, None
-    ring, ulysses = mesh["ring"], mesh["ulysses"]
+        return None, None
     if args.cp_method == "ring":
-        return partial(ring_attention, cp_mesh=ring, causal=True, layout="zigzag"), ring, "zigzag"
-    if args.cp_method == "ulysses":
-        return partial(ulysses_attention, sp_mesh=ulysses, causal=True), ulysses, "contiguous"
-    attend = partial(hybrid_attention, ulysses_mesh=ulysses, ring_mesh=ring, causal=True, layout="zigzag")
-    return attend, (ulysses, ring), "zigzag"
+        cp_mesh, attention = mesh["ring"], ring_attention
+    elif args.cp_method == "ulysses":
+        cp_mesh, attention = mesh["ulysses"], ulysses_attention
+    else:
+        cp_mesh, attention = mesh["ring", "ulysses"], hybrid_attention
+    return partial(attention, cp_mesh=cp_mesh, causal=True, layout="zigzag"), cp_mesh
 
 
-def train_parallel(args, world_size: int, rank: int) -> list[float]:
+def train_parallel(args, world_size: int, rank: int, device: torch.device) -> list[float]:
     ring, ulysses = context_parallel_split(args)
     dp = args.dp or world_size // (args.tp * args.cp)
     if dp * args.cp * args.tp != world_size:
         raise ValueError(f"--dp {dp} x --cp {args.cp} x --tp {args.tp} must equal the world size {world_size}")
     if args.batch % dp:
         raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
-    mesh = init_device_mesh("cpu", (dp, ring, ulysses, args.tp), mesh_dim_names=("dp", "ring", "ulysses", "tp"))
+    mesh = init_device_mesh(args.device, (dp, ring, ulysses, args.tp),
+                            mesh_dim_names=("dp", "ring", "ulysses", "tp"))
     # FSDP shards over dp x cp: context-parallel ranks hold the same parameters and see different tokens.
     fsdp_mesh = mesh["dp", "ring", "ulysses"]._flatten("dp_cp")
     # A flattened mesh of every dim lets DTensor reduce the gradient norm in one all-reduce.
     mesh["dp", "ring", "ulysses", "tp"]._flatten("all")
-    attend, cp_mesh, layout = context_parallel_plan(args, mesh)
-    model = parallelize_llama(build_model(args), tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
+    attend, cp_mesh = context_parallel_plan(args, mesh)
+    single = build_model(args, device)
+    flops_per_token = model_flops_per_token(single, args.seq)
+    peak = gpu_peak_flops(device) if device.type == "cuda" else None
+    model = parallelize_llama(single, tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
                               sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
                               mp_policy=PRECISION_POLICY[precision(args)])
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
@@ -151,17 +184,17 @@ def train_parallel(args, world_size: int, rank: int) -> list[float]:
     if rank == 0:
         print(f"world {world_size}: dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
               f"ring {ring} x ulysses {ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
-              f"compile={args.compile}, bf16={args.bf16}; {sum(p.numel() for p in model.parameters()):,} parameters",
-              flush=True)
-    positions = torch.arange(args.seq)
+              f"compile={args.compile}, {precision(args)} on {args.device}; "
+              f"{sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+    positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
-        positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout=layout)
+        positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")
     losses = []
     for step, (tokens, target) in enumerate(batches(args.steps, args.batch, args.seq, args.seed)):
         start = time.perf_counter()
-        tokens, target = tokens.chunk(dp)[dp_rank], target.chunk(dp)[dp_rank]
+        tokens, target = tokens.chunk(dp)[dp_rank].to(device), target.chunk(dp)[dp_rank].to(device)
         if cp_mesh is not None:
-            tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, layout=layout) for t in (tokens, target))
+            tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, layout="zigzag") for t in (tokens, target))
         loss = model(tokens, target, positions)
         loss.backward()
         grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)
@@ -172,19 +205,24 @@ def train_parallel(args, world_size: int, rank: int) -> list[float]:
         dist.all_reduce(global_loss, group=fsdp_group)
         global_loss /= fsdp_mesh.size()
         losses.append(global_loss.item())
-        elapsed = time.perf_counter() - start
+        elapsed = time.perf_counter() - start  # .item() above waited for the step's work
         if rank == 0:
-            print(f"step {step:3d}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
-                  f"{tokens.numel() / elapsed:,.0f} tokens/s", flush=True)
+            # Every rank processes tokens.numel() of the step's tokens: the world's rate is that x world / cp x tp.
+            tokens_per_second = args.batch * args.seq / elapsed
+            line = (f"step {step:3d}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
+                    f"{tokens_per_second:,.0f} tokens/s")
+            if peak is not None:
+                line += f"  MFU {100 * tokens_per_second * flops_per_token / (peak * world_size):.2f}%"
+            print(line, flush=True)
     return losses
 
 
-def train_single_process(args) -> list[float]:
-    model = build_model(args)
+def train_single_process(args, device: torch.device) -> list[float]:
+    model = build_model(args, device)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for tokens, target in batches(args.steps, args.batch, args.seq, args.seed):
-        loss = model(tokens, target)
+        loss = model(tokens.to(device), target.to(device))
         loss.backward()
         clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
@@ -197,13 +235,21 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     local_world = int(os.environ.get("LOCAL_WORLD_SIZE", "1"))
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
-    dist.init_process_group("gloo")
+    if args.device == "cuda":
+        if not torch.cuda.is_available():
+            raise SystemExit("--device cuda: no CUDA device is visible to this process")
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
+        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+    else:
+        device = torch.device("cpu")
+        dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
-        losses = train_parallel(args, world_size, rank)
+        losses = train_parallel(args, world_size, rank, device)
         status = 0
         if args.check and rank == 0:
-            reference = train_single_process(args)
+            reference = train_single_process(args, device)
             worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
             print(f"check: single-process losses {reference[0]:.4f} -> {reference[-1]:.4f}; "
                   f"largest relative loss difference over {len(losses)} steps: {worst:.2e} "

@@ -5,9 +5,13 @@ Importing the package loads the native library ``torchdist_ext._C`` (every
 autograd. A missing or broken build fails here, loudly.
 
 Public API:
-    torchdist_ext.parallel   tensor-parallel layers (see its docstring)
-    torchdist_ext.ops        typed Python wrappers of the ``tdx`` ops
-    torchdist_ext.testing    persistent CPU worlds for multi-rank tests
+    torchdist_ext.parallel      parallel layers and functions (see its docstring)
+    torchdist_ext.ops           typed Python wrappers of the ``tdx`` ops
+    torchdist_ext.testing       persistent CPU worlds for multi-rank tests
+    torchdist_ext.planner       the memory / bubble / communication cost model
+    torchdist_ext.cpu_isa       which instruction set the CPU kernels run in
+    set_index_checks(enabled), index_checks_enabled()
+                                whether ops raise on out-of-range indices (see index_checks.py)
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -22,6 +26,7 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
     ) from error
 
 from torchdist_ext import ops  # noqa: E402,F401  (registers fake impls and autograd)
+from torchdist_ext.index_checks import index_checks_enabled, set_index_checks  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["ops", "__version__"]
+__all__ = ["index_checks_enabled", "ops", "set_index_checks", "__version__"]

@@ -1,18 +1,8 @@
 #include "comm/ring.h"
 
-#include <torch/csrc/distributed/c10d/GroupRegistry.hpp>
+#include "comm/group.h"
 
 namespace tdx::comm {
-
-c10::intrusive_ptr<c10d::ProcessGroup> group_by_name(c10::string_view group_name) {
-  try {
-    return c10d::resolve_process_group(std::string(group_name));
-  } catch (const std::exception& e) {
-    TORCH_CHECK(
-        false, "group_name '", group_name,
-        "' names no registered process group (pass mesh.get_group().group_name): ", e.what());
-  }
-}
 
 void PendingExchange::wait() {
   for (auto& work : works_) {
@@ -24,7 +14,8 @@ void PendingExchange::wait() {
 Ring::Ring(c10::string_view group_name)
     : group_(group_by_name(group_name)), rank_(group_->getRank()), size_(group_->getSize()) {}
 
-PendingExchange Ring::exchange(const at::Tensor& send, const at::Tensor& recv, int tag) {
+PendingExchange Ring::exchange(const at::Tensor& send, const at::Tensor& recv) {
+  const int tag = next_tag_++;
   std::vector<at::Tensor> send_list{send};
   std::vector<at::Tensor> recv_list{recv};
   const auto device = send.device().type();

@@ -1,6 +1,7 @@
 #pragma once
-// Ring neighbours inside a process group resolved by name: every rank sends to
-// rank + 1 and receives from rank - 1 (group ranks, modulo the group size).
+// Ring neighbours inside a process group: every rank sends to rank + 1 and
+// receives from rank - 1 (group ranks, modulo the group size). The exchange
+// patterns built on it are in comm/ring_pipeline.h.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
@@ -10,16 +11,11 @@
 
 namespace tdx::comm {
 
-// The process group registered under `group_name` (torch.distributed's
-// `group.group_name`); fails with a message naming the group if none is.
-c10::intrusive_ptr<c10d::ProcessGroup> group_by_name(c10::string_view group_name);
-
 // One send-to-next plus receive-from-previous, in flight until wait().
 class PendingExchange {
  public:
   PendingExchange() = default;
-  explicit PendingExchange(std::vector<c10::intrusive_ptr<c10d::Work>> works)
-      : works_(std::move(works)) {}
+  explicit PendingExchange(std::vector<c10::intrusive_ptr<c10d::Work>> works) : works_(std::move(works)) {}
   // Blocks (CPU) or makes the current stream wait (CUDA) until both finished.
   void wait();
 
@@ -35,17 +31,21 @@ class Ring {
   int size() const { return size_; }
   int next() const { return (rank_ + 1) % size_; }
   int prev() const { return (rank_ + size_ - 1) % size_; }
+  c10d::ProcessGroup& group() const { return *group_; }
 
   // Starts sending `send` to next() and receiving prev()'s tensor into `recv`
   // (same shape and dtype on every rank). Neither may be touched until wait().
-  // Backends that coalesce P2P (NCCL) get both in one group, so that a
-  // two-rank ring cannot deadlock on a shared stream.
-  PendingExchange exchange(const at::Tensor& send, const at::Tensor& recv, int tag);
+  // Every exchange of a Ring gets the next message tag, so that several
+  // pipelines may be in flight at once: every rank makes the same sequence of
+  // exchanges, so the tags match. Backends that coalesce P2P (NCCL) get both
+  // in one group, so that a two-rank ring cannot deadlock on a shared stream.
+  PendingExchange exchange(const at::Tensor& send, const at::Tensor& recv);
 
  private:
   c10::intrusive_ptr<c10d::ProcessGroup> group_;
   int rank_;
   int size_;
+  int next_tag_ = 0;
 };
 
 }  // namespace tdx::comm

@@ -9,6 +9,19 @@ namespace tdx::kernels {
 
 enum class ElementType { kFloat32, kFloat64, kBFloat16, kFloat16 };
 
+// What kernels accumulate elements of type T in (on either side: T may be a
+// device type such as __nv_bfloat16): double for double, float otherwise.
+template <typename T>
+struct Accumulator {
+  using type = float;
+};
+template <>
+struct Accumulator<double> {
+  using type = double;
+};
+template <typename T>
+using accumulator_t = typename Accumulator<T>::type;
+
 // Storage-only 16-bit floats (bit-compatible with at::BFloat16 / at::Half):
 // kernels load() them as float and store() from float.
 struct BFloat16 {

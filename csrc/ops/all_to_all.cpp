@@ -1,56 +1,87 @@
-#include "ops/all_to_all.h"
+// Ulysses re-sharding, host side for every device: one all-to-all trades a
+// sequence shard for a head shard (and back). The head/sequence re-layout, and
+// the zigzag layout's chunk order (ops/sequence_layout.h), are the pack into the
+// per-destination send buffer and the unpack from the receive buffer: one copy
+// each way, no other full copies. The head shard holds the sequence in order,
+// whatever the layout.
 
 #include <ATen/ATen.h>
-#include <torch/library.h>
 
-#include "comm/ring.h"
+#include "comm/all_to_all.h"
+#include "comm/group.h"
+#include "ops/device.h"
+#include "ops/sequence_layout.h"
 
 namespace tdx::ops {
 namespace {
 
-// Sends block j of `send` ([N, ...], block per destination) to rank j; returns [N, ...] by source.
-at::Tensor exchange_blocks(const c10::intrusive_ptr<c10d::ProcessGroup>& group, at::Tensor& send) {
-  auto received = at::empty_like(send);
-  std::vector<int64_t> equal_splits;
-  group->alltoall_base(received, send, equal_splits, equal_splits)->wait();
-  return received;
-}
+constexpr const char* kSeqToHeads = "all_to_all_seq_to_heads";
+constexpr const char* kHeadsToSeq = "all_to_all_heads_to_seq";
 
 void check_4d(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 4, op, ": x must be [batch, heads, seq, head_dim], got ", x.sizes());
 }
 
-}  // namespace
-
-at::Tensor all_to_all_seq_to_heads(const at::Tensor& x, c10::string_view group_name) {
-  constexpr const char* op = "all_to_all_seq_to_heads";
-  check_4d(op, x);
+// x [B, H, S/N, D], rank r holding its `layout` shard of the sequence -> [B, H/N, S, D], rank r holding
+// heads block r of the whole sequence, in order.
+at::Tensor all_to_all_seq_to_heads(const at::Tensor& x, c10::string_view group_name, c10::string_view layout_name) {
+  check_4d(kSeqToHeads, x);
+  const auto layout = parse_sequence_layout(kSeqToHeads, layout_name);
   auto group = comm::group_by_name(group_name);
   const int64_t n = group->getSize();
   const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), dim = x.size(3);
-  TORCH_CHECK(heads % n == 0, op, ": heads (", heads, ") must be divisible by the group size ", n);
+  TORCH_CHECK(heads % n == 0, kSeqToHeads, ": heads (", heads, ") must be divisible by the group size ", n);
+  TORCH_CHECK(
+      layout == SequenceLayout::kContiguous || seq % 2 == 0, kSeqToHeads,
+      ": the zigzag layout needs an even local sequence (two chunks per rank), got ", seq);
   // pack: [N (destination = head block), B, H/N, S/N, D]
-  auto send = x.reshape({batch, n, heads / n, seq, dim}).permute({1, 0, 2, 3, 4}).contiguous();
-  auto received = exchange_blocks(group, send);  // [N (source = sequence block), B, H/N, S/N, D]
-  // unpack: [B, H/N, N, S/N, D] -> [B, H/N, S, D]
-  return received.permute({1, 2, 0, 3, 4}).reshape({batch, heads / n, n * seq, dim}).contiguous();
+  const auto send = x.reshape({batch, n, heads / n, seq, dim}).permute({1, 0, 2, 3, 4}).contiguous();
+  // [N (source = sequence shard), B, H/N, S/N, D]
+  const auto received = comm::all_to_all_equal_blocks(*group, kSeqToHeads, "head blocks", send);
+  if (layout == SequenceLayout::kContiguous) {
+    // unpack: [B, H/N, N, S/N, D] -> [B, H/N, S, D]
+    return received.permute({1, 2, 0, 3, 4}).reshape({batch, heads / n, n * seq, dim}).contiguous();
+  }
+  // zigzag: source j's halves are chunks j and 2N-1-j of 2N.
+  const auto halves = received.view({n, batch, heads / n, 2, seq / 2, dim});
+  auto out = at::empty({batch, heads / n, 2 * n, seq / 2, dim}, x.options());
+  out.narrow(2, 0, n).copy_(halves.select(3, 0).permute({1, 2, 0, 3, 4}));
+  out.narrow(2, n, n).copy_(halves.select(3, 1).flip(0).permute({1, 2, 0, 3, 4}));
+  return out.view({batch, heads / n, n * seq, dim});
 }
 
-at::Tensor all_to_all_heads_to_seq(const at::Tensor& x, c10::string_view group_name) {
-  constexpr const char* op = "all_to_all_heads_to_seq";
-  check_4d(op, x);
+// x [B, H/N, S, D] (the whole sequence in order) -> [B, H, S/N, D] in `layout`: the inverse.
+at::Tensor all_to_all_heads_to_seq(const at::Tensor& x, c10::string_view group_name, c10::string_view layout_name) {
+  check_4d(kHeadsToSeq, x);
+  const auto layout = parse_sequence_layout(kHeadsToSeq, layout_name);
   auto group = comm::group_by_name(group_name);
   const int64_t n = group->getSize();
   const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), dim = x.size(3);
-  TORCH_CHECK(seq % n == 0, op, ": seq (", seq, ") must be divisible by the group size ", n);
-  // pack: [N (destination = sequence block), B, H/N, S/N, D]
-  auto send = x.reshape({batch, heads, n, seq / n, dim}).permute({2, 0, 1, 3, 4}).contiguous();
-  auto received = exchange_blocks(group, send);  // [N (source = head block), B, H/N, S/N, D]
+  const int64_t parts = layout == SequenceLayout::kZigzag ? 2 * n : n;
+  TORCH_CHECK(
+      seq % parts == 0, kHeadsToSeq, ": seq (", seq, ") must be divisible by ", parts, " (the group size ", n,
+      layout == SequenceLayout::kZigzag ? ", times 2 for the zigzag layout)" : ")");
+  // pack: [N (destination = sequence shard), B, H/N, S/N, D]
+  at::Tensor send;
+  if (layout == SequenceLayout::kContiguous) {
+    send = x.reshape({batch, heads, n, seq / n, dim}).permute({2, 0, 1, 3, 4}).contiguous();
+  } else {
+    // zigzag: destination j gets chunks j and 2N-1-j of 2N.
+    const auto chunks = x.reshape({batch, heads, 2 * n, seq / parts, dim});
+    send = at::empty({n, batch, heads, 2, seq / parts, dim}, x.options());
+    send.select(3, 0).copy_(chunks.narrow(2, 0, n).permute({2, 0, 1, 3, 4}));
+    send.select(3, 1).copy_(chunks.narrow(2, n, n).flip(2).permute({2, 0, 1, 3, 4}));
+    send = send.view({n, batch, heads, seq / n, dim});
+  }
+  // [N (source = head block), B, H/N, S/N, D]
+  const auto received = comm::all_to_all_equal_blocks(*group, kHeadsToSeq, "sequence blocks", send);
   // unpack: [B, N, H/N, S/N, D] -> [B, H, S/N, D]
   return received.permute({1, 0, 2, 3, 4}).reshape({batch, n * heads, seq / n, dim}).contiguous();
 }
 
-TORCH_LIBRARY_IMPL(tdx, CPU, m) {
+}  // namespace
+
+TDX_IMPL_ON_EVERY_DEVICE(register_all_to_all) {
   m.impl("all_to_all_seq_to_heads", &all_to_all_seq_to_heads);
   m.impl("all_to_all_heads_to_seq", &all_to_all_heads_to_seq);
 }

@@ -1,15 +1,23 @@
-#include "ops/collective_matmul.h"
+// Sequence-parallel GEMMs decomposed into ring steps, host side for every
+// device (ATen GEMMs and the ring pipelines of comm/ring_pipeline.h): while one
+// block's GEMM runs, the next block (or the running partial sum) is in flight
+// to the neighbour.
+//
+// Shapes: along the sharded dimension each rank holds an equal, contiguous
+// block, rank r the r-th block (torch.chunk order).
 
 #include <ATen/ATen.h>
 #include <c10/core/WrapDimMinimal.h>
-#include <torch/library.h>
 
-#include <functional>
-
-#include "comm/ring.h"
+#include "comm/ring_pipeline.h"
+#include "ops/device.h"
 
 namespace tdx::ops {
 namespace {
+
+constexpr const char* kAllGatherMatmul = "all_gather_matmul";
+constexpr const char* kMatmulReduceScatter = "matmul_reduce_scatter";
+constexpr const char* kWeightGrad = "all_gather_weight_grad";
 
 // A tensor sharded along `dim` seen as [outer, rows, features]: `outer` is the
 // product of the sizes before `dim`, `rows` of the sizes from `dim` up to the
@@ -65,40 +73,14 @@ void matmul_into(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& b
   }
 }
 
-// Calls consume(block, owner) once for every rank's block of the all-gather of
-// `shard`, starting with this rank's own. The next block travels from the
-// previous rank while consume() works on the current one (double-buffered).
-void for_each_gathered_block(
-    comm::Ring& ring, const at::Tensor& shard,
-    const std::function<void(const at::Tensor&, int64_t)>& consume) {
-  const int n = ring.size();
-  at::Tensor buffers[2];
-  if (n > 1) {
-    buffers[0] = at::empty_like(shard);
-    buffers[1] = at::empty_like(shard);
-  }
-  at::Tensor current = shard;
-  for (int step = 0; step < n; ++step) {
-    const int64_t owner = (ring.rank() - step + n) % n;
-    comm::PendingExchange pending;
-    at::Tensor incoming;
-    if (step + 1 < n) {
-      incoming = buffers[step % 2];
-      pending = ring.exchange(current, incoming, step);
-    }
-    consume(current, owner);
-    pending.wait();
-    current = incoming;
-  }
-}
-
-}  // namespace
-
+// x: [..., S/n, ..., in] (shard along gather_dim), weight: [out, in].
+// Returns (all_gather(x, gather_dim) @ weight.T  [..., S, ..., out],
+//          all_gather(x, gather_dim) if return_gathered else an empty tensor).
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
     const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
     int64_t gather_dim, bool return_gathered) {
-  const int64_t dim = sharded_dim("all_gather_matmul", x, gather_dim);
-  check_matmul_operands("all_gather_matmul", x, weight);
+  const int64_t dim = sharded_dim(kAllGatherMatmul, x, gather_dim);
+  check_matmul_operands(kAllGatherMatmul, x, weight);
   comm::Ring ring(group_name);
   const int64_t n = ring.size();
   const auto shard = x.contiguous();
@@ -114,7 +96,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
   auto gathered = at::empty(return_gathered ? gathered_sizes : std::vector<int64_t>{0}, shard.options());
 
   const auto weight_t = weight.t();
-  for_each_gathered_block(ring, shard, [&](const at::Tensor& block, int64_t owner) {
+  comm::for_each_ring_block(ring, kAllGatherMatmul, "x block", shard, [&](const at::Tensor& block, int owner) {
     const auto rows = block.view({shape.outer * shape.rows, shape.features});
     matmul_into(out_blocks.narrow(1, owner * shape.rows, shape.rows), rows, weight_t);
     if (return_gathered) {
@@ -126,66 +108,56 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
   return {out, gathered};
 }
 
+// x: [..., S, ..., in] with S divisible by n, weight: [out, in].
+// Returns this rank's block of sum_over_ranks(x @ weight.T): [..., S/n, ..., out].
 at::Tensor matmul_reduce_scatter(
     const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
     int64_t scatter_dim) {
-  const int64_t dim = sharded_dim("matmul_reduce_scatter", x, scatter_dim);
-  check_matmul_operands("matmul_reduce_scatter", x, weight);
+  const int64_t dim = sharded_dim(kMatmulReduceScatter, x, scatter_dim);
+  check_matmul_operands(kMatmulReduceScatter, x, weight);
   comm::Ring ring(group_name);
   const int n = ring.size();
   TORCH_CHECK(
-      x.size(dim) % n == 0, "matmul_reduce_scatter: x.size(", dim, ")=", x.size(dim),
+      x.size(dim) % n == 0, kMatmulReduceScatter, ": x.size(", dim, ")=", x.size(dim),
       " must be divisible by the group size ", n);
   const auto input = x.contiguous();
   const auto shape = block_shape(input, dim, n);
   const int64_t out_features = weight.size(0);
   const auto in_blocks = input.view({shape.outer, n * shape.rows, shape.features});
   const auto weight_t = weight.t();
-
-  // Step s works on block (rank - s - 1) mod n and adds the running sum that
-  // arrives from the previous rank; the last step's block is this rank's own.
-  auto block_product = [&](int step, at::Tensor& into) {
-    const int64_t block = ((ring.rank() - step - 1) % n + n) % n;
-    const auto rows = in_blocks.narrow(1, block * shape.rows, shape.rows)
-                          .reshape({shape.outer * shape.rows, shape.features});
-    at::mm_out(into, rows, weight_t);
-  };
-  // Two running-sum buffers in the output's shape (the last one written is
-  // returned as is), seen as [rows, out] matrices.
   auto out_sizes = input.sizes().vec();
   out_sizes[dim] /= n;
   out_sizes.back() = out_features;
-  const auto options = input.options();
-  at::Tensor sums[2] = {at::empty(out_sizes, options), at::empty(out_sizes, options)};
-  at::Tensor sum_rows[2] = {sums[0].view({-1, out_features}), sums[1].view({-1, out_features})};
-  at::Tensor incoming = n > 1 ? at::empty_like(sum_rows[0]) : at::Tensor();
-  int current = 0;
-  block_product(0, sum_rows[current]);
-  for (int step = 1; step < n; ++step) {
-    auto pending = ring.exchange(sum_rows[current], incoming, step);
-    auto& next = sum_rows[1 - current];
-    block_product(step, next);
-    pending.wait();
-    next.add_(incoming);
-    current = 1 - current;
+  // Each step's GEMM writes this rank's contribution to one block while the
+  // previous block's running sum is in flight; this rank's own block comes last.
+  comm::RingReduceScatter sums(ring, kMatmulReduceScatter, "partial sum", out_sizes, input.options(),
+                               comm::RingReduceScatter::Order::kOwnBlockLast);
+  for (int step = 0; step < n; ++step) {
+    const auto rows = in_blocks.narrow(1, sums.block() * shape.rows, shape.rows)
+                          .reshape({shape.outer * shape.rows, shape.features});
+    auto into = sums.contribution().view({-1, out_features});
+    at::mm_out(into, rows, weight_t);
+    sums.pass();
   }
-  return sums[current];
+  return sums.result();
 }
 
+// dense: [..., S, ..., a], shard: [..., S/n, ..., b] (block along gather_dim).
+// Returns [a, b] = dense.flatten(0, -2).T @ all_gather(shard, gather_dim).flatten(0, -2).
 at::Tensor all_gather_weight_grad(
     const at::Tensor& dense, const at::Tensor& shard, c10::string_view group_name,
     int64_t gather_dim) {
-  const int64_t dim = sharded_dim("all_gather_weight_grad", shard, gather_dim);
-  check_same_kind("all_gather_weight_grad", dense, "dense", shard, "shard");
+  const int64_t dim = sharded_dim(kWeightGrad, shard, gather_dim);
+  check_same_kind(kWeightGrad, dense, "dense", shard, "shard");
   comm::Ring ring(group_name);
   const int64_t n = ring.size();
   TORCH_CHECK(
-      dense.dim() == shard.dim(), "all_gather_weight_grad: dense and shard must have the same number ",
+      dense.dim() == shard.dim(), kWeightGrad, ": dense and shard must have the same number ",
       "of dims, got shapes ", dense.sizes(), " and ", shard.sizes());
   for (int64_t d = 0; d < shard.dim() - 1; ++d) {
     const int64_t expected = d == dim ? shard.size(d) * n : shard.size(d);
     TORCH_CHECK(
-        dense.size(d) == expected, "all_gather_weight_grad: dense.size(", d, ")=", dense.size(d),
+        dense.size(d) == expected, kWeightGrad, ": dense.size(", d, ")=", dense.size(d),
         " must be ", expected, " for shard shape ", shard.sizes(), " gathered over ", n, " ranks on dim ",
         dim);
   }
@@ -196,7 +168,7 @@ at::Tensor all_gather_weight_grad(
   // Half-precision inputs accumulate the n block products in fp32.
   const bool reduced = at::isReducedFloatingType(dense.scalar_type());
   auto acc = at::zeros({a, shape.features}, dense.options().dtype(reduced ? at::kFloat : dense.scalar_type()));
-  for_each_gathered_block(ring, shard_c, [&](const at::Tensor& block, int64_t owner) {
+  comm::for_each_ring_block(ring, kWeightGrad, "shard block", shard_c, [&](const at::Tensor& block, int owner) {
     const auto dense_rows = dense_blocks.narrow(1, owner * shape.rows, shape.rows)
                                 .reshape({shape.outer * shape.rows, a});
     const auto shard_rows = block.view({shape.outer * shape.rows, shape.features});
@@ -209,7 +181,9 @@ at::Tensor all_gather_weight_grad(
   return acc.to(dense.scalar_type());
 }
 
-TORCH_LIBRARY_IMPL(tdx, CPU, m) {
+}  // namespace
+
+TDX_IMPL_ON_EVERY_DEVICE(register_collective_matmul) {
   m.impl("all_gather_matmul", &all_gather_matmul);
   m.impl("matmul_reduce_scatter", &matmul_reduce_scatter);
   m.impl("all_gather_weight_grad", &all_gather_weight_grad);

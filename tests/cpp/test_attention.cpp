@@ -1,4 +1,5 @@
-// CPU kernel of attention's log-sum-exp merge against a direct double-precision computation.
+// CPU kernel of attention's log-sum-exp merge, every ISA clone, against a
+// direct double-precision computation within the bounds of error_bounds.h.
 
 #include <gtest/gtest.h>
 
@@ -7,10 +8,17 @@
 #include <random>
 #include <vector>
 
-#include "kernels/cpu/attention.h"
+#include "cpu_isa_test.h"
+#include "error_bounds.h"
+#include "kernel_checks.h"
+#include "kernels/attention.h"
 
+using tdx::kernels::AttentionKernels;
+using tdx::kernels::BFloat16;
 using tdx::kernels::ElementType;
-namespace cpu = tdx::kernels::cpu;
+using tdx::kernels::Launch;
+using tdx::kernels::LseMergeArgs;
+using tdx::kernels::MergeLayout;
 
 namespace {
 
@@ -28,15 +36,23 @@ void attend(const std::vector<double>& scores, const std::vector<std::vector<dou
   }
 }
 
-}  // namespace
+class LseMerge : public tdx::test::CpuIsaTest {
+ protected:
+  void merge(const MergeLayout& layout, void* out, void* lse, const void* block_out, const void* block_lse) const {
+    AttentionKernels::cpu(isa()).lse_merge(LseMergeArgs{layout, out, lse, block_out, block_lse},
+                                          Launch{0, layout.groups, nullptr});
+  }
+};
+TDX_INSTANTIATE_FOR_EVERY_CPU_ISA(LseMerge);
 
-TEST(LseMerge, TwoHalvesOfTheKeysMergeIntoAttentionOverAll) {
+TEST_P(LseMerge, TwoHalvesOfTheKeysMergeIntoAttentionOverAll) {
   constexpr int kRows = 3, kDim = 5, kKeys = 8;
   std::mt19937 gen(3);
   std::normal_distribution<double> normal(0.0, 2.0);
   std::vector<float> acc_out(kRows * kDim), block_out(kRows * kDim);
   std::vector<float> acc_lse(kRows), block_lse(kRows);
   std::vector<std::vector<double>> expected(kRows);
+  tdx::test::MergeReference reference(kRows, kDim);  // the exact merge of the rounded halves, and its bound
   for (int i = 0; i < kRows; ++i) {
     std::vector<double> scores(kKeys);
     std::vector<std::vector<double>> values(kKeys, std::vector<double>(kDim));
@@ -55,37 +71,58 @@ TEST(LseMerge, TwoHalvesOfTheKeysMergeIntoAttentionOverAll) {
       block_out[i * kDim + d] = out_b[d];
     }
     expected[i].push_back(lse_all);
+    const std::vector<double> a(acc_out.begin() + i * kDim, acc_out.begin() + (i + 1) * kDim);
+    const std::vector<double> b(block_out.begin() + i * kDim, block_out.begin() + (i + 1) * kDim);
+    reference.merge<float>(i, a.data(), acc_lse[i]);
+    reference.merge<float>(i, b.data(), block_lse[i]);
   }
-  cpu::lse_merge<float>(ElementType::kFloat32, acc_out.data(), kRows * kDim, acc_lse.data(), kRows, block_out.data(),
-                        kRows * kDim, block_lse.data(), kRows, 0, 1, kRows, kDim);
+  merge({ElementType::kFloat32, 1, kRows, kDim, kRows * kDim, kRows, kRows * kDim, kRows}, acc_out.data(),
+        acc_lse.data(), block_out.data(), block_lse.data());
+  // The kernel against the exact merge of its (float) inputs, within the merge's bound; and that
+  // exact merge against attention over all keys, within the halves' rounding to float (u relative
+  // for each of out and lse, carried through with weights <= 1 and lse sensitivity <= |A - B| / 4).
+  const double u = tdx::test::unit_roundoff<float>();
   for (int i = 0; i < kRows; ++i) {
-    for (int d = 0; d < kDim; ++d) EXPECT_NEAR(acc_out[i * kDim + d], expected[i][d], 1e-5) << i << "," << d;
-    EXPECT_NEAR(acc_lse[i], expected[i][kDim], 1e-5) << i;
+    for (int d = 0; d < kDim; ++d) {
+      const int e = i * kDim + d;
+      EXPECT_NEAR(acc_out[e], reference.out[e], reference.out_error[e]) << i << "," << d;
+      EXPECT_NEAR(reference.out[e], expected[i][d], 8 * u * (1 + std::abs(expected[i][d]))) << i << "," << d;
+    }
+    EXPECT_NEAR(acc_lse[i], reference.lse[i], reference.lse_error[i]) << i;
+    EXPECT_NEAR(reference.lse[i], expected[i][kDim], 8 * u * (1 + std::abs(expected[i][kDim]))) << i;
   }
 }
 
-TEST(LseMerge, EmptyAccumulatorTakesTheBlockAndEmptyBlockChangesNothing) {
+TEST_P(LseMerge, SequencesOfMergesStayWithinTheirBoundForEveryBlockTypeAndStride) {
+  // Features: none, one, under a warp, not a multiple of the warp, one GPU block of threads, several per thread.
+  tdx::test::for_each_type_and_size({0, 1, 33, 64, 256, 300}, [&](auto acc, ElementType type, int64_t dim) {
+    tdx::test::check_lse_merges<decltype(acc)>(AttentionKernels::cpu(isa()), type, dim);
+  });
+}
+
+TEST_P(LseMerge, EmptyAccumulatorTakesTheBlockAndEmptyBlockChangesNothing) {
   const float inf = std::numeric_limits<float>::infinity();
   std::vector<float> out = {9.0f, 9.0f, 1.0f, 2.0f};  // row 0: empty accumulator, row 1: holds (1, 2)
   std::vector<float> lse = {-inf, 0.5f};
-  std::vector<tdx::kernels::BFloat16> block = {tdx::kernels::to_bfloat16(3.0f), tdx::kernels::to_bfloat16(4.0f),
-                                               tdx::kernels::to_bfloat16(7.0f), tdx::kernels::to_bfloat16(8.0f)};
+  std::vector<BFloat16> block = {tdx::kernels::to_bfloat16(3.0f), tdx::kernels::to_bfloat16(4.0f),
+                                 tdx::kernels::to_bfloat16(7.0f), tdx::kernels::to_bfloat16(8.0f)};
   std::vector<float> block_lse = {1.25f, -inf};
-  cpu::lse_merge<float>(ElementType::kBFloat16, out.data(), 4, lse.data(), 2, block.data(), 4, block_lse.data(), 2,
-                        0, 1, 2, 2);
+  merge({ElementType::kBFloat16, 1, 2, 2, 4, 2, 4, 2}, out.data(), lse.data(), block.data(), block_lse.data());
   EXPECT_EQ(out, (std::vector<float>{3.0f, 4.0f, 1.0f, 2.0f}));
   EXPECT_EQ(lse, (std::vector<float>{1.25f, 0.5f}));
 }
 
-TEST(LseMerge, OuterStridesSelectASliceOfRows) {
+TEST_P(LseMerge, GroupStridesSelectASliceOfRows) {
   // Two groups of 4 rows in the accumulator; merge a 2-row block into rows 2..3 of each group.
   std::vector<double> out(2 * 4, 1.0), lse(2 * 4, 0.0);
   std::vector<double> block = {5.0, 5.0, 5.0, 5.0}, block_lse(4, 0.0);  // equal weights: the mean
-  cpu::lse_merge<double>(ElementType::kFloat64, out.data() + 2, 4, lse.data() + 2, 4, block.data(), 2,
-                         block_lse.data(), 2, 0, 2, 2, 1);
+  merge({ElementType::kFloat64, 2, 2, 1, 4, 4, 2, 2}, out.data() + 2, lse.data() + 2, block.data(),
+        block_lse.data());
   EXPECT_EQ(out, (std::vector<double>{1, 1, 3, 3, 1, 1, 3, 3}));
   for (int g = 0; g < 2; ++g) {
     EXPECT_EQ(lse[g * 4], 0.0);
-    EXPECT_NEAR(lse[g * 4 + 2], std::log(2.0), 1e-15);
+    EXPECT_NEAR(lse[g * 4 + 2], std::log(2.0), 4 * tdx::test::unit_roundoff<double>());
   }
 }
+
+}  // namespace

@@ -8,14 +8,15 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_main_job(*flags: str) -> str:
+def run_main_job(*flags: str, processes: int = 4) -> str:
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", "4", str(ROOT / "examples" / "train_llama.py"),
-               "--check", *flags]
+    command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes),
+               str(ROOT / "examples" / "train_llama.py"), "--check", *flags]
     # One inductor compile thread per rank: four ranks share two cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -51,5 +52,24 @@ def test_matches_single_process(flags):
 
 def test_bf16_mixed_precision_with_ring_attention_matches_fp32_process():
     output = run_main_job("--steps", "4", "--bf16", "--dp", "1", "--cp", "2", "--cp-method", "ring")
-    assert "bf16=True" in output, output
+    assert "bf16 on cpu" in output, output
+    assert largest_relative_difference(output) < 2e-2
+
+
+def test_device_cuda_without_a_gpu_says_so():
+    """--device cuda is the GPU path (NCCL, bf16); without a visible GPU it stops with a clear message."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "1",
+                             str(ROOT / "examples" / "train_llama.py"), "--device", "cuda", "--tp", "1"],
+                            capture_output=True, text=True, timeout=300, env=env, cwd=ROOT)
+    assert result.returncode != 0
+    assert "--device cuda: no CUDA device is visible to this process" in result.stdout + result.stderr
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_one_gpu_in_bf16_matches_the_fp32_process():
+    output = run_main_job("--device", "cuda", "--tp", "1", "--steps", "10", processes=1)
+    assert "bf16 on cuda" in output, output
     assert largest_relative_difference(output) < 2e-2

@@ -1,4 +1,4 @@
-"""tdx::all_to_all_seq_to_heads / heads_to_seq: values, gradients, opcheck, compile, bad input."""
+"""tdx::all_to_all_seq_to_heads / heads_to_seq: values in both layouts, gradients, opcheck, compile, bad input."""
 
 import pytest
 import torch
@@ -19,41 +19,54 @@ def full(seed=0, heads=4, seq=None, dtype=torch.float32, grad=False):
     return torch.randn(2, heads, seq, 5, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(grad)
 
 
-def check_values_and_round_trip():
+def sequence_shard(x, layout):
+    """Rank r's shard of the sequence (dim 2) of x in `layout`."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    if layout == "contiguous":
+        return x.chunk(n, dim=2)[r].contiguous()
+    chunks = x.chunk(2 * n, dim=2)
+    return torch.cat([chunks[r], chunks[2 * n - 1 - r]], dim=2)
+
+
+def check_values_and_round_trip(layout):
     n, r = dist.get_world_size(), dist.get_rank()
     name = mesh().get_group().group_name
-    x = full(heads=2 * n)
-    seq_shard = x.chunk(n, dim=2)[r].contiguous()
-    heads_shard = all_to_all_seq_to_heads(seq_shard, name)
-    assert torch.equal(heads_shard, x.chunk(n, dim=1)[r])  # rank r: head block r, whole sequence
-    assert torch.equal(all_to_all_heads_to_seq(heads_shard, name), seq_shard)
+    x = full(heads=2 * n, seq=6 * n)
+    seq_shard = sequence_shard(x, layout)
+    heads_shard = all_to_all_seq_to_heads(seq_shard, name, layout)
+    assert torch.equal(heads_shard, x.chunk(n, dim=1)[r])  # rank r: head block r, whole sequence in order
+    assert torch.equal(all_to_all_heads_to_seq(heads_shard, name, layout), seq_shard)
     return True
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
-def test_values_and_round_trip(world, request):
-    assert all(request.getfixturevalue(world).run(check_values_and_round_trip))
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_values_and_round_trip(world, layout, request):
+    assert all(request.getfixturevalue(world).run(check_values_and_round_trip, layout))
 
 
-def replicated_seq_to_heads(x):
+def replicated_seq_to_heads(x, layout):
     m = mesh()
-    return gather_replicated(all_to_all_seq_to_heads(shard_replicated(x, m, 2), m.get_group().group_name), m, 1)
+    heads = all_to_all_seq_to_heads(shard_replicated(x, mesh=m, dim=2), m.get_group().group_name, layout)
+    return gather_replicated(heads, mesh=m, dim=1)
 
 
-def replicated_heads_to_seq(x):
+def replicated_heads_to_seq(x, layout):
     m = mesh()
-    return gather_replicated(all_to_all_heads_to_seq(shard_replicated(x, m, 1), m.get_group().group_name), m, 2)
+    sequence = all_to_all_heads_to_seq(shard_replicated(x, mesh=m, dim=1), m.get_group().group_name, layout)
+    return gather_replicated(sequence, mesh=m, dim=2)
 
 
 def run_gradcheck_and_opcheck():
-    x = full(dtype=torch.float64, grad=True)
-    assert torch.autograd.gradcheck(replicated_seq_to_heads, (x,))
-    assert torch.autograd.gradcheck(replicated_heads_to_seq, (x,))
+    x = full(seq=4 * dist.get_world_size(), dtype=torch.float64, grad=True)
     name = mesh().get_group().group_name
-    for grad in (False, True):
-        local = full(seq=3, grad=grad)
-        torch.library.opcheck(torch.ops.tdx.all_to_all_seq_to_heads, (local, name))
-        torch.library.opcheck(torch.ops.tdx.all_to_all_heads_to_seq, (full(heads=2, seq=6, grad=grad), name))
+    for layout in ("contiguous", "zigzag"):
+        assert torch.autograd.gradcheck(replicated_seq_to_heads, (x, layout))
+        assert torch.autograd.gradcheck(replicated_heads_to_seq, (x, layout))
+        for grad in (False, True):
+            local = full(seq=4, grad=grad)
+            torch.library.opcheck(torch.ops.tdx.all_to_all_seq_to_heads, (local, name, layout))
+            torch.library.opcheck(torch.ops.tdx.all_to_all_heads_to_seq, (full(heads=2, seq=8, grad=grad), name, layout))
     return True
 
 
@@ -65,9 +78,9 @@ def run_compiled():
     name = mesh().get_group().group_name
 
     def fn(x):
-        return all_to_all_heads_to_seq(all_to_all_seq_to_heads(x, name).sin(), name)
+        return all_to_all_heads_to_seq(all_to_all_seq_to_heads(x, name, "zigzag").sin(), name, "zigzag")
 
-    x = full(seq=3, grad=True)
+    x = full(seq=4, grad=True)
     eager = fn(x)
     (eager_grad,) = torch.autograd.grad(eager.sum(), x)
     compiled = torch.compile(fn, fullgraph=True)(x)
@@ -82,25 +95,40 @@ def test_compile_fullgraph(world2):
 
 
 def heads_not_divisible():
-    all_to_all_seq_to_heads(full(heads=3, seq=3), mesh().get_group().group_name)
+    all_to_all_seq_to_heads(full(heads=3, seq=4), mesh().get_group().group_name, "contiguous")
 
 
 def sequence_not_divisible():
-    all_to_all_heads_to_seq(full(heads=2, seq=3), mesh().get_group().group_name)
+    all_to_all_heads_to_seq(full(heads=2, seq=3), mesh().get_group().group_name, "contiguous")
+
+
+def zigzag_sequence_not_divisible():
+    all_to_all_heads_to_seq(full(heads=2, seq=6), mesh().get_group().group_name, "zigzag")
+
+
+def odd_zigzag_shard():
+    all_to_all_seq_to_heads(full(heads=2, seq=3), mesh().get_group().group_name, "zigzag")
 
 
 def not_4d():
-    all_to_all_seq_to_heads(torch.zeros(4, 3, 5), mesh().get_group().group_name)
+    all_to_all_seq_to_heads(torch.zeros(4, 3, 5), mesh().get_group().group_name, "contiguous")
+
+
+def bad_layout():
+    all_to_all_seq_to_heads(full(heads=2, seq=4), mesh().get_group().group_name, "striped")
 
 
 @pytest.mark.parametrize(
-    "fn, message",
+    "fn, error, message",
     [
-        (heads_not_divisible, r"heads \(3\) must be divisible by the group size 2"),
-        (sequence_not_divisible, r"seq \(3\) must be divisible by the group size 2"),
-        (not_4d, r"x must be \[batch, heads, seq, head_dim\]"),
+        (heads_not_divisible, RuntimeError, r"heads \(3\) must be divisible by the group size 2"),
+        (sequence_not_divisible, RuntimeError, r"seq \(3\) must be divisible by 2 \(the group size 2\)"),
+        (zigzag_sequence_not_divisible, RuntimeError, r"seq \(6\) must be divisible by 4 \(the group size 2, times 2"),
+        (odd_zigzag_shard, RuntimeError, "the zigzag layout needs an even local sequence"),
+        (not_4d, RuntimeError, r"x must be \[batch, heads, seq, head_dim\]"),
+        (bad_layout, ValueError, "layout must be 'contiguous' or 'zigzag', got 'striped'"),
     ],
 )
-def test_bad_input(world2, fn, message):
-    with pytest.raises(RuntimeError, match=message):
+def test_bad_input(world2, fn, error, message):
+    with pytest.raises(error, match=message):
         world2.run(fn)

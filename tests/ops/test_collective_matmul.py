@@ -117,26 +117,26 @@ def world_mesh():
 def column_parallel(x_full, weight_full, gather_dim):
     """A replicated function of replicated inputs built from all_gather_matmul."""
     mesh = world_mesh()
-    x = shard_replicated(x_full, mesh, gather_dim)
-    weight = shard_replicated(weight_full, mesh, 0)
+    x = shard_replicated(x_full, mesh=mesh, dim=gather_dim)
+    weight = shard_replicated(weight_full, mesh=mesh, dim=0)
     out, _ = all_gather_matmul(x, weight, mesh.get_group().group_name, gather_dim)
-    return gather_replicated(out, mesh, -1)
+    return gather_replicated(out, mesh=mesh, dim=-1)
 
 
 def row_parallel(x_full, weight_full, scatter_dim):
     mesh = world_mesh()
-    x = shard_replicated(x_full, mesh, -1)
-    weight = shard_replicated(weight_full, mesh, 1)
+    x = shard_replicated(x_full, mesh=mesh, dim=-1)
+    weight = shard_replicated(weight_full, mesh=mesh, dim=1)
     out = matmul_reduce_scatter(x, weight, mesh.get_group().group_name, scatter_dim)
-    return gather_replicated(out, mesh, scatter_dim)
+    return gather_replicated(out, mesh=mesh, dim=scatter_dim)
 
 
 def weight_grad_parallel(dense_full, shard_full, gather_dim):
     mesh = world_mesh()
-    dense = shard_replicated(dense_full, mesh, -1)
-    shard = shard_replicated(shard_full, mesh, gather_dim)
+    dense = shard_replicated(dense_full, mesh=mesh, dim=-1)
+    shard = shard_replicated(shard_full, mesh=mesh, dim=gather_dim)
     out = all_gather_weight_grad(dense, shard, mesh.get_group().group_name, gather_dim)
-    return gather_replicated(out, mesh, 0)
+    return gather_replicated(out, mesh=mesh, dim=0)
 
 
 def run_gradcheck():

@@ -16,7 +16,7 @@ from torchdist_ext.ops import (
     matmul_reduce_scatter,
     all_to_all_heads_to_seq,
     all_to_all_seq_to_heads,
-    vocab_parallel_cross_entropy,
+    vocab_parallel_cross_entropy_fwd,
 )
 from torchdist_ext.testing import spawn_world
 
@@ -41,7 +41,7 @@ def check_cross_entropy(dtype):
     logits = (3 * torch.randn(64, 1000, generator=gen)).to(dtype).cuda().requires_grad_(True)
     target = torch.randint(0, 1000, (64,), generator=gen).cuda()
     target[5] = -100
-    loss, lse = vocab_parallel_cross_entropy(logits, target, 0, 1000, -100, group_name())
+    loss, lse = vocab_parallel_cross_entropy_fwd(logits, target, 0, 1000, -100, group_name())
     loss.sum().backward()
     reference = logits.detach().double().requires_grad_(True)
     F.cross_entropy(reference, target, reduction="sum").backward()
@@ -50,15 +50,15 @@ def check_cross_entropy(dtype):
     torch.testing.assert_close(loss.double(), expected, atol=10 * tol, rtol=tol)
     torch.testing.assert_close(logits.grad.double(), reference.grad, atol=tol, rtol=tol)
     # the CUDA kernels agree with the CPU kernels
-    cpu_loss, cpu_lse = vocab_parallel_cross_entropy(logits.detach().cpu(), target.cpu(), 0, 1000, -100, group_name())
+    cpu_loss, cpu_lse = vocab_parallel_cross_entropy_fwd(logits.detach().cpu(), target.cpu(), 0, 1000, -100, group_name())
     torch.testing.assert_close(lse.cpu(), cpu_lse, atol=tol, rtol=tol)
-    torch.library.opcheck(torch.ops.tdx.vocab_parallel_cross_entropy,
+    torch.library.opcheck(torch.ops.tdx.vocab_parallel_cross_entropy_fwd,
                           (logits.detach().requires_grad_(True), target, 0, 1000, -100, group_name()))
     # an ignored row (5) gets gradient exactly 0, also when all its logits are masked
     masked = logits.detach().clone()
     masked[5] = float("-inf")
     masked.requires_grad_(True)
-    vocab_parallel_cross_entropy(masked, target, 0, 1000, -100, group_name())[0].sum().backward()
+    vocab_parallel_cross_entropy_fwd(masked, target, 0, 1000, -100, group_name())[0].sum().backward()
     assert masked.grad[5].eq(0).all() and masked.grad.isfinite().all()
     return True
 
@@ -95,7 +95,7 @@ def check_ring_attention_blocks(dtype, causal):
     q = torch.randn(2, 8, 64, 32, generator=gen).to(dtype).cuda().requires_grad_(True)
     k = torch.randn(2, 2, 64, 32, generator=gen).to(dtype).cuda().requires_grad_(True)
     v = torch.randn(2, 2, 64, 32, generator=gen).to(dtype).cuda().requires_grad_(True)
-    out, lse = torchdist_ext.ops.ring_attention(q, k, v, group_name(), causal, 32 ** -0.5, "zigzag")
+    out, lse = torchdist_ext.ops.ring_attention_fwd(q, k, v, group_name(), causal, 32 ** -0.5, "zigzag")
     out.float().square().sum().backward()
     reference = [t.detach().float().requires_grad_(True) for t in (q, k, v)]
     expected = F.scaled_dot_product_attention(*reference, is_causal=causal, enable_gqa=True)

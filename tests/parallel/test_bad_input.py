@@ -4,15 +4,20 @@ import pytest
 import torch
 import torch.distributed as dist
 
-import torchdist_ext  # noqa: F401
+import torchdist_ext
 from torchdist_ext.parallel import (
     ColumnParallelLinear,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    hybrid_attention,
+    ring_attention,
+    shard_sequence,
+    unshard_sequence,
     vocab_parallel_cross_entropy,
 )
 from torchdist_ext.testing import cached_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 
 def tp():
@@ -96,6 +101,37 @@ def loss_reduction():
                                  reduction="avg")
 
 
+def integer_dtype_linear():
+    ColumnParallelLinear(8, 16, tp_mesh=tp(), dtype=torch.int64)
+
+
+def embedding_id_out_of_range():
+    VocabParallelEmbedding(32, 8, tp_mesh=tp())(torch.tensor([[3, 32], [0, -1]]))
+
+
+def unshard_odd_zigzag():
+    unshard_sequence(torch.randn(2, 3, 4), cp_mesh=tp(), dim=1)
+
+
+def unshard_a_list():
+    unshard_sequence([torch.randn(2, 4)], cp_mesh=tp(), dim=1)
+
+
+def attention_without_heads():
+    q = torch.randn(1, 0, 4, 8)
+    ring_attention(q, q, q, cp_mesh=tp())
+
+
+def hybrid_on_a_1d_mesh():
+    q = torch.randn(1, 2, 4, 8)
+    hybrid_attention(q, q, q, cp_mesh=tp())
+
+
+def hybrid_on_a_3d_mesh():
+    q = torch.randn(1, 2, 4, 8)
+    hybrid_attention(q, q, q, cp_mesh=cached_mesh((1, 1, dist.get_world_size()), ("a", "b", "c")))
+
+
 CASES = [
     (out_features_not_divisible, ValueError, "out_features=31 must be divisible by the tensor-parallel size 2"),
     (in_features_not_divisible, ValueError, "in_features=31 must be divisible by the tensor-parallel size 2"),
@@ -117,6 +153,14 @@ CASES = [
     (loss_target_shape, ValueError, r"target has shape \(2, 5\); it must be logits' shape without the vocab dim"),
     (loss_target_dtype, TypeError, "target must be an int64 tensor, got torch.int32"),
     (loss_reduction, ValueError, "reduction must be one of .* got 'avg'"),
+    (integer_dtype_linear, TypeError, "dtype must be a floating-point dtype .* got torch.int64"),
+    (embedding_id_out_of_range, ValueError,
+     r"input ids must lie in \[0, num_embeddings=32\); input \(flattened\)\[1\] = 32"),
+    (unshard_odd_zigzag, ValueError, r"x_local.size\(1\)=3 must be divisible by 2: with the zigzag layout"),
+    (unshard_a_list, TypeError, "x_local must be a torch.Tensor, got list"),
+    (attention_without_heads, ValueError, "it needs at least one head and head_dim >= 1"),
+    (hybrid_on_a_1d_mesh, ValueError, r"hybrid_attention takes a 2-D cp_mesh \[ring, ulysses\]"),
+    (hybrid_on_a_3d_mesh, ValueError, "cp_mesh must be a 1-D or a 2-D"),
 ]
 
 
@@ -125,3 +169,46 @@ def test_clear_error_on_every_rank(world2, fn, error, message):
     with pytest.raises(error, match=message):
         world2.run(fn)
     assert world2.alive
+
+
+def out_of_range_ids_without_index_checks():
+    """Index checks off: an id outside the vocabulary gives a NaN row (on every rank), never zeros."""
+    embedding = VocabParallelEmbedding(32, 8, tp_mesh=tp())
+    previous = torchdist_ext.set_index_checks(False)
+    try:
+        rows = embedding(torch.tensor([[3, 32], [0, -1]]))
+    finally:
+        torchdist_ext.set_index_checks(previous)
+    assert rows[0, 1].isnan().all() and rows[1, 1].isnan().all()
+    assert torch.equal(rows[0, 0], embedding.weight.full_tensor()[3])
+    return True
+
+
+def test_out_of_range_ids_give_nan_rows_without_index_checks(world2):
+    assert all(world2.run(out_of_range_ids_without_index_checks))
+
+
+def empty_local_sequence():
+    """No tokens on any rank: an empty output and empty gradients, not a crash of the block kernel."""
+    q = torch.randn(1, 2, 0, 8, requires_grad=True)
+    out = ring_attention(q, q, q, cp_mesh=tp(), causal=True)
+    out.sum().backward()
+    return out.shape == (1, 2, 0, 8) and q.grad.shape == q.shape
+
+
+def test_ring_attention_on_an_empty_sequence(world2):
+    assert all(world2.run(empty_local_sequence))
+
+
+def layer_on_a_mesh_without_this_rank():
+    mesh = DeviceMesh("cpu", torch.tensor([0]))  # every rank builds it; only rank 0 is in it
+    if dist.get_rank() == 0:
+        RowParallelLinear(16, 16, tp_mesh=mesh)
+        return "built"
+    with pytest.raises(ValueError, match=r"tp_mesh .* does not include this process \(global rank 1\)"):
+        RowParallelLinear(16, 16, tp_mesh=mesh)
+    return "refused"
+
+
+def test_a_layer_refuses_a_mesh_without_its_rank(world2):
+    assert world2.run(layer_on_a_mesh_without_this_rank) == ["built", "refused"]

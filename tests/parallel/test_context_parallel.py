@@ -43,14 +43,11 @@ def parallel_setup(method):
     n = dist.get_world_size()
     if method == "hybrid":
         mesh = cached_mesh((2, n // 2), ("ring", "ulysses"))
-        ulysses, ring = mesh["ulysses"], mesh["ring"]
-        return (ulysses, ring), lambda q, k, v, causal, layout: hybrid_attention(
-            q, k, v, ulysses_mesh=ulysses, ring_mesh=ring, causal=causal, layout=layout
-        )
-    mesh = cached_mesh((n,), ("cp",))
-    if method == "ring":
-        return mesh, lambda q, k, v, causal, layout: ring_attention(q, k, v, cp_mesh=mesh, causal=causal, layout=layout)
-    return mesh, lambda q, k, v, causal, layout: ulysses_attention(q, k, v, sp_mesh=mesh, causal=causal)
+        attention = hybrid_attention
+    else:
+        mesh = cached_mesh((n,), ("cp",))
+        attention = ring_attention if method == "ring" else ulysses_attention
+    return mesh, lambda q, k, v, causal, layout: attention(q, k, v, cp_mesh=mesh, causal=causal, layout=layout)
 
 
 def check_against_sdpa(method, causal, layout, heads, dtype):
@@ -89,11 +86,29 @@ def test_ring_attention_fp32(world, causal, layout, heads, request):
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
 @pytest.mark.parametrize("causal", CAUSAL)
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("heads", list(HEADS))
-def test_ulysses_attention_fp32(world, causal, heads, request):
+def test_ulysses_attention_fp32(world, causal, layout, heads, request):
     assert all(
-        request.getfixturevalue(world).run(check_against_sdpa, "ulysses", causal, "contiguous", heads, torch.float32)
+        request.getfixturevalue(world).run(check_against_sdpa, "ulysses", causal, layout, heads, torch.float32)
     )
+
+
+def check_default_layouts_agree():
+    """shard_sequence and every attention with their default layouts (zigzag) match SDPA."""
+    q, k, v, _ = full_inputs(4, 2, 8 * dist.get_world_size(), torch.float32)
+    expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    for method in ("ring", "ulysses", "hybrid"):
+        cp_mesh, _ = parallel_setup(method)
+        attention = {"ring": ring_attention, "ulysses": ulysses_attention, "hybrid": hybrid_attention}[method]
+        local = [shard_sequence(t, cp_mesh=cp_mesh, dim=2) for t in (q, k, v)]
+        actual = unshard_sequence(attention(*local, cp_mesh=cp_mesh, causal=True), cp_mesh=cp_mesh, dim=2)
+        assert_close_to_scale(actual, expected, torch.float32, method)
+    return True
+
+
+def test_default_layouts_agree(world4):
+    assert all(world4.run(check_default_layouts_agree))
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
@@ -105,8 +120,7 @@ def test_hybrid_attention_2x2_fp32(world4, causal, layout, heads):
 
 @pytest.mark.parametrize("method", ["ring", "ulysses", "hybrid"])
 def test_bf16(world4, method):
-    layout = "contiguous" if method == "ulysses" else "zigzag"
-    assert all(world4.run(check_against_sdpa, method, True, layout, "gqa", torch.bfloat16))
+    assert all(world4.run(check_against_sdpa, method, True, "zigzag", "gqa", torch.bfloat16))
 
 
 def causal_sdpa(q, k, v):
@@ -138,13 +152,11 @@ def check_fsdp_dp2_cp2(method, mixed_precision):
 
     mesh = cached_mesh((2, 2), ("dp", "cp"))
     cp = mesh["cp"]
-    layout = "zigzag" if method == "ring" else "contiguous"
+    layout = "zigzag"
     torch.manual_seed(0)
     reference = torch.nn.Sequential(AttentionBlock(), AttentionBlock())
-    if method == "ring":
-        attend = lambda q, k, v: ring_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)  # noqa: E731
-    else:
-        attend = lambda q, k, v: ulysses_attention(q, k, v, sp_mesh=cp, causal=True)  # noqa: E731
+    attention = ring_attention if method == "ring" else ulysses_attention
+    attend = lambda q, k, v: attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)  # noqa: E731
     torch.manual_seed(0)
     parallel = torch.nn.Sequential(AttentionBlock(attend=attend), AttentionBlock(attend=attend))
     parallel.load_state_dict(reference.state_dict())

@@ -71,9 +71,9 @@ class ParallelRun:
         self.model = parallel_model(self.reference, mesh["tp"], mesh["dp"], sequence_parallel, mp_policy)
 
     def loss(self, x_dp):
-        x = shard_replicated(x_dp, self.tp_mesh, 1) if self.sp else x_dp
+        x = shard_replicated(x_dp, mesh=self.tp_mesh, dim=1) if self.sp else x_dp
         y = self.model(x)
-        return loss_fn(gather_replicated(y, self.tp_mesh, 1) if self.sp else y)
+        return loss_fn(gather_replicated(y, mesh=self.tp_mesh, dim=1) if self.sp else y)
 
     def local_batch(self, x):
         return x.chunk(2, dim=0)[self.dp_rank]

@@ -34,11 +34,11 @@ def seeded(seed, *shape, dtype=torch.float32):
 
 
 def into_region(x_full, sequence_parallel, mesh, seq_dim=1):
-    return shard_replicated(x_full, mesh, seq_dim) if sequence_parallel else x_full
+    return shard_replicated(x_full, mesh=mesh, dim=seq_dim) if sequence_parallel else x_full
 
 
 def out_of_region(y, sequence_parallel, mesh, seq_dim=1):
-    return gather_replicated(y, mesh, seq_dim) if sequence_parallel else y
+    return gather_replicated(y, mesh=mesh, dim=seq_dim) if sequence_parallel else y
 
 
 def check_mlp(sequence_parallel, bias, dtype, shape=(BATCH, SEQ, HIDDEN), seq_dim=1):

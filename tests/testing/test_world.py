@@ -1,6 +1,10 @@
 """The persistent test world: results, error propagation, deaths and timeouts."""
 
 import os
+import signal
+import subprocess
+import sys
+import textwrap
 import time
 
 import pytest
@@ -41,6 +45,37 @@ def sleep_forever():
         time.sleep(1.0)
 
 
+def kill_rank_one_by_signal():
+    if dist.get_rank() == 1:
+        os.kill(os.getpid(), signal.SIGKILL)
+    return "alive"
+
+
+def exit_on_every_rank():
+    sys.exit(3)
+
+
+def start_a_child_process():
+    """Starts a long sleep on each rank and returns its pid (a process the rank leaves running)."""
+    return subprocess.Popen(["sleep", "600"]).pid
+
+
+def alive(pid: int) -> bool:
+    """True while `pid` runs (a zombie, already dead but not reaped by its parent, counts as gone)."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            return stat.read().split(")")[-1].split()[0] != "Z"
+    except FileNotFoundError:
+        return False
+
+
+def wait_until_gone(pids, seconds: float) -> list[int]:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline and any(alive(pid) for pid in pids):
+        time.sleep(0.1)
+    return [pid for pid in pids if alive(pid)]
+
+
 def unpicklable_result():
     return lambda: None
 
@@ -75,9 +110,56 @@ def test_error_on_one_rank_ends_a_blocked_world_quickly():
 
 def test_dead_rank_is_reported():
     with spawn_world(2) as world:
-        with pytest.raises(WorldError, match=r"rank\(s\) \[0\] of 2 died"):
+        with pytest.raises(WorldError, match=r"rank\(s\) \[0\] of 2 died \(\{0: 'exit code 3'\}\)"):
             world.run(exit_rank_zero)
         assert not world.alive
+
+
+def test_a_rank_killed_by_a_signal_is_reported_with_the_signal():
+    with spawn_world(2) as world:
+        with pytest.raises(WorldError, match=r"rank\(s\) \[1\] of 2 died \(\{1: 'killed by SIGKILL'\}\)"):
+            world.run(kill_rank_one_by_signal)
+
+
+def test_system_exit_on_a_rank_does_not_end_the_caller(world2):
+    with pytest.raises(WorldError, match=r"rank 0 raised SystemExit\(3\)"):
+        world2.run(exit_on_every_rank)
+    assert world2.alive
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_closing_a_world_ends_the_processes_its_ranks_started():
+    with spawn_world(2) as world:
+        children = world.run(start_a_child_process)
+        assert all(alive(pid) for pid in children)
+    assert wait_until_gone(children, 10.0) == []
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="the parent-death signal is Linux's")
+def test_busy_ranks_die_with_a_killed_parent(tmp_path):
+    """A program starts a world whose ranks are busy, prints their pids and is SIGKILLed: no rank survives."""
+    program = tmp_path / "parent.py"
+    program.write_text(textwrap.dedent("""
+        import os, sys, threading, time
+        sys.path.insert(0, sys.argv[1])
+        from torchdist_ext.testing import spawn_world
+        from tests.testing.test_world import sleep_forever
+
+        if __name__ == "__main__":
+            world = spawn_world(2, timeout=600.0)
+            print(*world.run(os.getpid), flush=True)
+            threading.Thread(target=world.run, args=(sleep_forever,), daemon=True).start()
+            time.sleep(600)
+    """))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    parent = subprocess.Popen([sys.executable, str(program), root], stdout=subprocess.PIPE, text=True)
+    try:
+        ranks = [int(pid) for pid in parent.stdout.readline().split()]
+        assert len(ranks) == 2 and all(alive(pid) for pid in ranks)
+    finally:
+        parent.kill()
+        parent.wait()
+    assert wait_until_gone(ranks, 10.0) == []
 
 
 def test_hung_world_is_killed_after_timeout():

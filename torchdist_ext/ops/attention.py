@@ -12,10 +12,13 @@ log-sum-exp and sends dK/dV around the ring with the key/value blocks.
 import torch
 from torch import Tensor
 
-__all__ = ["ring_attention", "lse_merge_"]
+__all__ = ["ring_attention_fwd", "lse_merge_"]
+
+_FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
+_LAYOUTS = ("contiguous", "zigzag")
 
 
-def ring_attention(
+def ring_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, layout: str
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)``: attention of this rank's queries over the whole sequence.
@@ -40,8 +43,40 @@ def _accumulation_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
+def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
+    """The C++ op's checks, for the fake (meta) implementations."""
+    torch._check_value(layout in _LAYOUTS, lambda: f"{op}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    torch._check(
+        q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
+        lambda: f"{op}: q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, "
+        f"{tuple(v.shape)}",
+    )
+    torch._check(k.shape == v.shape, lambda: f"{op}: k {tuple(k.shape)} and v {tuple(v.shape)} must have the same shape")
+    torch._check(
+        q.shape[0] == k.shape[0] and q.shape[2] == k.shape[2] and q.shape[3] == k.shape[3],
+        lambda: f"{op}: q {tuple(q.shape)} and k {tuple(k.shape)} must agree in batch, local sequence and head_dim",
+    )
+    torch._check(
+        k.shape[1] > 0 and q.shape[1] % k.shape[1] == 0,
+        lambda: f"{op}: q heads ({q.shape[1]}) must be a positive multiple of kv heads ({k.shape[1]})",
+    )
+    torch._check(q.shape[3] > 0, lambda: f"{op}: head_dim must be positive, got {q.shape[3]}")
+    torch._check_type(
+        q.dtype == k.dtype == v.dtype, lambda: f"{op}: q, k, v must have one dtype, got {q.dtype}, {k.dtype}, {v.dtype}"
+    )
+    torch._check(q.device == k.device == v.device, lambda: f"{op}: q, k, v must be on one device")
+    torch._check_type(
+        q.dtype in _FLOAT_DTYPES, lambda: f"{op}: expected float32, float64, bfloat16 or float16, got {q.dtype}"
+    )
+    torch._check(
+        layout == "contiguous" or q.shape[2] % 2 == 0,
+        lambda: f"{op}: the zigzag layout needs an even local sequence (two chunks per rank), got {q.shape[2]}",
+    )
+
+
 @torch.library.register_fake("tdx::ring_attention_fwd")
 def _(q, k, v, group_name, causal, scale, layout):
+    _check_qkv("ring_attention_fwd", q, k, v, layout)
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         q.shape[:3], dtype=_accumulation_dtype(q)
     )
@@ -49,11 +84,50 @@ def _(q, k, v, group_name, causal, scale, layout):
 
 @torch.library.register_fake("tdx::ring_attention_bwd")
 def _(grad_out, q, k, v, out, lse, group_name, causal, scale, layout):
+    op = "ring_attention_bwd"
+    _check_qkv(op, q, k, v, layout)
+    torch._check(
+        grad_out.shape == q.shape and out.shape == q.shape,
+        lambda: f"{op}: grad_out {tuple(grad_out.shape)} and out {tuple(out.shape)} must have q's shape "
+        f"{tuple(q.shape)}",
+    )
+    torch._check(
+        lse.shape == q.shape[:3], lambda: f"{op}: lse {tuple(lse.shape)} must be [batch, q heads, seq] = {tuple(q.shape[:3])}"
+    )
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
 
 
 @torch.library.register_fake("tdx::lse_merge_")
 def _(out, lse, block_out, block_lse):
+    op = "lse_merge_"
+    torch._check(out.dim() >= 2, lambda: f"{op}: out must be [..., rows, dim], got {tuple(out.shape)}")
+    torch._check(
+        lse.shape == out.shape[:-1],
+        lambda: f"{op}: lse {tuple(lse.shape)} must be out's shape without its last dim, {tuple(out.shape)}",
+    )
+    torch._check(
+        block_out.shape == out.shape and block_lse.shape == lse.shape,
+        lambda: f"{op}: block_out {tuple(block_out.shape)} and block_lse {tuple(block_lse.shape)} must match out "
+        f"{tuple(out.shape)} and lse {tuple(lse.shape)}",
+    )
+    torch._check_type(
+        block_out.dtype in _FLOAT_DTYPES,
+        lambda: f"{op}: expected float32, float64, bfloat16 or float16, got {block_out.dtype}",
+    )
+    acc = _accumulation_dtype(block_out)
+    torch._check_type(
+        out.dtype == acc and lse.dtype == acc and block_lse.dtype == acc,
+        lambda: f"{op}: out, lse and block_lse must be {acc} for a {block_out.dtype} block, got {out.dtype}, "
+        f"{lse.dtype}, {block_lse.dtype}",
+    )
+    torch._check(
+        block_out.is_contiguous() and block_lse.is_contiguous(),
+        lambda: f"{op}: block_out and block_lse must be contiguous",
+    )
+    torch._check(
+        out.stride(-1) == 1 and (out.shape[-2] <= 1 or out.stride(-2) == out.shape[-1]) and lse.stride(-1) == 1,
+        lambda: f"{op}: out rows must be dense (stride(-1) == 1, stride(-2) == dim) and lse rows contiguous",
+    )
     return None
 
 

@@ -17,7 +17,7 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _get_group_size_by_name
 
-from torchdist_ext.ops.collectives import reduce_scatter
+from torchdist_ext.collectives import reduce_scatter
 
 __all__ = ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_weight_grad"]
 
@@ -61,15 +61,45 @@ def all_gather_weight_grad(dense: Tensor, shard: Tensor, group_name: str, gather
     return torch.ops.tdx.all_gather_weight_grad(dense, shard, group_name, gather_dim)
 
 
-def _gathered_shape(shard: Tensor, dim: int, group_name: str) -> list[int]:
-    shape = list(shard.shape)
-    shape[dim] *= _get_group_size_by_name(group_name)
-    return shape
+def _sharded_dim(op: str, t: Tensor, dim: int) -> int:
+    """The C++ op's checks of the sharded dim, for the fake (meta) implementations; returns it wrapped."""
+    torch._check(t.dim() >= 2, lambda: f"{op}: the activation must have at least 2 dims, got shape {tuple(t.shape)}")
+    torch._check_index(
+        -t.dim() <= dim < t.dim(), lambda: f"{op}: dim={dim} is out of range for shape {tuple(t.shape)}"
+    )
+    wrapped = dim % t.dim()
+    torch._check(
+        wrapped < t.dim() - 1,
+        lambda: f"{op}: the sharded dim must not be the feature (last) dim, got dim={dim} for shape {tuple(t.shape)}",
+    )
+    return wrapped
+
+
+def _check_same_kind(op: str, a: Tensor, a_name: str, b: Tensor, b_name: str) -> None:
+    torch._check(
+        a.dtype == b.dtype, lambda: f"{op}: {a_name} and {b_name} must have the same dtype, got {a.dtype} and {b.dtype}"
+    )
+    torch._check(
+        a.device == b.device,
+        lambda: f"{op}: {a_name} and {b_name} must be on the same device, got {a.device} and {b.device}",
+    )
+
+
+def _check_matmul_operands(op: str, x: Tensor, weight: Tensor) -> None:
+    torch._check(weight.dim() == 2, lambda: f"{op}: weight must be 2-D [out, in], got shape {tuple(weight.shape)}")
+    torch._check(
+        x.shape[-1] == weight.shape[1],
+        lambda: f"{op}: x.size(-1)={x.shape[-1]} must equal weight.size(1)={weight.shape[1]}",
+    )
+    _check_same_kind(op, x, "x", weight, "weight")
 
 
 @torch.library.register_fake("tdx::all_gather_matmul")
 def _(x, weight, group_name, gather_dim, return_gathered=False):
-    gathered_shape = _gathered_shape(x, gather_dim, group_name)
+    dim = _sharded_dim("all_gather_matmul", x, gather_dim)
+    _check_matmul_operands("all_gather_matmul", x, weight)
+    gathered_shape = list(x.shape)
+    gathered_shape[dim] *= _get_group_size_by_name(group_name)
     out = x.new_empty([*gathered_shape[:-1], weight.shape[0]])
     gathered = x.new_empty(gathered_shape if return_gathered else [0])
     return out, gathered
@@ -77,14 +107,37 @@ def _(x, weight, group_name, gather_dim, return_gathered=False):
 
 @torch.library.register_fake("tdx::matmul_reduce_scatter")
 def _(x, weight, group_name, scatter_dim):
+    op = "matmul_reduce_scatter"
+    dim = _sharded_dim(op, x, scatter_dim)
+    _check_matmul_operands(op, x, weight)
+    n = _get_group_size_by_name(group_name)
+    torch._check(
+        x.shape[dim] % n == 0, lambda: f"{op}: x.size({dim})={x.shape[dim]} must be divisible by the group size {n}"
+    )
     shape = list(x.shape)
-    shape[scatter_dim] //= _get_group_size_by_name(group_name)
+    shape[dim] //= n
     shape[-1] = weight.shape[0]
     return x.new_empty(shape)
 
 
 @torch.library.register_fake("tdx::all_gather_weight_grad")
 def _(dense, shard, group_name, gather_dim):
+    op = "all_gather_weight_grad"
+    dim = _sharded_dim(op, shard, gather_dim)
+    _check_same_kind(op, dense, "dense", shard, "shard")
+    torch._check(
+        dense.dim() == shard.dim(),
+        lambda: f"{op}: dense and shard must have the same number of dims, got shapes {tuple(dense.shape)} and "
+        f"{tuple(shard.shape)}",
+    )
+    n = _get_group_size_by_name(group_name)
+    for d in range(shard.dim() - 1):
+        expected = shard.shape[d] * n if d == dim else shard.shape[d]
+        torch._check(
+            dense.shape[d] == expected,
+            lambda: f"{op}: dense.size({d})={dense.shape[d]} must be {expected} for shard shape "
+            f"{tuple(shard.shape)} gathered over {n} ranks on dim {dim}",
+        )
     return dense.new_empty([dense.shape[-1], shard.shape[-1]])
 
 

@@ -11,10 +11,11 @@ Tensor parallelism (``tp_mesh``), Megatron semantics, optional sequence parallel
     vocab_parallel_cross_entropy(logits, target, *, tp_mesh, ignore_index=-100, reduction="mean",
                                  inplace_backward=False)
 
-Context parallelism (attention tensors [batch, heads, seq_local, head_dim]):
+Context parallelism (attention tensors [batch, heads, seq_local, head_dim]; ``cp_mesh`` 1-D, or 2-D
+``[ring, ulysses]`` for the hybrid; shard with the same ``cp_mesh`` and ``layout``):
     ring_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")
-    ulysses_attention(q, k, v, *, sp_mesh, causal=False, scale=None)
-    hybrid_attention(q, k, v, *, ulysses_mesh, ring_mesh, causal=False, scale=None, layout="zigzag")
+    ulysses_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")
+    hybrid_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")
     shard_sequence(x, *, cp_mesh, dim, layout="zigzag") / unshard_sequence(x_local, *, cp_mesh, dim, layout="zigzag")
 
 Build from existing modules with the same full weights:

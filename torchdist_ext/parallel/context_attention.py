@@ -1,19 +1,22 @@
 """Context-parallel attention: ring, Ulysses (all-to-all) and their 2-D hybrid.
 
 Attention tensors are ``[batch, heads, seq_local, head_dim]`` (the SDPA layout),
-this rank's shard of the sequence (see ``shard_sequence``); ``k``/``v`` may
-have fewer heads than ``q`` (GQA / MQA, ``q_heads % kv_heads == 0``). The
-output is laid out like ``q``. For every layout, unsharding the output of the
-sharded computation equals ``F.scaled_dot_product_attention`` on the full
-sequence, forward and gradients.
+this rank's shard of the sequence, made by ``shard_sequence`` with the same
+``cp_mesh`` and ``layout``; ``k``/``v`` may have fewer heads than ``q``
+(GQA / MQA, ``q_heads % kv_heads == 0``). The output is laid out like ``q``.
+For every layout, unsharding the output of the sharded computation equals
+``F.scaled_dot_product_attention`` on the full sequence, forward and gradients.
 
-    ring_attention     K/V blocks circulate the ring (at kv heads), overlapped with the
-                       block attention; any head count; "contiguous" or "zigzag" shards.
-    ulysses_attention  one all-to-all makes each rank hold H/N heads of the whole
-                       sequence, local attention, one all-to-all back; "contiguous" shards;
-                       q heads divisible by N.
-    hybrid_attention   Ulysses over ``ulysses_mesh`` inside, ring over ``ring_mesh`` outside;
-                       shard with ``shard_sequence(x, cp_mesh=(ulysses_mesh, ring_mesh), ...)``.
+    ring_attention     K/V blocks circulate the ring of the 1-D ``cp_mesh`` (at kv heads), overlapped
+                       with the block attention; any head count.
+    ulysses_attention  one all-to-all over the 1-D ``cp_mesh`` makes each rank hold H/N heads of the
+                       whole sequence (in order, whatever the layout), local attention, one all-to-all
+                       back; q heads divisible by N.
+    hybrid_attention   a 2-D ``cp_mesh`` ``[ring, ulysses]``: Ulysses over dim 1 inside, ring over dim 0
+                       outside.
+
+``layout`` ("zigzag", the default, or "contiguous") is how ``shard_sequence`` cut
+the sequence over the ring (or Ulysses) ranks; zigzag balances causal work.
 """
 
 import math
@@ -24,9 +27,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext import ops
 from torchdist_ext.parallel.mesh_group import MeshGroup
-from torchdist_ext.parallel.sequence_sharding import check_layout
+from torchdist_ext.parallel.sequence_sharding import check_layout, context_parallel_groups
 
-__all__ = ["ring_attention", "ulysses_attention", "hybrid_attention"]
+__all__ = ["hybrid_attention", "ring_attention", "ulysses_attention"]
 
 
 def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
@@ -37,6 +40,8 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
             raise ValueError(f"{name} has shape {tuple(t.shape)}; it must be [batch, heads, seq_local, head_dim]")
         if not t.is_floating_point():
             raise TypeError(f"{name} must be a floating-point tensor, got {t.dtype}")
+        if t.shape[1] < 1 or t.shape[3] < 1:
+            raise ValueError(f"{name} has shape {tuple(t.shape)}; it needs at least one head and head_dim >= 1")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"q, k, v must share a dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
     if k.shape != v.shape:
@@ -49,23 +54,38 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
 
 
-def _scale(q: Tensor, scale: float | None) -> float:
-    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
-
-
-def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                   scale: float | None = None, layout: str = "zigzag") -> Tensor:
-    """Attention of this rank's sequence shard over the whole sequence, K/V passed around ``cp_mesh``."""
-    _check_qkv(q, k, v)
-    check_layout(layout)
-    group = MeshGroup.of(cp_mesh, "cp_mesh")
+def _check_zigzag(q: Tensor, layout: str) -> None:
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(
             f"the zigzag layout gives every rank two equal chunks, so the local sequence must be even, "
             f"got q.shape[2]={q.shape[2]}"
         )
-    out, _ = ops.ring_attention(q, k, v, group.name, bool(causal), _scale(q, scale), layout)
+
+
+def _scale(q: Tensor, scale: float | None) -> float:
+    return 1.0 / math.sqrt(q.shape[-1]) if scale is None else float(scale)
+
+
+def _one_dim(cp_mesh: DeviceMesh, function: str) -> MeshGroup:
+    ring, ulysses = context_parallel_groups(cp_mesh)
+    if ulysses is not None:
+        raise ValueError(f"{function} takes a 1-D cp_mesh; a 2-D [ring, ulysses] mesh is for hybrid_attention")
+    return ring
+
+
+def _ring(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, causal: bool, scale: float, layout: str) -> Tensor:
+    out, _ = ops.ring_attention_fwd(q, k, v, group.name, bool(causal), scale, layout)
     return out
+
+
+def _local_sdpa(causal: bool, scale: float):
+    def attend(q_h: Tensor, k_h: Tensor, v_h: Tensor) -> Tensor:
+        # A branch, not an expression: compiled with dynamic shapes, the head counts are symbolic and SDPA
+        # takes only a plain bool.
+        grouped = True if k_h.shape[1] != q_h.shape[1] else False
+        return F.scaled_dot_product_attention(q_h, k_h, v_h, is_causal=bool(causal), scale=scale, enable_gqa=grouped)
+
+    return attend
 
 
 def _kv_for_ulysses(k: Tensor, v: Tensor, q_heads: int, group: MeshGroup, arg: str) -> tuple[Tensor, Tensor]:
@@ -84,41 +104,55 @@ def _kv_for_ulysses(k: Tensor, v: Tensor, q_heads: int, group: MeshGroup, arg: s
     return k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
 
 
-def _ulysses(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, arg: str, attend) -> Tensor:
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, arg: str, layout: str, attend) -> Tensor:
     k, v = _kv_for_ulysses(k, v, q.shape[1], group, arg)
-    to_heads = [ops.all_to_all_seq_to_heads(t, group.name) for t in (q, k, v)]
-    return ops.all_to_all_heads_to_seq(attend(*to_heads), group.name)
+    to_heads = [ops.all_to_all_seq_to_heads(t, group.name, layout) for t in (q, k, v)]
+    return ops.all_to_all_heads_to_seq(attend(*to_heads), group.name, layout)
 
 
-def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, sp_mesh: DeviceMesh, causal: bool = False,
-                      scale: float | None = None) -> Tensor:
-    """Attention via one all-to-all to head shards over ``sp_mesh`` and one back (contiguous layout)."""
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
+                   scale: float | None = None, layout: str = "zigzag") -> Tensor:
+    """Attention of this rank's sequence shard over the whole sequence, K/V passed around the 1-D ``cp_mesh``."""
     _check_qkv(q, k, v)
-    group = MeshGroup.of(sp_mesh, "sp_mesh")
-
-    def local_attention(q_h, k_h, v_h):
-        # A branch, not an expression: compiled with dynamic shapes, the head counts are symbolic and SDPA
-        # takes only a plain bool.
-        grouped = True if k_h.shape[1] != q_h.shape[1] else False
-        return F.scaled_dot_product_attention(
-            q_h, k_h, v_h, is_causal=bool(causal), scale=_scale(q, scale), enable_gqa=grouped
-        )
-
-    return _ulysses(q, k, v, group, "sp_mesh", local_attention)
+    check_layout(layout)
+    group = _one_dim(cp_mesh, "ring_attention")
+    _check_zigzag(q, layout)
+    return _ring(q, k, v, group, causal, _scale(q, scale), layout)
 
 
-def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, ulysses_mesh: DeviceMesh, ring_mesh: DeviceMesh,
-                     causal: bool = False, scale: float | None = None, layout: str = "zigzag") -> Tensor:
-    """Ulysses over ``ulysses_mesh`` around ring attention over ``ring_mesh`` (a 2-D context-parallel mesh).
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
+                      scale: float | None = None, layout: str = "zigzag") -> Tensor:
+    """Attention via one all-to-all to head shards over the 1-D ``cp_mesh`` and one back.
 
-    Shard inputs with ``shard_sequence(x, cp_mesh=(ulysses_mesh, ring_mesh), dim=2, layout=layout)``.
+    The all-to-all puts the gathered sequence in order whatever ``layout`` cut it, so causal
+    attention is plain causal SDPA on every rank.
     """
     _check_qkv(q, k, v)
     check_layout(layout)
-    group = MeshGroup.of(ulysses_mesh, "ulysses_mesh")
-    MeshGroup.of(ring_mesh, "ring_mesh")
+    group = _one_dim(cp_mesh, "ulysses_attention")
+    _check_zigzag(q, layout)
+    return _ulysses(q, k, v, group, "cp_mesh", layout, _local_sdpa(causal, _scale(q, scale)))
 
-    def ring(q_h, k_h, v_h):
-        return ring_attention(q_h, k_h, v_h, cp_mesh=ring_mesh, causal=causal, scale=_scale(q, scale), layout=layout)
 
-    return _ulysses(q, k, v, group, "ulysses_mesh", ring)
+def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
+                     scale: float | None = None, layout: str = "zigzag") -> Tensor:
+    """Ulysses over dim 1 of the 2-D ``cp_mesh`` ``[ring, ulysses]`` around ring attention over dim 0.
+
+    ``layout`` cuts the sequence over the ring ranks; each ring shard is split contiguously over the
+    Ulysses ranks (``shard_sequence`` with the same 2-D ``cp_mesh`` does both).
+    """
+    _check_qkv(q, k, v)
+    check_layout(layout)
+    ring, ulysses = context_parallel_groups(cp_mesh)
+    if ulysses is None:
+        raise ValueError(
+            f"hybrid_attention takes a 2-D cp_mesh [ring, ulysses] (e.g. world_mesh['ring', 'ulysses']), "
+            f"got a 1-D mesh of size {ring.size}"
+        )
+    scale = _scale(q, scale)
+
+    def ring_over_heads(q_h: Tensor, k_h: Tensor, v_h: Tensor) -> Tensor:
+        _check_zigzag(q_h, layout)
+        return _ring(q_h, k_h, v_h, ring, causal, scale, layout)
+
+    return _ulysses(q, k, v, ulysses, "cp_mesh dim 1 (ulysses)", "contiguous", ring_over_heads)

@@ -23,7 +23,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, tp_mesh: Dev
         reduction: ``"mean"`` over non-ignored targets, ``"sum"``, or ``"none"``.
         inplace_backward: write the logits' gradient over ``logits`` in the backward
             (one logits-sized buffer less at the step's peak); only when nothing else
-            needs ``logits`` afterwards (see ``torchdist_ext.ops.vocab_parallel_cross_entropy``).
+            needs ``logits`` afterwards (see ``torchdist_ext.ops.vocab_parallel_cross_entropy_fwd``).
     Returns:
         The loss, identical on every rank of ``tp_mesh``; the gradient flows to
         each rank's logits shard. Full-vocab logits are never built.
@@ -41,7 +41,7 @@ def vocab_parallel_cross_entropy(logits: Tensor, target: Tensor, *, tp_mesh: Dev
     if reduction not in _REDUCTIONS:
         raise ValueError(f"reduction must be one of {_REDUCTIONS}, got {reduction!r}")
     vocab_local = logits.shape[-1]
-    loss, _ = ops.vocab_parallel_cross_entropy(
+    loss, _ = ops.vocab_parallel_cross_entropy_fwd(
         logits, target, tp.rank * vocab_local, vocab_local * tp.size, ignore_index, tp.name, inplace_backward
     )
     if reduction == "none":

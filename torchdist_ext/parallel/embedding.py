@@ -6,7 +6,10 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from torchdist_ext.parallel.mesh_group import MeshGroup, check_divisible, distribute_parameter, sequence_dim
+from torchdist_ext.index_checks import index_checks_enabled
+from torchdist_ext.parallel.input_checks import check_divisible, check_floating_dtype, sequence_dim
+from torchdist_ext.parallel.mesh_group import MeshGroup
+from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
 
 __all__ = ["VocabParallelEmbedding"]
@@ -28,6 +31,10 @@ class VocabParallelEmbedding(nn.Module):
         tp_mesh: 1-D DeviceMesh of the tensor-parallel group.
         sequence_parallel, seq_dim: as for the parallel linears.
 
+    An id outside ``[0, V)`` raises a ``ValueError`` naming its position while index checks are
+    on (``torchdist_ext.set_index_checks``, the default; one sync on a GPU), else its row comes
+    out NaN, never a plausible vector (as also under ``torch.compile``, where the check is skipped).
+
     Shapes:
         input  integer ids ``[batch, seq]`` (any shape), replicated, values in ``[0, V)``
         output ``[batch, seq, D]`` replicated, or ``[.., S/tp, .., D]`` with sequence_parallel
@@ -38,6 +45,7 @@ class VocabParallelEmbedding(nn.Module):
                  sequence_parallel: bool = False, seq_dim: int = 1, padding_idx: int | None = None,
                  device=None, dtype=None):
         super().__init__()
+        check_floating_dtype(dtype)
         self.tp = MeshGroup.of(tp_mesh)
         for arg, value in (("num_embeddings", num_embeddings), ("embedding_dim", embedding_dim)):
             if not isinstance(value, int) or value <= 0:
@@ -93,6 +101,18 @@ class VocabParallelEmbedding(nn.Module):
         outside = (local_ids < 0) | (local_ids >= weight.shape[0])
         rows = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self._local_padding_idx)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
+        checked = not torch.compiler.is_compiling() and index_checks_enabled()
+        invalid = (ids < 0) | (ids >= self.num_embeddings)
+        if checked and invalid.any():
+            position = invalid.flatten().nonzero()[0].item()
+            raise ValueError(
+                f"input ids must lie in [0, num_embeddings={self.num_embeddings}); input (flattened)[{position}] "
+                f"= {ids.flatten()[position].item()} (torchdist_ext.set_index_checks(False) skips this check: "
+                "such rows then come out NaN)"
+            )
+        if not checked and self.tp.rank == 0:
+            # An id outside the vocabulary is outside every rank's rows: NaN on one rank makes the sum NaN.
+            rows = rows.masked_fill(invalid.unsqueeze(-1), float("nan"))
         if self.sequence_parallel:
             dim = sequence_dim(rows, self.seq_dim)
             check_divisible(f"input.size({dim})", ids.shape[dim], self.tp)

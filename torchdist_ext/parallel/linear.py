@@ -23,14 +23,15 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from torchdist_ext import ops
-from torchdist_ext.parallel.mesh_group import (
-    MeshGroup,
+from torchdist_ext.parallel.input_checks import (
     check_divisible,
     check_features,
+    check_floating_dtype,
     check_floating_input,
-    distribute_parameter,
     sequence_dim,
 )
+from torchdist_ext.parallel.mesh_group import MeshGroup
+from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import (
     copy_to_region,
     gather_from_region,
@@ -69,6 +70,7 @@ class _ParallelLinear(nn.Module):
                 raise ValueError(f"{arg} must be a positive int, got {value!r}")
         if not isinstance(seq_dim, int):
             raise TypeError(f"seq_dim must be an int, got {type(seq_dim).__name__}")
+        check_floating_dtype(dtype)
         self.in_features = in_features
         self.out_features = out_features
         self.sequence_parallel = bool(sequence_parallel)

@@ -1,20 +1,11 @@
-"""The process group of a 1-D DeviceMesh (one parallel axis), parameter placement, and shared argument checks."""
+"""The process group of one parallel axis of a DeviceMesh, as plain values a layer or function keeps."""
 
 from dataclasses import dataclass
 
-import torch
-from torch import nn
+import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Placement, Shard, distribute_tensor
 
-__all__ = [
-    "MeshGroup",
-    "check_divisible",
-    "check_features",
-    "check_floating_input",
-    "distribute_parameter",
-    "sequence_dim",
-]
+__all__ = ["MeshGroup"]
 
 
 @dataclass(frozen=True)
@@ -22,7 +13,7 @@ class MeshGroup:
     """What a layer or function needs of its axis's mesh, as plain values (constants under torch.compile).
 
     Attributes:
-        mesh: the 1-D mesh the parameters are placed on.
+        mesh: the 1-D mesh of the axis (parameters are placed on it).
         name: registered process-group name, passed to the ``tdx`` ops.
         size: number of ranks.
         rank: this process's rank within the group.
@@ -35,58 +26,31 @@ class MeshGroup:
 
     @classmethod
     def of(cls, mesh: DeviceMesh, arg: str = "tp_mesh") -> "MeshGroup":
-        if not isinstance(mesh, DeviceMesh):
-            raise TypeError(f"{arg} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+        """The group of a 1-D mesh; ``arg`` names the argument in error messages."""
+        _check_mesh(mesh, arg)
         if mesh.ndim != 1:
             raise ValueError(
                 f"{arg} must be a 1-D DeviceMesh (slice it, e.g. world_mesh['{arg.removesuffix('_mesh')}']), "
-                f"got a {mesh.ndim}-D mesh "
-                f"of shape {tuple(mesh.shape)}"
+                f"got a {mesh.ndim}-D mesh of shape {tuple(mesh.shape)}"
             )
-        group = mesh.get_group()
-        return cls(mesh=mesh, name=group.group_name, size=mesh.size(), rank=mesh.get_local_rank())
+        return cls(mesh=mesh, name=mesh.get_group().group_name, size=mesh.size(), rank=mesh.get_local_rank())
+
+    @classmethod
+    def of_dim(cls, mesh: DeviceMesh, dim: int, arg: str) -> "MeshGroup":
+        """The group along dim ``dim`` of an N-D mesh (its ``mesh`` is that dim's 1-D slice when the dims are
+        named, else the N-D mesh)."""
+        _check_mesh(mesh, arg)
+        names = mesh.mesh_dim_names
+        axis_mesh = mesh[names[dim]] if names else mesh
+        return cls(mesh=axis_mesh, name=mesh.get_group(mesh_dim=dim).group_name, size=mesh.size(dim),
+                   rank=mesh.get_local_rank(mesh_dim=dim))
 
 
-def distribute_parameter(full: torch.Tensor, group: MeshGroup, placement: Placement,
-                         src_data_rank: int | None) -> nn.Parameter:
-    """A DTensor parameter on ``group.mesh`` from the full tensor.
-
-    ``src_data_rank=0`` takes rank 0's values (a scatter/broadcast: all ranks
-    agree whatever they drew); ``None`` slices each rank's own copy without
-    communicating (every rank must hold the same full tensor). Meta tensors
-    stay meta, with the right local shape.
-    """
-    if full.is_meta:
-        local = full.chunk(group.size, dim=placement.dim)[group.rank] if isinstance(placement, Shard) else full
-        dtensor = DTensor.from_local(local, group.mesh, [placement], run_check=False, shape=full.shape,
-                                     stride=full.stride())
-    else:
-        dtensor = distribute_tensor(full, group.mesh, [placement], src_data_rank=src_data_rank)
-    return nn.Parameter(dtensor)
-
-
-def check_divisible(arg: str, value: int, group: MeshGroup, what: str = "the tensor-parallel size") -> None:
-    if value % group.size != 0:
-        raise ValueError(f"{arg}={value} must be divisible by {what} {group.size}")
-
-
-def check_floating_input(x, arg: str, expected_dtype: torch.dtype) -> None:
-    if not isinstance(x, torch.Tensor):
-        raise TypeError(f"{arg} must be a torch.Tensor, got {type(x).__name__}")
-    if x.dtype != expected_dtype:
-        raise TypeError(f"{arg} has dtype {x.dtype} but the layer's parameters are {expected_dtype}; cast one of them")
-
-
-def check_features(x: torch.Tensor, arg: str, expected: int, rule: str) -> None:
-    if x.dim() < 1 or x.shape[-1] != expected:
-        raise ValueError(f"{arg} has shape {tuple(x.shape)}; its last dim must be {expected} ({rule})")
-
-
-def sequence_dim(x: torch.Tensor, seq_dim: int, arg: str = "input") -> int:
-    """``seq_dim`` normalised for ``x``; it must exist and not be the feature dim."""
-    dim = seq_dim + x.dim() if seq_dim < 0 else seq_dim
-    if not 0 <= dim < x.dim() - 1:
+def _check_mesh(mesh, arg: str) -> None:
+    if not isinstance(mesh, DeviceMesh):
+        raise TypeError(f"{arg} must be a torch.distributed DeviceMesh, got {type(mesh).__name__}")
+    if mesh.get_coordinate() is None:
         raise ValueError(
-            f"{arg} has shape {tuple(x.shape)}; seq_dim={seq_dim} must name one of its dims before the last"
+            f"{arg} {mesh} does not include this process (global rank {dist.get_rank()}): build layers and call "
+            "functions only on the ranks of their mesh"
         )
-    return dim

@@ -6,7 +6,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate
 
-from torchdist_ext.parallel.mesh_group import MeshGroup, check_features, check_floating_input, distribute_parameter
+from torchdist_ext.parallel.input_checks import check_features, check_floating_dtype, check_floating_input
+from torchdist_ext.parallel.mesh_group import MeshGroup
+from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import copy_to_region
 
 __all__ = ["RMSNorm"]
@@ -31,6 +33,7 @@ class RMSNorm(nn.Module):
         super().__init__()
         if not isinstance(dim, int) or dim <= 0:
             raise ValueError(f"dim must be a positive int, got {dim!r}")
+        check_floating_dtype(dtype)
         self.tp = MeshGroup.of(tp_mesh)
         self.dim = dim
         self.eps = eps

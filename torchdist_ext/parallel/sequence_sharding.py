@@ -1,13 +1,15 @@
 """Sharding a sequence over a context-parallel mesh, and back.
 
     layout="contiguous"  rank r holds block r of N equal blocks.
-    layout="zigzag"      the sequence is cut into 2N chunks; rank r holds chunks r and
-                         2N-1-r (in that order), so causal attention costs every rank the same.
+    layout="zigzag"      the sequence is cut into 2N chunks; rank r holds chunks r and 2N-1-r (in that
+                         order), so causal attention costs every rank the same.
 
-For ``hybrid_attention`` pass ``cp_mesh=(ulysses_mesh, ring_mesh)``: the sequence
-is sharded over the ring ranks with ``layout`` first, and each ring rank's
-shard is then split into contiguous blocks over the Ulysses ranks. That way
-the Ulysses all-to-all reassembles exactly the ring rank's shard.
+``cp_mesh`` is the context-parallel mesh the attention runs on: 1-D for
+``ring_attention`` and ``ulysses_attention``; 2-D ``[ring, ulysses]`` for
+``hybrid_attention``, where the sequence is sharded over the ring ranks with
+``layout`` first and each ring rank's shard is then split into contiguous
+blocks over the Ulysses ranks (so the Ulysses all-to-all reassembles exactly the
+ring rank's shard). Pass the same ``cp_mesh`` and ``layout`` to the attention.
 
 ``shard_sequence`` treats ``x`` as replicated (the same on every rank): each
 rank keeps its part, and the gradient of ``x`` is gathered from all ranks.
@@ -25,7 +27,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.regions import gather_from_region, scatter_to_region
 
-__all__ = ["shard_sequence", "unshard_sequence", "LAYOUTS"]
+__all__ = ["LAYOUTS", "check_layout", "context_parallel_groups", "shard_sequence", "unshard_sequence"]
 
 LAYOUTS = ("contiguous", "zigzag")
 
@@ -33,6 +35,16 @@ LAYOUTS = ("contiguous", "zigzag")
 def check_layout(layout: str) -> None:
     if layout not in LAYOUTS:
         raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+
+
+def context_parallel_groups(cp_mesh: DeviceMesh) -> tuple[MeshGroup, MeshGroup | None]:
+    """(ring group, Ulysses group or None) of a 1-D mesh, or of a 2-D ``[ring, ulysses]`` mesh."""
+    if isinstance(cp_mesh, DeviceMesh) and cp_mesh.ndim == 2:
+        return MeshGroup.of_dim(cp_mesh, 0, "cp_mesh (dim 0: ring)"), MeshGroup.of_dim(
+            cp_mesh, 1, "cp_mesh (dim 1: ulysses)")
+    if isinstance(cp_mesh, DeviceMesh) and cp_mesh.ndim != 1:
+        raise ValueError(f"cp_mesh must be a 1-D or a 2-D [ring, ulysses] DeviceMesh, got a {cp_mesh.ndim}-D mesh")
+    return MeshGroup.of(cp_mesh, "cp_mesh"), None
 
 
 def zigzag_order(parts: int) -> list[int]:
@@ -45,49 +57,53 @@ def _reorder_chunks(x: Tensor, dim: int, order: list[int]) -> Tensor:
     return torch.cat([chunks[i] for i in order], dim=dim)
 
 
-def _mesh_groups(cp_mesh) -> tuple[MeshGroup | None, MeshGroup]:
-    """(ulysses group or None, ring/outer group) from a mesh or a (ulysses_mesh, ring_mesh) pair."""
-    if isinstance(cp_mesh, DeviceMesh):
-        return None, MeshGroup.of(cp_mesh, "cp_mesh")
-    if isinstance(cp_mesh, tuple) and len(cp_mesh) == 2:
-        return MeshGroup.of(cp_mesh[0], "cp_mesh[0] (ulysses)"), MeshGroup.of(cp_mesh[1], "cp_mesh[1] (ring)")
-    raise TypeError(f"cp_mesh must be a 1-D DeviceMesh or a (ulysses_mesh, ring_mesh) tuple, got {cp_mesh!r}")
-
-
-def shard_sequence(x: Tensor, *, cp_mesh, dim: int, layout: str = "zigzag") -> Tensor:
+def shard_sequence(x: Tensor, *, cp_mesh: DeviceMesh, dim: int, layout: str = "zigzag") -> Tensor:
     """This rank's part of the sequence dim ``dim`` of the replicated ``x``."""
     check_layout(layout)
-    inner, outer = _mesh_groups(cp_mesh)
-    _check_divisible_length(x, dim, outer, inner, layout)
-    if layout == "zigzag":
-        x = _reorder_chunks(x, dim, zigzag_order(outer.size))
-    x = scatter_to_region(x, outer, dim)
-    return scatter_to_region(x, inner, dim) if inner is not None else x
-
-
-def unshard_sequence(x_local: Tensor, *, cp_mesh, dim: int, layout: str = "zigzag") -> Tensor:
-    """The full sequence, on every rank, from each rank's part (the inverse of ``shard_sequence``)."""
-    check_layout(layout)
-    inner, outer = _mesh_groups(cp_mesh)
-    x = gather_from_region(x_local, inner, dim) if inner is not None else x_local
-    x = gather_from_region(x, outer, dim)
-    if layout == "zigzag":
-        order = zigzag_order(outer.size)
-        inverse = sorted(range(len(order)), key=order.__getitem__)
-        x = _reorder_chunks(x, dim, inverse)
-    return x
-
-
-def _check_divisible_length(x: Tensor, dim: int, outer: MeshGroup, inner: MeshGroup | None, layout: str) -> None:
-    if not isinstance(x, Tensor):
-        raise TypeError(f"x must be a torch.Tensor, got {type(x).__name__}")
-    if not -x.dim() <= dim < x.dim():
-        raise ValueError(f"dim={dim} is out of range for x of shape {tuple(x.shape)}")
-    # The outer layout needs N (or 2N) equal chunks; each outer shard must split evenly over the inner ranks.
-    outer_chunks = outer.size * (2 if layout == "zigzag" else 1)
-    parts = math.lcm(outer_chunks, outer.size * (inner.size if inner else 1))
+    ring, ulysses = context_parallel_groups(cp_mesh)
+    dim = _check_sequence(x, dim, "x")
+    parts = _parts(ring, ulysses, layout)
     if x.shape[dim] % parts:
         raise ValueError(
             f"x.size({dim})={x.shape[dim]} must be divisible by {parts} to shard it with the {layout} layout "
             f"over this mesh"
         )
+    if layout == "zigzag":
+        x = _reorder_chunks(x, dim, zigzag_order(ring.size))
+    x = scatter_to_region(x, ring, dim)
+    return scatter_to_region(x, ulysses, dim) if ulysses is not None else x
+
+
+def unshard_sequence(x_local: Tensor, *, cp_mesh: DeviceMesh, dim: int, layout: str = "zigzag") -> Tensor:
+    """The full sequence, on every rank, from each rank's part (the inverse of ``shard_sequence``)."""
+    check_layout(layout)
+    ring, ulysses = context_parallel_groups(cp_mesh)
+    dim = _check_sequence(x_local, dim, "x_local")
+    local_parts = _parts(ring, ulysses, layout) // (ring.size * (ulysses.size if ulysses else 1))
+    if x_local.shape[dim] % local_parts:
+        raise ValueError(
+            f"x_local.size({dim})={x_local.shape[dim]} must be divisible by {local_parts}: with the {layout} "
+            f"layout over this mesh, every rank holds {local_parts} equal chunks"
+        )
+    x = gather_from_region(x_local, ulysses, dim) if ulysses is not None else x_local
+    x = gather_from_region(x, ring, dim)
+    if layout == "zigzag":
+        order = zigzag_order(ring.size)
+        inverse = sorted(range(len(order)), key=order.__getitem__)
+        x = _reorder_chunks(x, dim, inverse)
+    return x
+
+
+def _parts(ring: MeshGroup, ulysses: MeshGroup | None, layout: str) -> int:
+    """The number of equal pieces the full sequence is cut into: the ring layout needs N (or 2N) chunks,
+    and each ring shard must split evenly over the Ulysses ranks."""
+    ring_chunks = ring.size * (2 if layout == "zigzag" else 1)
+    return math.lcm(ring_chunks, ring.size * (ulysses.size if ulysses else 1))
+
+
+def _check_sequence(x, dim: int, arg: str) -> int:
+    if not isinstance(x, Tensor):
+        raise TypeError(f"{arg} must be a torch.Tensor, got {type(x).__name__}")
+    if not isinstance(dim, int) or not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim={dim!r} is out of range for {arg} of shape {tuple(x.shape)}")
+    return dim % x.dim()

@@ -2,7 +2,7 @@
 
     spawn_world(world_size, *, timeout=120.0) -> World     (see world.py)
     World.run(fn, *args, **kwargs) -> list                 one result per rank
-    shard_replicated(x, mesh, dim) / gather_replicated(x, mesh, dim)   (see replicated.py)
+    shard_replicated(x, *, mesh, dim) / gather_replicated(x, *, mesh, dim)   (see replicated.py)
     cached_mesh(shape, names)                              a DeviceMesh built once per process
 pytest fixtures ``world2`` / ``world4``: ``pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]``.
 """

@@ -10,23 +10,31 @@ world pays that once and then runs any number of functions on all its ranks::
 every rank with ``torch.distributed`` initialised (gloo on CPU unless another
 backend is asked for; world size N) and returns any picklable value.
 
-Failure rules (nothing hangs):
-  * a rank that raises: the exception is re-raised in the caller, with the
+Failure rules (nothing hangs, nothing is left behind):
+  * a rank that raises an ``Exception``: it is re-raised in the caller, with the
     rank and that rank's traceback attached (as a note and as ``__cause__``).
     If every rank raised, the world stays usable; otherwise the ranks still
-    running may be stuck in a collective and the world is shut down.
-  * a rank that dies (crash, ``os._exit``): ``WorldError``; the world is shut down.
+    running may be stuck in a collective and the world is shut down. A rank's
+    ``SystemExit`` or ``KeyboardInterrupt`` becomes a ``WorldError`` (it never
+    ends the caller).
+  * a rank that dies (crash, ``os._exit``, a signal): ``WorldError`` naming its
+    exit code or signal; the world is shut down.
   * no reply from every rank within ``timeout`` seconds: ``WorldTimeoutError``;
     the world is shut down.
 A shut-down world raises ``WorldError`` on ``run``; check ``world.alive``.
+Each rank runs in a process group of its own, which shutting down kills whole
+(the processes a rank started too); on Linux a rank also dies with the process
+that started the world.
 """
 
 from __future__ import annotations
 
+import ctypes
 import multiprocessing
 import multiprocessing.connection
 import os
 import pickle
+import signal
 import sys
 import tempfile
 import time
@@ -61,9 +69,21 @@ class RemoteTraceback(Exception):
         return self.text
 
 
+_PR_SET_PDEATHSIG = 1  # linux/prctl.h
+
+
+def _detach_from_parent_fate() -> None:
+    """Makes this worker the leader of its own process group (so that shutting the world down can kill
+    it and everything it started) and, on Linux, makes it die when the process that started it dies."""
+    os.setpgid(0, 0)
+    if sys.platform.startswith("linux"):
+        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
+
+
 def _worker_main(rank: int, world_size: int, init_file: str, timeout: float, threads: int, backend: str,
                  conn) -> None:
     """Worker loop: initialise the process group, then run (sys_path, fn, args, kwargs) requests until told to stop."""
+    _detach_from_parent_fate()
     import torch
     import torch.distributed as dist
 
@@ -193,9 +213,9 @@ class World:
         errors = sorted(rank for rank, (kind, _) in replies.items() if kind == "error")
         silent = sorted(set(range(self.world_size)) - set(replies))
         if died:
-            codes = {rank: self._procs[rank].exitcode for rank in died}
+            causes = {rank: self._death_cause(rank) for rank in died}
             self.close()
-            raise WorldError(f"{what}: rank(s) {died} of {self.world_size} died (exit codes {codes})")
+            raise WorldError(f"{what}: rank(s) {died} of {self.world_size} died ({causes})")
         if errors:
             if silent or len(errors) < self.world_size:
                 self.close()
@@ -208,8 +228,20 @@ class World:
             )
         return [replies[rank][1] for rank in range(self.world_size)]
 
+    def _death_cause(self, rank: int) -> str:
+        """'exit code N' or 'killed by SIGNAL' of a dead rank (reaped first, so its status is known)."""
+        proc = self._procs[rank]
+        proc.join(timeout=5.0)
+        code = proc.exitcode
+        if code is None:
+            return "no exit status"
+        if code < 0:
+            return f"killed by {signal.Signals(-code).name}"
+        return f"exit code {code}"
+
     def close(self) -> None:
-        """Stops every worker (politely, then by force); the world can no longer run."""
+        """Stops every worker (politely, then by force, with the processes it started); the world can no
+        longer run."""
         if not self._procs:
             return
         self._alive = False
@@ -222,9 +254,11 @@ class World:
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
-            if proc.is_alive():
-                proc.kill()
-                proc.join()
+            try:  # the worker's process group: the worker and whatever it started
+                os.killpg(proc.pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+            proc.join()
         for conn in self._conns:
             conn.close()
         self._procs, self._conns = [], []
@@ -241,9 +275,12 @@ class World:
             self.close()
 
 
-def _rank_exception(rank: int, world_size: int, payload: tuple[Any, str], what: str) -> BaseException:
+def _rank_exception(rank: int, world_size: int, payload: tuple[Any, str], what: str) -> Exception:
     error, text = payload
-    if not isinstance(error, BaseException):
+    if isinstance(error, BaseException) and not isinstance(error, Exception):
+        error = WorldError(f"{what}: rank {rank} raised {error!r} (SystemExit and KeyboardInterrupt on a rank "
+                           f"end its call, not the caller):\n{text}")
+    elif not isinstance(error, BaseException):
         error = WorldError(f"{what}: rank {rank} failed:\n{text}")
     if hasattr(error, "add_note"):  # Python >= 3.11
         error.add_note(f"(raised on rank {rank} of {world_size} while running {what})")

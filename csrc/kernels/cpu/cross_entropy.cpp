@@ -1,15 +1,18 @@
-#include "kernels/cpu/cross_entropy.h"
+// CPU kernels of the vocab-parallel cross-entropy (contracts: kernels/cross_entropy.h).
+
+#include "kernels/cross_entropy.h"
 
 #include <algorithm>
 #include <cmath>
 #include <limits>
-#include <stdexcept>
 #include <type_traits>
 
-#include "kernels/cpu/multiversion.h"
+#include "kernels/cpu/element.h"
+#include "kernels/cpu/isa_clones.h"
 #include "kernels/cpu/vector_exp.h"
 
-namespace tdx::kernels::cpu {
+namespace tdx::kernels {
+namespace cpu {
 namespace {
 
 // Reductions keep kLanes independent partial results so that the compiler
@@ -24,7 +27,7 @@ constexpr int kLanes = 16;
 constexpr int64_t kBlock = 2048;
 
 template <typename Acc>
-TDX_INLINE Acc exp_acc(Acc x) {
+inline Acc exp_acc(Acc x) {
   if constexpr (std::is_same_v<Acc, float>) {
     return exp_approx(x);
   } else {
@@ -33,13 +36,13 @@ TDX_INLINE Acc exp_acc(Acc x) {
 }
 
 template <typename Acc>
-TDX_INLINE Acc larger(Acc a, Acc b) {
+inline Acc larger(Acc a, Acc b) {
   return a > b ? a : b;
 }
 
 // The block x[0, n) as Acc values: x itself when it already is, else widened into buffer.
 template <typename T, typename Acc>
-TDX_INLINE const Acc* widen(const T* x, int64_t n, Acc* buffer) {
+inline const Acc* widen(const T* x, int64_t n, Acc* buffer) {
   if constexpr (std::is_same_v<T, Acc>) {
     return x;
   } else {
@@ -50,12 +53,12 @@ TDX_INLINE const Acc* widen(const T* x, int64_t n, Acc* buffer) {
 
 // Writes values[0, n) into out, rounding to T.
 template <typename T, typename Acc>
-TDX_INLINE void narrow(const Acc* values, int64_t n, T* out) {
+inline void narrow(const Acc* values, int64_t n, T* out) {
   for (int64_t v = 0; v < n; ++v) store(out[v], values[v]);
 }
 
 template <typename Acc>
-TDX_INLINE Acc block_max(const Acc* x, int64_t n) {
+inline Acc block_max(const Acc* x, int64_t n) {
   Acc lanes[kLanes];
   for (int l = 0; l < kLanes; ++l) lanes[l] = -std::numeric_limits<Acc>::infinity();
   int64_t v = 0;
@@ -69,7 +72,7 @@ TDX_INLINE Acc block_max(const Acc* x, int64_t n) {
 }
 
 template <typename Acc>
-TDX_INLINE Acc block_sumexp(const Acc* x, int64_t n, Acc max) {
+inline Acc block_sumexp(const Acc* x, int64_t n, Acc max) {
   Acc lanes[kLanes] = {};
   int64_t v = 0;
   for (; v + kLanes <= n; v += kLanes) {
@@ -82,7 +85,7 @@ TDX_INLINE Acc block_sumexp(const Acc* x, int64_t n, Acc max) {
 }
 
 template <typename T, typename Acc>
-TDX_MULTIVERSION void stats_rows(const T* logits, const int64_t* target, int64_t row_begin, int64_t row_end,
+void stats_rows(const T* logits, const int64_t* target, int64_t row_begin, int64_t row_end,
                                  int64_t vocab_local, int64_t vocab_start, Acc* max_out, Acc* sumexp_out,
                                  Acc* target_logit) {
   alignas(64) Acc buffer[kBlock];
@@ -110,7 +113,7 @@ TDX_MULTIVERSION void stats_rows(const T* logits, const int64_t* target, int64_t
 }
 
 template <typename T, typename Acc>
-TDX_MULTIVERSION void grad_rows(const T* grad_loss, const T* logits, const int64_t* target, const Acc* lse,
+void grad_rows(const T* grad_loss, const T* logits, const int64_t* target, const Acc* lse,
                                 int64_t row_begin, int64_t row_end, int64_t vocab_local, int64_t vocab_start,
                                 int64_t ignore_index, T* grad_logits) {
   alignas(64) Acc input[kBlock];
@@ -144,50 +147,31 @@ TDX_MULTIVERSION void grad_rows(const T* grad_loss, const T* logits, const int64
   }
 }
 
+void shard_stats(const ShardStatsArgs& args, const Launch& launch) {
+  visit_element_type(args.shard.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using Acc = accumulator_t<T>;
+    auto* stats = static_cast<Acc*>(args.stats);
+    const int64_t rows = args.shard.rows;
+    stats_rows(static_cast<const T*>(args.logits), args.target, launch.begin, launch.end, args.shard.vocab_local,
+               args.shard.vocab_start, stats, stats + rows, stats + 2 * rows);
+  });
+}
+
+void shard_grad(const ShardGradArgs& args, const Launch& launch) {
+  visit_element_type(args.shard.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    grad_rows(static_cast<const T*>(args.grad_loss), static_cast<const T*>(args.logits), args.target,
+              static_cast<const accumulator_t<T>*>(args.lse), launch.begin, launch.end, args.shard.vocab_local,
+              args.shard.vocab_start, args.ignore_index, static_cast<T*>(args.grad_logits));
+  });
+}
+
 }  // namespace
+}  // namespace cpu
 
-template <typename Acc>
-void vocab_shard_stats(ElementType type, const void* logits, const int64_t* target, int64_t row_begin,
-                       int64_t row_end, int64_t vocab_local, int64_t vocab_start, Acc* row_max,
-                       Acc* row_sumexp, Acc* target_logit) {
-  auto run = [&](auto* typed) {
-    stats_rows(typed, target, row_begin, row_end, vocab_local, vocab_start, row_max, row_sumexp,
-               target_logit);
-  };
-  switch (type) {
-    case ElementType::kFloat32: return run(static_cast<const float*>(logits));
-    case ElementType::kFloat64: return run(static_cast<const double*>(logits));
-    case ElementType::kBFloat16: return run(static_cast<const BFloat16*>(logits));
-    case ElementType::kFloat16: return run(static_cast<const Float16*>(logits));
-  }
-  throw std::invalid_argument("vocab_shard_stats: unknown element type");
+const CrossEntropyKernels& CrossEntropyKernels::cpu(CpuIsa isa) {
+  return cpu_kernel_table<CrossEntropyKernels, &cpu::shard_stats, &cpu::shard_grad>(isa);
 }
 
-template <typename Acc>
-void vocab_shard_grad(ElementType type, const void* grad_loss, const void* logits, const int64_t* target,
-                      const Acc* lse, int64_t row_begin, int64_t row_end, int64_t vocab_local,
-                      int64_t vocab_start, int64_t ignore_index, void* grad_logits) {
-  auto run = [&](auto* typed_grad_logits) {
-    using T = std::remove_pointer_t<decltype(typed_grad_logits)>;
-    grad_rows(static_cast<const T*>(grad_loss), static_cast<const T*>(logits), target, lse, row_begin,
-              row_end, vocab_local, vocab_start, ignore_index, typed_grad_logits);
-  };
-  switch (type) {
-    case ElementType::kFloat32: return run(static_cast<float*>(grad_logits));
-    case ElementType::kFloat64: return run(static_cast<double*>(grad_logits));
-    case ElementType::kBFloat16: return run(static_cast<BFloat16*>(grad_logits));
-    case ElementType::kFloat16: return run(static_cast<Float16*>(grad_logits));
-  }
-  throw std::invalid_argument("vocab_shard_grad: unknown element type");
-}
-
-template void vocab_shard_stats<float>(ElementType, const void*, const int64_t*, int64_t, int64_t, int64_t,
-                                       int64_t, float*, float*, float*);
-template void vocab_shard_stats<double>(ElementType, const void*, const int64_t*, int64_t, int64_t,
-                                        int64_t, int64_t, double*, double*, double*);
-template void vocab_shard_grad<float>(ElementType, const void*, const void*, const int64_t*, const float*,
-                                      int64_t, int64_t, int64_t, int64_t, int64_t, void*);
-template void vocab_shard_grad<double>(ElementType, const void*, const void*, const int64_t*,
-                                       const double*, int64_t, int64_t, int64_t, int64_t, int64_t, void*);
-
-}  // namespace tdx::kernels::cpu
+}  // namespace tdx::kernels

@@ -8,11 +8,9 @@
 #include <cstdint>
 #include <cstring>
 
-#include "kernels/cpu/multiversion.h"
-
 namespace tdx::kernels::cpu {
 
-TDX_INLINE float exp_approx(float x) {
+inline float exp_approx(float x) {
   constexpr float kLog2e = 1.44269504088896341f;
   constexpr float kLn2High = 0.693359375f;
   constexpr float kLn2Low = -2.12194440e-4f;

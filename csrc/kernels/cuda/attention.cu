@@ -1,22 +1,24 @@
-#include "kernels/cuda/attention.cuh"
+// CUDA kernel of attention's log-sum-exp merge (contract: kernels/attention.h).
+
+#include "kernels/attention.h"
 
 #include <type_traits>
 
 #include "kernels/cuda/element.cuh"
 
-namespace tdx::kernels::cuda {
+namespace tdx::kernels {
+namespace cuda {
 namespace {
 
-// One thread block per query row; threads stride over the features.
+// One thread block per query row of groups [group_begin, ...); threads stride over the features.
 template <typename T, typename Acc>
-__global__ void merge_kernel(Acc* __restrict__ out, int64_t out_outer_stride, Acc* __restrict__ lse,
-                             int64_t lse_outer_stride, const T* __restrict__ block_out,
-                             int64_t block_out_outer_stride, const Acc* __restrict__ block_lse,
-                             int64_t block_lse_outer_stride, int64_t rows, int64_t dim) {
-  const int64_t g = blockIdx.x / rows;
-  const int64_t i = blockIdx.x % rows;
-  Acc* acc_lse = lse + g * lse_outer_stride + i;
-  const Acc b = block_lse[g * block_lse_outer_stride + i];
+__global__ void merge_kernel(MergeLayout layout, Acc* __restrict__ out, Acc* __restrict__ lse,
+                             const T* __restrict__ block_out, const Acc* __restrict__ block_lse,
+                             int64_t group_begin) {
+  const int64_t g = group_begin + blockIdx.x / layout.rows;
+  const int64_t i = blockIdx.x % layout.rows;
+  Acc* acc_lse = lse + g * layout.lse_group_stride + i;
+  const Acc b = block_lse[g * layout.block_lse_group_stride + i];
   if (b == -INFINITY) return;
   const Acc a = *acc_lse;
   const Acc max = a > b ? a : b;
@@ -25,34 +27,37 @@ __global__ void merge_kernel(Acc* __restrict__ out, int64_t out_outer_stride, Ac
   const Acc total = weight_a + weight_b;
   const Acc scale_a = weight_a / total;
   const Acc scale_b = weight_b / total;
-  Acc* acc_row = out + g * out_outer_stride + i * dim;
-  const T* block_row = block_out + g * block_out_outer_stride + i * dim;
-  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
+  Acc* acc_row = out + g * layout.out_group_stride + i * layout.dim;
+  const T* block_row = block_out + g * layout.block_out_group_stride + i * layout.dim;
+  for (int64_t d = threadIdx.x; d < layout.dim; d += blockDim.x) {
     acc_row[d] = scale_a * acc_row[d] + scale_b * static_cast<Acc>(load(block_row[d]));
   }
   __syncthreads();  // every thread has read *acc_lse
   if (threadIdx.x == 0) *acc_lse = max + log(total);
 }
 
-}  // namespace
-
-template <typename Acc>
-void lse_merge(ElementType block_type, Acc* out, int64_t out_outer_stride, Acc* lse, int64_t lse_outer_stride,
-               const void* block_out, int64_t block_out_outer_stride, const Acc* block_lse,
-               int64_t block_lse_outer_stride, int64_t outer, int64_t rows, int64_t dim, cudaStream_t stream) {
-  if (outer * rows == 0) return;
-  const int threads = dim >= 256 ? 256 : static_cast<int>((dim + 31) / 32 * 32);
-  launch_for(block_type, "lse_merge", [&](auto* tag) {
+void lse_merge(const LseMergeArgs& args, const Launch& launch) {
+  const MergeLayout& layout = args.layout;
+  const int64_t blocks = (launch.end - launch.begin) * layout.rows;
+  if (blocks == 0) return;
+  // Whole warps, at least one (a row without features still merges its lse).
+  const int threads = layout.dim >= 256 ? 256 : static_cast<int>((layout.dim + 32) / 32 * 32);
+  visit_element_type(layout.block_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
-    TDX_LAUNCH(outer * rows, threads, stream, merge_kernel<T, Acc>)(
-        out, out_outer_stride, lse, lse_outer_stride, static_cast<const T*>(block_out), block_out_outer_stride,
-        block_lse, block_lse_outer_stride, rows, dim);
+    using Acc = accumulator_t<T>;
+    TDX_LAUNCH(blocks, threads, static_cast<cudaStream_t>(launch.stream), merge_kernel<T, Acc>)(
+        layout, static_cast<Acc*>(args.out), static_cast<Acc*>(args.lse), static_cast<const T*>(args.block_out),
+        static_cast<const Acc*>(args.block_lse), launch.begin);
   });
+  check_launch("lse_merge");
 }
 
-template void lse_merge<float>(ElementType, float*, int64_t, float*, int64_t, const void*, int64_t, const float*,
-                               int64_t, int64_t, int64_t, int64_t, cudaStream_t);
-template void lse_merge<double>(ElementType, double*, int64_t, double*, int64_t, const void*, int64_t,
-                                const double*, int64_t, int64_t, int64_t, int64_t, cudaStream_t);
+}  // namespace
+}  // namespace cuda
 
-}  // namespace tdx::kernels::cuda
+const AttentionKernels& AttentionKernels::cuda() {
+  static const AttentionKernels table{&cuda::lse_merge};
+  return table;
+}
+
+}  // namespace tdx::kernels

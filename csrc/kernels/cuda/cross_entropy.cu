@@ -1,10 +1,13 @@
-#include "kernels/cuda/cross_entropy.cuh"
+// CUDA kernels of the vocab-parallel cross-entropy (contracts: kernels/cross_entropy.h).
+
+#include "kernels/cross_entropy.h"
 
 #include <type_traits>
 
 #include "kernels/cuda/element.cuh"
 
-namespace tdx::kernels::cuda {
+namespace tdx::kernels {
+namespace cuda {
 namespace {
 
 constexpr int kThreads = 256;
@@ -22,13 +25,13 @@ __device__ __forceinline__ void merge(Acc& max, Acc& sum, Acc other_max, Acc oth
   max = new_max;
 }
 
-// One block per row: every thread keeps an online (max, sumexp) over its
+// One block per row of [row_begin, ...): every thread keeps an online (max, sumexp) over its
 // strided columns, then warps and the block merge the pairs.
 template <typename T, typename Acc>
 __global__ void stats_kernel(const T* __restrict__ logits, const int64_t* __restrict__ target,
                              int64_t vocab_local, int64_t vocab_start, Acc* __restrict__ row_max,
-                             Acc* __restrict__ row_sumexp, Acc* __restrict__ target_logit) {
-  const int64_t row = blockIdx.x;
+                             Acc* __restrict__ row_sumexp, Acc* __restrict__ target_logit, int64_t row_begin) {
+  const int64_t row = row_begin + blockIdx.x;
   const T* x = logits + row * vocab_local;
   Acc max = -INFINITY;
   Acc sum = 0;
@@ -70,8 +73,8 @@ __global__ void stats_kernel(const T* __restrict__ logits, const int64_t* __rest
 template <typename T, typename Acc>
 __global__ void grad_kernel(const T* __restrict__ grad_loss, const T* logits, const int64_t* __restrict__ target,
                             const Acc* __restrict__ lse, int64_t vocab_local, int64_t vocab_start,
-                            int64_t ignore_index, T* grad_logits) {
-  const int64_t row = blockIdx.x;
+                            int64_t ignore_index, T* grad_logits, int64_t row_begin) {
+  const int64_t row = row_begin + blockIdx.x;
   const T* x = logits + row * vocab_local;
   T* dx = grad_logits + row * vocab_local;
   if (target[row] == ignore_index) {  // exactly 0, also where exp(x - lse) is not finite (a masked row)
@@ -87,40 +90,42 @@ __global__ void grad_kernel(const T* __restrict__ grad_loss, const T* logits, co
   }
 }
 
+void shard_stats(const ShardStatsArgs& args, const Launch& launch) {
+  const VocabShard& shard = args.shard;
+  const int64_t rows = launch.end - launch.begin;
+  if (rows == 0) return;
+  visit_element_type(shard.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using Acc = accumulator_t<T>;
+    auto* stats = static_cast<Acc*>(args.stats);
+    TDX_LAUNCH(rows, kThreads, static_cast<cudaStream_t>(launch.stream), stats_kernel<T, Acc>)(
+        static_cast<const T*>(args.logits), args.target, shard.vocab_local, shard.vocab_start, stats,
+        stats + shard.rows, stats + 2 * shard.rows, launch.begin);
+  });
+  check_launch("vocab_shard_stats");
+}
+
+void shard_grad(const ShardGradArgs& args, const Launch& launch) {
+  const VocabShard& shard = args.shard;
+  const int64_t rows = launch.end - launch.begin;
+  if (rows == 0) return;
+  visit_element_type(shard.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using Acc = accumulator_t<T>;
+    TDX_LAUNCH(rows, kThreads, static_cast<cudaStream_t>(launch.stream), grad_kernel<T, Acc>)(
+        static_cast<const T*>(args.grad_loss), static_cast<const T*>(args.logits), args.target,
+        static_cast<const Acc*>(args.lse), shard.vocab_local, shard.vocab_start, args.ignore_index,
+        static_cast<T*>(args.grad_logits), launch.begin);
+  });
+  check_launch("vocab_shard_grad");
+}
+
 }  // namespace
+}  // namespace cuda
 
-template <typename Acc>
-void vocab_shard_stats(ElementType type, const void* logits, const int64_t* target, int64_t rows,
-                       int64_t vocab_local, int64_t vocab_start, Acc* row_max, Acc* row_sumexp,
-                       Acc* target_logit, cudaStream_t stream) {
-  if (rows == 0) return;
-  launch_for(type, "vocab_shard_stats", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    TDX_LAUNCH(rows, kThreads, stream, stats_kernel<T, Acc>)(static_cast<const T*>(logits), target, vocab_local,
-                                                             vocab_start, row_max, row_sumexp, target_logit);
-  });
+const CrossEntropyKernels& CrossEntropyKernels::cuda() {
+  static const CrossEntropyKernels table{&cuda::shard_stats, &cuda::shard_grad};
+  return table;
 }
 
-template <typename Acc>
-void vocab_shard_grad(ElementType type, const void* grad_loss, const void* logits, const int64_t* target,
-                      const Acc* lse, int64_t rows, int64_t vocab_local, int64_t vocab_start,
-                      int64_t ignore_index, void* grad_logits, cudaStream_t stream) {
-  if (rows == 0) return;
-  launch_for(type, "vocab_shard_grad", [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    TDX_LAUNCH(rows, kThreads, stream, grad_kernel<T, Acc>)(
-        static_cast<const T*>(grad_loss), static_cast<const T*>(logits), target, lse, vocab_local,
-        vocab_start, ignore_index, static_cast<T*>(grad_logits));
-  });
-}
-
-template void vocab_shard_stats<float>(ElementType, const void*, const int64_t*, int64_t, int64_t, int64_t,
-                                       float*, float*, float*, cudaStream_t);
-template void vocab_shard_stats<double>(ElementType, const void*, const int64_t*, int64_t, int64_t, int64_t,
-                                        double*, double*, double*, cudaStream_t);
-template void vocab_shard_grad<float>(ElementType, const void*, const void*, const int64_t*, const float*,
-                                      int64_t, int64_t, int64_t, int64_t, void*, cudaStream_t);
-template void vocab_shard_grad<double>(ElementType, const void*, const void*, const int64_t*, const double*,
-                                       int64_t, int64_t, int64_t, int64_t, void*, cudaStream_t);
-
-}  // namespace tdx::kernels::cuda
+}  // namespace tdx::kernels

@@ -1,11 +1,12 @@
 #pragma once
 // Element types of the CUDA kernels: loads and stores (16-bit floats are read
 // as float and written from the accumulator with round-to-nearest-even), and
-// the launch of a kernel template for a run-time element type.
+// the switch from a run-time element type to a kernel template's type.
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 
+#include <stdexcept>
 #include <type_traits>
 
 #include "kernels/cuda/launch.cuh"
@@ -29,17 +30,19 @@ __device__ __forceinline__ T store_as(Acc v) {
   }
 }
 
-// Calls launch(static_cast<T*>(nullptr)) with the device type T of `type`
-// (launch instantiates and launches its kernel for T), then check_launch.
-template <typename Launch>
-void launch_for(ElementType type, const char* kernel_name, Launch&& launch) {
+// The element-type switch of the CUDA kernels (the one place it is written):
+// calls visit(static_cast<T*>(nullptr)) with the device type T of `type`
+// (float, double, __nv_bfloat16, __half); visit instantiates and launches its
+// kernel for T.
+template <typename Visit>
+void visit_element_type(ElementType type, Visit&& visit) {
   switch (type) {
-    case ElementType::kFloat32: launch(static_cast<float*>(nullptr)); break;
-    case ElementType::kFloat64: launch(static_cast<double*>(nullptr)); break;
-    case ElementType::kBFloat16: launch(static_cast<__nv_bfloat16*>(nullptr)); break;
-    case ElementType::kFloat16: launch(static_cast<__half*>(nullptr)); break;
+    case ElementType::kFloat32: return visit(static_cast<float*>(nullptr));
+    case ElementType::kFloat64: return visit(static_cast<double*>(nullptr));
+    case ElementType::kBFloat16: return visit(static_cast<__nv_bfloat16*>(nullptr));
+    case ElementType::kFloat16: return visit(static_cast<__half*>(nullptr));
   }
-  check_launch(kernel_name);
+  throw std::invalid_argument("unknown element type");
 }
 
 }  // namespace tdx::kernels::cuda

@@ -1,8 +1,9 @@
 """torch's functional collectives (``torch.ops._c10d_functional``) along any dim.
 
-Thin, non-differentiable helpers for op backwards and the parallel regions:
-registered torch ops only, so torch.compile traces them without graph breaks.
-Blocks follow ``torch.chunk`` order: rank r holds the r-th block.
+Thin, non-differentiable helpers below the op and layer packages (the backward of
+``tdx`` ops, the parallel regions): registered torch ops only, so torch.compile
+traces them without graph breaks. They are not ``tdx`` ops. Blocks follow
+``torch.chunk`` order: rank r holds the r-th block.
 """
 
 import torch

@@ -1,0 +1,97 @@
+// torchdist_ext._C: loading it registers every tdx op (csrc/torch_bindings.cpp
+// and the families' host code). Its Python members are the process-wide
+// switches of the native code, wrapped by torchdist_ext/cpu_isa.py and
+// torchdist_ext/index_checks.py:
+//   cpu_isas() / supported_cpu_isas() / active_cpu_isa() / set_cpu_isa(name) -> previous
+//   index_checks() / set_index_checks(enabled) -> previous
+
+#include <Python.h>
+
+#include <stdexcept>
+
+#include "kernels/cpu/isa.h"
+#include "ops/index_checks.h"
+
+namespace {
+
+using tdx::kernels::CpuIsa;
+
+PyObject* isa_names(bool supported_only) {
+  PyObject* names = PyList_New(0);
+  for (const CpuIsa isa : tdx::kernels::kCpuIsas) {
+    if (supported_only && !tdx::kernels::cpu_supports(isa)) continue;
+    PyObject* name = PyUnicode_FromString(tdx::kernels::cpu_isa_name(isa));
+    PyList_Append(names, name);
+    Py_DECREF(name);
+  }
+  PyObject* result = PyList_AsTuple(names);
+  Py_DECREF(names);
+  return result;
+}
+
+PyObject* cpu_isas(PyObject*, PyObject*) { return isa_names(false); }
+
+PyObject* supported_cpu_isas(PyObject*, PyObject*) { return isa_names(true); }
+
+PyObject* active_cpu_isa(PyObject*, PyObject*) {
+  try {
+    return PyUnicode_FromString(tdx::kernels::cpu_isa_name(tdx::kernels::active_cpu_isa()));
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* set_cpu_isa(PyObject*, PyObject* arg) {
+  const char* name = PyUnicode_AsUTF8(arg);
+  if (name == nullptr) return nullptr;
+  CpuIsa isa;
+  if (!tdx::kernels::parse_cpu_isa(name, &isa)) {
+    PyObject* all = isa_names(false);
+    PyErr_Format(PyExc_ValueError, "isa=%R names no CPU kernel ISA; use one of %S", arg, all);
+    Py_DECREF(all);
+    return nullptr;
+  }
+  try {
+    const CpuIsa previous = tdx::kernels::active_cpu_isa();
+    tdx::kernels::set_active_cpu_isa(isa);
+    return PyUnicode_FromString(tdx::kernels::cpu_isa_name(previous));
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* index_checks(PyObject*, PyObject*) { return PyBool_FromLong(tdx::ops::index_checks_enabled()); }
+
+PyObject* set_index_checks(PyObject*, PyObject* arg) {
+  const int enabled = PyObject_IsTrue(arg);
+  if (enabled < 0) return nullptr;
+  const bool previous = tdx::ops::index_checks_enabled();
+  tdx::ops::set_index_checks(enabled != 0);
+  return PyBool_FromLong(previous);
+}
+
+PyMethodDef methods[] = {
+    {"cpu_isas", cpu_isas, METH_NOARGS, "Every CPU kernel ISA, narrowest first."},
+    {"supported_cpu_isas", supported_cpu_isas, METH_NOARGS, "The CPU kernel ISAs this CPU runs."},
+    {"active_cpu_isa", active_cpu_isa, METH_NOARGS, "The ISA whose CPU kernels run."},
+    {"set_cpu_isa", set_cpu_isa, METH_O, "Makes an ISA the active one; returns the previous one."},
+    {"index_checks", index_checks, METH_NOARGS, "Whether ops check index values."},
+    {"set_index_checks", set_index_checks, METH_O, "Switches index checks; returns the previous setting."},
+    {nullptr, nullptr, 0, nullptr},
+};
+
+}  // namespace
+
+PyMODINIT_FUNC PyInit__C(void) {
+  static PyModuleDef module = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, methods};
+  // A bad TDX_CPU_ISA fails the import, naming the variable, instead of the first op call.
+  try {
+    tdx::kernels::active_cpu_isa();
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+  return PyModule_Create(&module);
+}

@@ -1,0 +1,297 @@
+#pragma once
+// The checks every implementation of a kernel table entry must pass: the CPU
+// clones (test_cross_entropy.cpp, test_attention.cpp, once per ISA) and the
+// CUDA kernels (cuda_emulation/test_cuda_kernels.cpp, on the CPU stand-in of the
+// CUDA runtime). Each compares a kernel with a direct double-precision
+// computation on the same stored inputs, within the bounds of error_bounds.h:
+// every element type, row lengths around the CPU blocks and the GPU's warps and
+// thread blocks, targets in and out of the shard, ignored, masked and NaN rows,
+// in-place gradients, strided merges with padding left untouched.
+
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "error_bounds.h"
+#include "kernels/attention.h"
+#include "kernels/cross_entropy.h"
+
+namespace tdx::test {
+
+using kernels::ElementType;
+
+inline constexpr ElementType kAllTypes[] = {ElementType::kFloat32, ElementType::kFloat64, ElementType::kBFloat16,
+                                            ElementType::kFloat16};
+
+inline const char* type_name(ElementType type) {
+  switch (type) {
+    case ElementType::kFloat32: return "fp32";
+    case ElementType::kFloat64: return "fp64";
+    case ElementType::kBFloat16: return "bf16";
+    case ElementType::kFloat16: return "fp16";
+  }
+  return "?";
+}
+
+// Values stored in one element type, readable back as double.
+class Elements {
+ public:
+  Elements(ElementType type, const std::vector<double>& values) : type_(type), bytes_(values.size() * size()) {
+    for (size_t i = 0; i < values.size(); ++i) set(i, values[i]);
+  }
+
+  void* data() { return bytes_.data(); }
+  const void* data() const { return bytes_.data(); }
+  size_t count() const { return bytes_.size() / size(); }
+  bool operator==(const Elements& other) const { return bytes_ == other.bytes_; }
+
+  double get(size_t i) const {
+    switch (type_) {
+      case ElementType::kFloat32: return as<float>()[i];
+      case ElementType::kFloat64: return as<double>()[i];
+      case ElementType::kBFloat16: return kernels::load(as<kernels::BFloat16>()[i]);
+      case ElementType::kFloat16: return kernels::load(as<kernels::Float16>()[i]);
+    }
+    return NAN;
+  }
+
+  std::vector<double> values(size_t begin, size_t end) const {
+    std::vector<double> out;
+    for (size_t i = begin; i < end; ++i) out.push_back(get(i));
+    return out;
+  }
+
+ private:
+  size_t size() const { return type_ == ElementType::kFloat64 ? 8 : type_ == ElementType::kFloat32 ? 4 : 2; }
+
+  template <typename T>
+  const T* as() const {
+    return reinterpret_cast<const T*>(bytes_.data());
+  }
+
+  void set(size_t i, double v) {
+    void* p = bytes_.data() + i * size();
+    switch (type_) {
+      case ElementType::kFloat32: *static_cast<float*>(p) = static_cast<float>(v); break;
+      case ElementType::kFloat64: *static_cast<double*>(p) = v; break;
+      case ElementType::kBFloat16:
+        *static_cast<kernels::BFloat16*>(p) = kernels::to_bfloat16(static_cast<float>(v));
+        break;
+      case ElementType::kFloat16: *static_cast<kernels::Float16*>(p) = kernels::to_float16(static_cast<float>(v)); break;
+    }
+  }
+
+  ElementType type_;
+  std::vector<unsigned char> bytes_;
+};
+
+// Equal as floating-point values within `tolerance` (absolute): NaN matches NaN, an infinity only itself.
+inline ::testing::AssertionResult close(double actual, double expected, double tolerance) {
+  const bool ok = std::isnan(expected)   ? std::isnan(actual)
+                  : std::isinf(expected) ? actual == expected
+                                         : std::abs(actual - expected) <= tolerance;
+  if (ok) return ::testing::AssertionSuccess();
+  return ::testing::AssertionFailure() << actual << " vs " << expected << " (bound " << tolerance << ")";
+}
+
+inline std::vector<double> normal_values(size_t n, double stddev, unsigned seed) {
+  std::mt19937 gen(seed);
+  std::normal_distribution<double> normal(0.0, stddev);
+  std::vector<double> values(n);
+  for (double& v : values) v = normal(gen);
+  return values;
+}
+
+// Logits of one vocab shard: rows of random values with, past row 3, a fully
+// masked row (-inf), a row masked but for its last column, a row with a NaN,
+// and a row that rises along the vocabulary (every column raises the maximum).
+struct Shard {
+  static constexpr int64_t kRows = 8;
+  static constexpr int64_t kIgnore = -100;
+  int64_t vocab_local;
+  int64_t vocab_start;
+  std::vector<double> logits;
+  std::vector<int64_t> target;
+
+  explicit Shard(int64_t vocab)
+      : vocab_local(vocab), vocab_start(3 * vocab), logits(normal_values(kRows * vocab, 3.0, 7)) {
+    double* masked = &logits[4 * vocab];
+    double* masked_but_last = &logits[5 * vocab];
+    for (int64_t v = 0; v < vocab; ++v) masked[v] = -INFINITY;
+    for (int64_t v = 0; v + 1 < vocab; ++v) masked_but_last[v] = -INFINITY;
+    logits[6 * vocab + vocab / 2] = NAN;
+    for (int64_t v = 0; v < vocab; ++v) logits[7 * vocab + v] = 0.01 * v;
+    const int64_t last = vocab_start + vocab - 1;
+    // In the shard, at its first and last column, in another shard, ignored (the masked row too).
+    target = {vocab_start + vocab / 3, vocab_start, last, 1, kIgnore, last, kIgnore, vocab_start + vocab / 2};
+  }
+};
+
+// Row lengths: one element, under a warp, not a multiple of the warp, a GPU
+// thread block and one past it, several elements per thread, past a CPU block.
+inline const std::vector<int64_t> kVocabSizes = {1, 31, 100, 256, 257, 3001};
+
+// check(Acc{}, type, size) for every element type and size, with the kernels' accumulator type.
+template <typename Check>
+void for_each_type_and_size(const std::vector<int64_t>& sizes, Check check) {
+  for (const int64_t size : sizes) {
+    for (const ElementType type : kAllTypes) {
+      if (type == ElementType::kFloat64) {
+        check(double{}, type, size);
+      } else {
+        check(float{}, type, size);
+      }
+    }
+  }
+}
+
+inline double row_max(const std::vector<double>& row) {
+  double m = -INFINITY;
+  for (double x : row) m = std::max(m, x);
+  return m;
+}
+
+// The exact sum of exp(x - max) over the row's finite values (NaN if one is NaN).
+inline double row_sumexp(const std::vector<double>& row) {
+  const double m = row_max(row);
+  double s = 0;
+  for (double x : row) {
+    if (std::isnan(x)) return NAN;
+    if (x != -INFINITY) s += std::exp(x - m);
+  }
+  return s;
+}
+
+// shard_stats over a Shard of `vocab` columns stored as `type`, its terms summed along path(vocab).
+template <typename Acc>
+void check_shard_stats(const kernels::CrossEntropyKernels& table, SumexpPath (*path)(int64_t), ElementType type,
+                       int64_t vocab) {
+  SCOPED_TRACE(std::string(type_name(type)) + ", vocab_local " + std::to_string(vocab));
+  const Shard shard(vocab);
+  const Elements logits(type, shard.logits);
+  const int64_t rows = Shard::kRows;
+  std::vector<Acc> stats(3 * rows, Acc(-7));
+  const kernels::ShardStatsArgs args{{type, rows, vocab, shard.vocab_start}, logits.data(), shard.target.data(),
+                                     stats.data()};
+  table.shard_stats(args, kernels::Launch{0, rows, nullptr});
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto row = logits.values(r * vocab, (r + 1) * vocab);
+    if (r != 6) {  // a NaN logit may or may not become the row's maximum, by the order of comparisons
+      EXPECT_EQ(stats[r], row_max(row)) << "max, row " << r;
+    }
+    EXPECT_TRUE(close(stats[rows + r], row_sumexp(row), sumexp_bound<Acc>(row, path(vocab)))) << "sumexp, row " << r;
+    const int64_t local = shard.target[r] - shard.vocab_start;
+    EXPECT_EQ(stats[2 * rows + r], local >= 0 && local < vocab ? row[local] : 0.0) << "target logit, row " << r;
+  }
+  EXPECT_EQ(stats[4], -INFINITY);  // fully masked: the sum is 0, the row's lse -inf
+  EXPECT_EQ(stats[rows + 4], 0);
+  EXPECT_EQ(stats[rows + 5], 1);  // one finite logit
+  EXPECT_TRUE(std::isnan(stats[rows + 6])) << "a NaN logit reaches the sum";
+
+  // A launch over rows [2, 5) writes those rows only.
+  std::vector<Acc> part(3 * rows, Acc(-7));
+  table.shard_stats({args.shard, args.logits, args.target, part.data()}, kernels::Launch{2, 5, nullptr});
+  for (int64_t s = 0; s < 3; ++s) {
+    for (int64_t r = 0; r < rows; ++r) {
+      if (r >= 2 && r < 5) {
+        EXPECT_TRUE(close(part[s * rows + r], stats[s * rows + r], 0)) << "stat " << s << ", row " << r;
+      } else {
+        EXPECT_EQ(part[s * rows + r], Acc(-7)) << "stat " << s << ", row " << r << " is outside the launch";
+      }
+    }
+  }
+}
+
+// shard_grad over a Shard stored as `type`, with the exact lse of its rows rounded to Acc.
+template <typename Acc>
+void check_shard_grad(const kernels::CrossEntropyKernels& table, ElementType type, int64_t vocab) {
+  SCOPED_TRACE(std::string(type_name(type)) + ", vocab_local " + std::to_string(vocab));
+  const Shard shard(vocab);
+  const int64_t rows = Shard::kRows;
+  const Elements logits(type, shard.logits);
+  std::vector<double> upstream_values(rows);
+  for (int64_t r = 0; r < rows; ++r) upstream_values[r] = 0.25 * (r + 1);
+  const Elements upstream(type, upstream_values);
+  std::vector<Acc> lse(rows);
+  for (int64_t r = 0; r < rows; ++r) {
+    const auto row = logits.values(r * vocab, (r + 1) * vocab);
+    lse[r] = static_cast<Acc>(row_max(row) + std::log(row_sumexp(row)));
+  }
+  const std::vector<double> zeros(logits.count(), 0.0);
+  Elements grad(type, zeros);
+  const kernels::VocabShard layout{type, rows, vocab, shard.vocab_start};
+  table.shard_grad({layout, upstream.data(), logits.data(), shard.target.data(), lse.data(), Shard::kIgnore,
+                    grad.data()},
+                   kernels::Launch{0, rows, nullptr});
+  for (int64_t r = 0; r < rows; ++r) {
+    const double g = upstream.get(r);
+    for (int64_t v = 0; v < vocab; ++v) {
+      const size_t i = r * vocab + v;
+      if (shard.target[r] == Shard::kIgnore) {
+        EXPECT_EQ(grad.get(i), 0.0) << "ignored row " << r << ", column " << v;
+        continue;
+      }
+      const double x = logits.get(i), onehot = shard.vocab_start + v == shard.target[r] ? 1.0 : 0.0;
+      const double expected = g * (std::exp(x - lse[r]) - onehot);
+      EXPECT_TRUE(close(grad.get(i), expected, grad_bound<Acc>(g, x, lse[r], onehot, type)))
+          << "row " << r << ", column " << v;
+    }
+  }
+  Elements in_place = logits;
+  table.shard_grad({layout, upstream.data(), in_place.data(), shard.target.data(), lse.data(), Shard::kIgnore,
+                    in_place.data()},
+                   kernels::Launch{0, rows, nullptr});
+  EXPECT_TRUE(in_place == grad) << "in place differs from out of place";
+}
+
+// Three partial results merged one after another into an empty accumulator
+// (lse -inf): `groups` groups of `rows` query rows of `dim` features, the
+// accumulator and the blocks with padding between groups, some block rows
+// without visible keys (lse -inf).
+template <typename Acc>
+void check_lse_merges(const kernels::AttentionKernels& table, ElementType block_type, int64_t dim) {
+  SCOPED_TRACE(std::string(type_name(block_type)) + ", dim " + std::to_string(dim));
+  constexpr int64_t groups = 3, rows = 4, padding = 5;
+  const int64_t out_stride = rows * dim + padding, lse_stride = rows + 1;
+  std::vector<Acc> out(groups * out_stride, Acc(0)), lse(groups * lse_stride, -INFINITY);
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t p = 0; p < padding; ++p) out[g * out_stride + rows * dim + p] = Acc(99);
+  }
+  MergeReference reference(groups * rows, dim);
+  for (unsigned block = 0; block < 3; ++block) {
+    const Elements block_out(block_type, normal_values(groups * out_stride, 1.0, 10 + block));
+    std::vector<Acc> block_lse(groups * lse_stride);
+    const std::vector<double> lse_values = normal_values(block_lse.size(), 2.0, 20 + block);
+    for (size_t i = 0; i < block_lse.size(); ++i) {
+      block_lse[i] = (i + block) % 3 == 0 ? -INFINITY : static_cast<Acc>(lse_values[i]);
+    }
+    const kernels::MergeLayout layout{block_type, groups, rows, dim, out_stride, lse_stride, out_stride, lse_stride};
+    table.lse_merge({layout, out.data(), lse.data(), block_out.data(), block_lse.data()},
+                    kernels::Launch{0, groups, nullptr});
+    for (int64_t g = 0; g < groups; ++g) {
+      for (int64_t i = 0; i < rows; ++i) {
+        const auto values = block_out.values(g * out_stride + i * dim, g * out_stride + (i + 1) * dim);
+        reference.merge<Acc>(g * rows + i, values.data(), block_lse[g * lse_stride + i]);
+      }
+    }
+  }
+  for (int64_t g = 0; g < groups; ++g) {
+    for (int64_t i = 0; i < rows; ++i) {
+      const int64_t r = g * rows + i;
+      EXPECT_TRUE(close(lse[g * lse_stride + i], reference.lse[r], reference.lse_error[r])) << "lse, row " << r;
+      for (int64_t d = 0; d < dim; ++d) {
+        EXPECT_TRUE(close(out[g * out_stride + i * dim + d], reference.out[r * dim + d],
+                          reference.out_error[r * dim + d]))
+            << "row " << r << ", feature " << d;
+      }
+    }
+    for (int64_t p = 0; p < padding; ++p) EXPECT_EQ(out[g * out_stride + rows * dim + p], Acc(99)) << "padding";
+    EXPECT_EQ(lse[g * lse_stride + rows], -INFINITY) << "lse padding";
+  }
+}
+
+}  // namespace tdx::test
