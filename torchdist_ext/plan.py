@@ -8,7 +8,8 @@ With any of --tp/--pp/--dp/--cp/--ep the layout is complete (unset axes are 1,
 dp takes the remaining GPUs) and the estimate and its findings are printed;
 without them the layout search prints its table. --json prints one JSON
 document instead; --plot writes the per-GPU memory of the layout(s) and, for a
-pipeline, the schedule's timeline.
+pipeline, the schedule's timeline. A bad argument ends the program with a
+one-line error (exit status 2).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import argparse
 import json
 import sys
 
+from torchdist_ext import _planner
 from torchdist_ext.planner import (
     GPU_PRESETS,
     MODEL_PRESETS,
@@ -32,30 +34,45 @@ from torchdist_ext.planner import (
 from torchdist_ext.planner.plot import plot_plan
 
 
+# The largest count the CLI takes: the planner's cluster bound (csrc/planner/specs.cpp).
+_MAX_COUNT = 1 << 24
+
+
+def _count(text: str) -> int:
+    """A positive integer up to _MAX_COUNT (argparse turns the ValueError into a one-line usage error)."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer, got {text!r}") from None
+    if not 1 <= value <= _MAX_COUNT:
+        raise argparse.ArgumentTypeError(f"must lie in [1, {_MAX_COUNT}], got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m torchdist_ext.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, choices=sorted(MODEL_PRESETS))
-    parser.add_argument("--gpus", type=int, required=True)
+    parser.add_argument("--gpus", type=_count, required=True)
     parser.add_argument("--gpu", default="h100-80gb", choices=sorted(GPU_PRESETS))
-    parser.add_argument("--seq", type=int, default=4096, help="sequence length (tokens)")
-    parser.add_argument("--global-batch", type=int, default=None, help="sequences per step (default: 4 x dp)")
+    parser.add_argument("--seq", type=_count, default=4096, help="sequence length (tokens)")
+    parser.add_argument("--global-batch", type=_count, default=None, help="sequences per step (default: 4 x dp)")
     for axis in ("tp", "pp", "dp", "cp", "ep"):
-        parser.add_argument(f"--{axis}", type=int, default=None)
+        parser.add_argument(f"--{axis}", type=_count, default=None)
     parser.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
-    parser.add_argument("--recompute", default="selective", choices=["none", "selective", "full"])
-    parser.add_argument("--micro-batch", type=int, default=1)
-    parser.add_argument("--schedule", default="1f1b", choices=["1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"])
-    parser.add_argument("--virtual-stages", type=int, default=1)
-    parser.add_argument("--precision", default="bf16-mixed", choices=["bf16-mixed", "fp8-mixed"])
-    parser.add_argument("--top", type=int, default=10, help="rows of the search table")
+    parser.add_argument("--recompute", default="selective", choices=_planner.OPTIONS["recompute"])
+    parser.add_argument("--micro-batch", type=_count, default=1)
+    parser.add_argument("--schedule", default="1f1b", choices=_planner.OPTIONS["schedule"])
+    parser.add_argument("--virtual-stages", type=_count, default=1)
+    parser.add_argument("--precision", default="bf16-mixed", choices=_planner.OPTIONS["precision"])
+    parser.add_argument("--top", type=_count, default=10, help="rows of the search table")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--plot", metavar="FILE.png", help="write the memory breakdown (and pipeline timeline)")
     return parser
 
 
 def _layout(args, gpus: int) -> Layout:
-    sizes = {axis: getattr(args, axis) or 1 for axis in ("tp", "pp", "cp", "ep")}
+    sizes = {axis: 1 if getattr(args, axis) is None else getattr(args, axis) for axis in ("tp", "pp", "cp", "ep")}
     others = sizes["tp"] * sizes["pp"] * sizes["cp"] * sizes["ep"]
     dp = args.dp if args.dp is not None else max(1, gpus // others)
     global_batch = args.global_batch or 4 * dp * sizes["ep"] * args.micro_batch
@@ -84,20 +101,21 @@ def _gib(value: float) -> str:
 
 
 def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
-    print(f"{model.name}: {model.num_params / 1e9:.1f}B parameters ({model.num_active_params / 1e9:.1f}B active); "
+    count = model.count_params()
+    print(f"{model.name}: {count.total / 1e9:.1f}B parameters ({count.active / 1e9:.1f}B active); "
           f"layout {_describe(layout)} on {layout.num_gpus} GPUs")
     print("memory per GPU (fullest stage):")
-    for part in ("params", "grads", "optimizer", "activations", "buffers", "total"):
-        print(f"  {part:<12} {_gib(e.memory[part])}")
+    for part in ("params", "grads", "optimizer", "activations", "buffers", "total_memory"):
+        print(f"  {part:<12} {_gib(getattr(e, part))}")
     print(f"  {'GPU':<12} {_gib(e.gpu_memory)}   {'fits' if e.fits else 'DOES NOT FIT'}")
-    print(f"step: {e.tokens_per_step:,.0f} tokens, {e.flops_per_step:.3e} model FLOPs; compute "
+    print(f"step: {e.tokens_per_step:,.0f} tokens, {e.model_flops_per_step:.3e} model FLOPs; compute "
           f"{e.compute_seconds:.3f} s, bubble {100 * e.bubble:.1f}%, step {e.step_seconds:.3f} s, "
           f"MFU {100 * e.mfu:.1f}%, {e.tokens_per_second:,.0f} tokens/s")
     if e.comm:
         print("communication per GPU per step:")
         for axis, c in e.comm.items():
-            print(f"  {axis:<3} {c['bytes'] / 2**30:9.2f} GiB  {c['seconds']:8.3f} s  "
-                  f"exposed {c['exposed_seconds']:8.3f} s  {c['placement']}")
+            print(f"  {axis:<3} {c.bytes / 2**30:9.2f} GiB  {c.seconds:8.3f} s  "
+                  f"exposed {c.exposed_seconds:8.3f} s  {'intra-domain' if c.intra_domain else 'inter-node'}")
     print("findings:" if findings else "findings: none")
     for f in findings:
         print(f"  {f}")
@@ -120,7 +138,10 @@ def _lint_main(argv: list[str]) -> int:
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
-    findings = [f for path in args.paths for f in lint(path)]
+    try:
+        findings = [f for path in args.paths for f in lint(path)]
+    except ValueError as error:
+        parser.error(str(error))
     if args.json:
         print(json.dumps([f.__dict__ for f in findings], indent=2))
     else:
@@ -134,7 +155,15 @@ def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "lint":
         return _lint_main(argv[1:])
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        return _plan(args)
+    except ValueError as error:  # a layout the planner refuses: one line, as argparse reports its own
+        parser.error(str(error))
+
+
+def _plan(args) -> int:
     model = ModelSpec.preset(args.model)
     cluster = ClusterSpec.preset(args.gpu, args.gpus)
     if any(getattr(args, axis) is not None for axis in ("tp", "pp", "dp", "cp", "ep")):
@@ -160,7 +189,7 @@ def main(argv: list[str] | None = None) -> int:
               f"{len(results)} fastest feasible layouts")
         print(f"{'#':>3} {'layout':<58} {'memory':>11} {'step s':>8} {'MFU':>6} {'tokens/s':>12}")
         for rank, (layout, e) in enumerate(results, 1):
-            print(f"{rank:>3} {_describe(layout):<58} {_gib(e.memory['total'])} {e.step_seconds:8.3f} "
+            print(f"{rank:>3} {_describe(layout):<58} {_gib(e.total_memory)} {e.step_seconds:8.3f} "
                   f"{100 * e.mfu:5.1f}% {e.tokens_per_second:12,.0f}")
         if not results:
             print("no layout fits: more GPUs, a longer pipeline or full recomputation may")

@@ -1,5 +1,6 @@
 // torchdist_ext._planner: the torch-free cost model, bound with pybind11.
-// std::invalid_argument becomes ValueError.
+// std::invalid_argument becomes ValueError. Options (planner/options.h) cross
+// as their names: OPTIONS maps each option's field to its allowed names.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -14,8 +15,29 @@
 namespace py = pybind11;
 using namespace tdx::planner;
 
+namespace {
+
+// A Layout field holding an option, read and written as its name.
+template <typename Option>
+void def_option(py::class_<Layout>& layout, const char* field, Option Layout::*member) {
+  layout.def_property(
+      field, [member](const Layout& l) { return std::string(option_name(l.*member)); },
+      [member, field](Layout& l, const std::string& name) {
+        l.*member = parse_option<Option>(name, std::string("Layout.") + field);
+      });
+}
+
+}  // namespace
+
 PYBIND11_MODULE(_planner, m) {
   m.doc() = "torchdist_ext's cost model (torch-free C++); use torchdist_ext.planner";
+
+  py::dict options;
+  options[OptionTable<Recompute>::kField] = option_names<Recompute>();
+  options[OptionTable<Schedule>::kField] = option_names<Schedule>();
+  options[OptionTable<Precision>::kField] = option_names<Precision>();
+  options[OptionTable<Fp8GradFormat>::kField] = option_names<Fp8GradFormat>();
+  m.attr("OPTIONS") = options;
 
   py::class_<ModelSpec>(m, "ModelSpec")
       .def(py::init<>())
@@ -31,7 +53,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("moe_ffn_hidden", &ModelSpec::moe_ffn_hidden)
       .def_readwrite("num_dense_layers", &ModelSpec::num_dense_layers)
       .def_readwrite("num_shared_experts", &ModelSpec::num_shared_experts)
-      .def_readwrite("num_params_override", &ModelSpec::num_params_override)
+      .def_readwrite("num_params", &ModelSpec::num_params)
       .def("validate", &ModelSpec::validate);
 
   py::class_<ParamCount>(m, "ParamCount")
@@ -57,8 +79,8 @@ PYBIND11_MODULE(_planner, m) {
       .def("num_gpus", &ClusterSpec::num_gpus)
       .def("validate", &ClusterSpec::validate);
 
-  py::class_<Layout>(m, "Layout")
-      .def(py::init<>())
+  py::class_<Layout> layout(m, "Layout");
+  layout.def(py::init<>())
       .def_readwrite("tp", &Layout::tp)
       .def_readwrite("pp", &Layout::pp)
       .def_readwrite("dp", &Layout::dp)
@@ -66,30 +88,42 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("ep", &Layout::ep)
       .def_readwrite("zero_stage", &Layout::zero_stage)
       .def_readwrite("sequence_parallel", &Layout::sequence_parallel)
-      .def_readwrite("recompute", &Layout::recompute)
       .def_readwrite("micro_batch", &Layout::micro_batch)
       .def_readwrite("num_microbatches", &Layout::num_microbatches)
-      .def_readwrite("schedule", &Layout::schedule)
       .def_readwrite("virtual_stages", &Layout::virtual_stages)
       .def_readwrite("seq_len", &Layout::seq_len)
-      .def_readwrite("precision", &Layout::precision)
       .def_readwrite("fp8_amax_history", &Layout::fp8_amax_history)
-      .def_readwrite("fp8_grad_format", &Layout::fp8_grad_format)
       .def_readwrite("fp8_attention", &Layout::fp8_attention)
       .def("validate", &Layout::validate);
+  def_option(layout, "recompute", &Layout::recompute);
+  def_option(layout, "schedule", &Layout::schedule);
+  def_option(layout, "precision", &Layout::precision);
+  def_option(layout, "fp8_grad_format", &Layout::fp8_grad_format);
 
   py::class_<ModelStateBytes>(m, "ModelStateBytes")
       .def_readonly("params", &ModelStateBytes::params)
       .def_readonly("grads", &ModelStateBytes::grads)
       .def_readonly("optimizer", &ModelStateBytes::optimizer)
       .def("total", &ModelStateBytes::total);
-  m.def("model_state_bytes", &model_state_bytes, py::arg("num_params"), py::arg("zero_stage"), py::arg("dp"),
-        py::arg("precision"));
-  m.def("activation_bytes_per_layer", &activation_bytes_per_layer, py::arg("seq_len"), py::arg("micro_batch"),
-        py::arg("hidden"), py::arg("num_heads"), py::arg("tp"), py::arg("sequence_parallel"), py::arg("recompute"));
-  m.def("in_flight_microbatches", &in_flight_microbatches);
-  m.def("bubble_fraction", &bubble_fraction, py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"),
-        py::arg("virtual_stages"));
+  m.def(
+      "model_state_bytes",
+      [](double num_params, int zero_stage, long dp, const std::string& precision) {
+        return model_state_bytes(num_params, zero_stage, dp, parse_option<Precision>(precision));
+      },
+      py::arg("num_params"), py::arg("zero_stage"), py::arg("dp"), py::arg("precision"));
+  m.def(
+      "activation_bytes_per_layer",
+      [](double s, double b, double h, double a, long tp, bool sequence_parallel, const std::string& recompute) {
+        return activation_bytes_per_layer(s, b, h, a, tp, sequence_parallel, parse_option<Recompute>(recompute));
+      },
+      py::arg("seq_len"), py::arg("micro_batch"), py::arg("hidden"), py::arg("num_heads"), py::arg("tp"),
+      py::arg("sequence_parallel"), py::arg("recompute"));
+  m.def(
+      "bubble_fraction",
+      [](long pp, long m, const std::string& schedule, long v) {
+        return bubble_fraction(pp, m, parse_option<Schedule>(schedule), v);
+      },
+      py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages"));
 
   py::class_<ScheduledPass>(m, "ScheduledPass")
       .def_readonly("stage", &ScheduledPass::stage)
@@ -98,14 +132,17 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("start", &ScheduledPass::start)
       .def_readonly("end", &ScheduledPass::end)
       .def_readonly("chunk", &ScheduledPass::chunk);
-  m.def("simulate_schedule", &simulate_schedule, py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"),
-        py::arg("virtual_stages") = 1);
-  m.def("idle_fraction", &idle_fraction);
+  m.def(
+      "simulate_schedule",
+      [](long pp, long m, const std::string& schedule, long v) {
+        return simulate_schedule(pp, m, parse_option<Schedule>(schedule), v);
+      },
+      py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages") = 1);
 
   py::class_<AxisComm>(m, "AxisComm")
       .def_readonly("bytes", &AxisComm::bytes)
       .def_readonly("seconds", &AxisComm::seconds)
-      .def_readonly("exposed", &AxisComm::exposed)
+      .def_readonly("exposed_seconds", &AxisComm::exposed_seconds)
       .def_readonly("intra_domain", &AxisComm::intra_domain);
   py::class_<Estimate>(m, "Estimate")
       .def_readonly("params", &Estimate::params)
@@ -126,7 +163,6 @@ PYBIND11_MODULE(_planner, m) {
       .def("fits", &Estimate::fits)
       .def("tokens_per_second", &Estimate::tokens_per_second);
   m.def("estimate", &estimate);
-  m.def("axis_intra_domain", &axis_intra_domain);
   m.def("training_flops", &training_flops);
   m.def("gpu_hours", &gpu_hours);
 

@@ -18,6 +18,7 @@ std::string format(const char* pattern, double a, double b = 0, double c = 0) {
 
 // The GPU types in any group of `axis` (ranks `stride` apart, `size` of them, in every position).
 bool axis_mixes_gpu_types(const Layout& l, const ClusterSpec& cluster, const std::string& axis, int64_t size) {
+  if (cluster.one_gpu_type()) return false;
   const int64_t stride = l.stride(axis);
   for (int64_t rank = 0; rank < l.world_size(); ++rank) {
     if ((rank / stride) % size != 0) continue;  // not the first rank of its group
@@ -56,7 +57,7 @@ std::vector<Finding> check(const ModelSpec& model, const ClusterSpec& cluster, c
                           "mix types only across data-parallel replicas."});
     }
   }
-  if (l.precision == "fp8-mixed") {
+  if (l.precision == Precision::kFp8Mixed) {
     if (l.fp8_amax_history < 16) {
       findings.push_back({"TDX007", "warning",
                           format("fp8 amax history of %g steps: one outlier step sets the scale of the next "
@@ -64,7 +65,7 @@ std::vector<Finding> check(const ModelSpec& model, const ClusterSpec& cluster, c
                                  ">= 16, e.g. 1024) with the max of it.",
                                  l.fp8_amax_history)});
     }
-    if (l.fp8_grad_format == "e4m3") {
+    if (l.fp8_grad_format == Fp8GradFormat::kE4M3) {
       findings.push_back({"TDX007", "warning",
                           "gradients in E4M3 (range 448): small gradients underflow and large ones clip. "
                           "Use E5M2 for gradients (the HYBRID format: E4M3 forward, E5M2 backward)."});

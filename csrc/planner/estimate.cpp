@@ -106,12 +106,12 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   const double attention_flops = 6 * layers * s * h * e.tokens_per_step;
   e.model_flops_per_step = gemm_flops + attention_flops;
   double recompute_gemm = 0, recompute_attention = 0;
-  if (l.recompute == "selective") recompute_attention = attention_flops / 3;
-  if (l.recompute == "full") {
+  if (l.recompute == Recompute::kSelective) recompute_attention = attention_flops / 3;
+  if (l.recompute == Recompute::kFull) {
     recompute_gemm = gemm_flops / 3;
     recompute_attention = attention_flops / 3;
   }
-  const double gemm_speed = l.precision == "fp8-mixed" ? kFp8GemmSpeedup : 1.0;
+  const double gemm_speed = l.precision == Precision::kFp8Mixed ? kFp8GemmSpeedup : 1.0;
   const double gpus = static_cast<double>(l.world_size());
   const double rate = cluster.min_bf16_flops() * kKernelEfficiency;
   const double attention_seconds = (attention_flops + recompute_attention) / gpus / rate;
@@ -125,14 +125,14 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     comm.intra_domain = axis_intra_domain(l, cluster, axis);
     comm.bytes = bytes;
     comm.seconds = bytes / link_bandwidth(cluster, comm.intra_domain);
-    comm.exposed = std::max(0.0, comm.seconds - hidden_behind);
+    comm.exposed_seconds = std::max(0.0, comm.seconds - hidden_behind);
     e.comm[axis] = comm;
   };
   const double activation = b * s_local * h * 2;  // one micro-batch's [b, s/cp, h] in bf16
   if (l.tp > 1) {
     // Megatron: 2 all-reduces (or all-gather + reduce-scatter with SP) forward and 2 backward per
     // layer, 2 more with full recomputation. On the critical path: not hidden.
-    const double per_layer_collectives = l.recompute == "full" ? 6 : 4;
+    const double per_layer_collectives = l.recompute == Recompute::kFull ? 6 : 4;
     add("tp", m * layers_per_stage * per_layer_collectives * 2 * (t - 1) / t * activation, 0.0);
   }
   if (l.cp > 1) {
@@ -168,7 +168,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     add("pp", m * static_cast<double>(l.virtual_stages) * 2 * boundary, 0.0);
   }
   double exposed = 0;
-  for (const auto& [axis, comm] : e.comm) exposed += comm.exposed;
+  for (const auto& [axis, comm] : e.comm) exposed += comm.exposed_seconds;
   e.step_seconds = e.compute_seconds / (1.0 - e.bubble) + exposed;
   e.mfu = e.model_flops_per_step / (e.step_seconds * gpus * cluster.min_bf16_flops());
   return e;

@@ -12,7 +12,7 @@ namespace tdx::planner {
 struct AxisComm {
   double bytes = 0;        // sent per GPU per step
   double seconds = 0;      // at the axis's link bandwidth
-  double exposed = 0;      // part not hidden behind compute
+  double exposed_seconds = 0;  // the part not hidden behind compute
   bool intra_domain = true;
 };
 

@@ -1,7 +1,7 @@
 #pragma once
 // Per-GPU memory: model states (ZeRO) and activations (Korthikanti et al. 2022).
 
-#include <string>
+#include "planner/options.h"
 
 namespace tdx::planner {
 
@@ -15,7 +15,7 @@ struct ModelStateBytes {
   double params = 0, grads = 0, optimizer = 0;
   double total() const { return params + grads + optimizer; }
 };
-ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, const std::string& precision);
+ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Precision precision);
 
 // Bytes of activations one transformer layer stores for the backward, per
 // micro-batch, with 16-bit activations (Korthikanti et al. 2022, Table 2;
@@ -25,12 +25,12 @@ ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, co
 //   full       only the layer input: 2sbh, or 2sbh/t with SP
 // The 34 counts dropout masks; with flash attention the score term is never stored.
 double activation_bytes_per_layer(double seq_len, double micro_batch, double hidden, double num_heads, long tp,
-                                  bool sequence_parallel, const std::string& recompute);
+                                  bool sequence_parallel, Recompute recompute);
 
 // Micro-batches whose activations a pipeline stage holds at its peak.
 //   gpipe: all m;  1f1b, zb-h1, zb-v: min(p, m) (the first stage warms up p; the zero-bubble
 //   schedules also keep the inputs of deferred weight-gradient passes, which this ignores);
 //   interleaved with v virtual stages: min(m, p) * (1 + (p - 1) / (p v)) (Narayanan et al. 2021).
-double in_flight_microbatches(long pp, long num_microbatches, const std::string& schedule, long virtual_stages);
+double in_flight_microbatches(long pp, long num_microbatches, Schedule schedule, long virtual_stages);
 
 }  // namespace tdx::planner

@@ -7,17 +7,19 @@
 
 namespace tdx::planner {
 
-double bubble_fraction(long p, long m, const std::string& schedule, long v) {
+double bubble_fraction(long p, long m, Schedule schedule, long v) {
   if (p < 1 || m < 1 || v < 1) throw std::invalid_argument("pp, num_microbatches and virtual_stages must be >= 1");
   const double stages = static_cast<double>(p), micro = static_cast<double>(m);
-  if (schedule == "gpipe" || schedule == "1f1b") return (stages - 1) / (micro + stages - 1);
-  if (schedule == "interleaved") return (stages - 1) / (static_cast<double>(v) * micro + stages - 1);
-  if ((schedule == "zb-h1" || schedule == "zb-v") && m < p) {
-    return idle_fraction(simulate_schedule(p, m, schedule), p);  // too few micro-batches for the closed form
+  switch (schedule) {
+    case Schedule::kGPipe:
+    case Schedule::k1F1B: return (stages - 1) / (micro + stages - 1);
+    case Schedule::kInterleaved: return (stages - 1) / (static_cast<double>(v) * micro + stages - 1);
+    case Schedule::kZbH1:
+    case Schedule::kZbV:
+      if (m < p) return idle_fraction(simulate_schedule(p, m, schedule), p);  // too few for the closed form
+      return (stages - 1) / ((schedule == Schedule::kZbH1 ? 3 : 6) * micro + stages - 1);
   }
-  if (schedule == "zb-h1") return (stages - 1) / (3 * micro + stages - 1);
-  if (schedule == "zb-v") return (stages - 1) / (6 * micro + stages - 1);
-  throw std::invalid_argument("schedule must be one of 1f1b, gpipe, interleaved, zb-h1, zb-v, got '" + schedule + "'");
+  throw std::invalid_argument("bubble_fraction: unknown schedule");
 }
 
 namespace {
@@ -158,15 +160,11 @@ std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
 
 }  // namespace
 
-std::vector<ScheduledPass> simulate_schedule(long p, long m, const std::string& schedule, long v) {
+std::vector<ScheduledPass> simulate_schedule(long p, long m, Schedule schedule, long v) {
   if (p < 1 || m < 1 || v < 1) throw std::invalid_argument("pp, num_microbatches and virtual_stages must be >= 1");
-  if (schedule == "interleaved") return simulate_interleaved(p, m, v);
-  if (schedule == "zb-v") return simulate_zb_v(p, m);
-  const bool gpipe = schedule == "gpipe", split = schedule == "zb-h1";
-  if (!gpipe && !split && schedule != "1f1b") {
-    throw std::invalid_argument("simulate_schedule supports gpipe, 1f1b, zb-h1, zb-v and interleaved, got '" +
-                                schedule + "'");
-  }
+  if (schedule == Schedule::kInterleaved) return simulate_interleaved(p, m, v);
+  if (schedule == Schedule::kZbV) return simulate_zb_v(p, m);
+  const bool gpipe = schedule == Schedule::kGPipe, split = schedule == Schedule::kZbH1;
   // Every stage, whenever it is free at an integer time, starts the first ready pass by priority:
   //   gpipe  F, then B (all forwards first);
   //   1f1b   B, then F while fewer than p - s micro-batches are forwarded but not backwarded;

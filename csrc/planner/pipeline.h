@@ -2,8 +2,9 @@
 // Pipeline schedules: the idle ("bubble") fraction of a step, and a simulated
 // timeline of one step for plotting and for checking the closed forms.
 
-#include <string>
 #include <vector>
+
+#include "planner/options.h"
 
 namespace tdx::planner {
 
@@ -19,7 +20,7 @@ namespace tdx::planner {
 //                                                    drains, and our simulation of their schedule (pipeline.cpp)
 //                                                    reaches exactly this.
 // With m < p the zero-bubble schedules have no closed form here: the value is the simulated one.
-double bubble_fraction(long pp, long num_microbatches, const std::string& schedule, long virtual_stages);
+double bubble_fraction(long pp, long num_microbatches, Schedule schedule, long virtual_stages);
 
 // One pass of one micro-batch on one stage: 'F' forward, 'B' backward (input
 // gradient, and also the weight gradient in gpipe / 1f1b), 'W' weight gradient.
@@ -40,7 +41,7 @@ struct ScheduledPass {
 // includes W; a chunk of an interleaved stage costs 1/v of it, a ZB-V chunk
 // 1/2). Supported: gpipe, 1f1b, zb-h1, zb-v, interleaved (num_microbatches
 // divisible by pp); the simulated idle fraction equals bubble_fraction (tested).
-std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, const std::string& schedule,
+std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, Schedule schedule,
                                              long virtual_stages = 1);
 
 // Idle fraction of a simulated timeline: 1 - busy time / (stages x makespan).

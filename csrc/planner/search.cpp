@@ -8,18 +8,30 @@
 namespace tdx::planner {
 namespace {
 
+// Divisors of n in increasing order, found up to sqrt(n).
 std::vector<long> divisors(long n) {
-  std::vector<long> out;
-  for (long d = 1; d <= n; ++d) {
-    if (n % d == 0) out.push_back(d);
+  std::vector<long> small, large;
+  for (long d = 1; d <= n / d; ++d) {
+    if (n % d) continue;
+    small.push_back(d);
+    if (d != n / d) large.push_back(n / d);
   }
+  small.insert(small.end(), large.rbegin(), large.rend());
+  return small;
+}
+
+// Powers of two up to `limit` that divide n.
+std::vector<long> power_of_two_divisors(long n, long limit) {
+  std::vector<long> out;
+  for (long d = 1; d <= limit && n % d == 0; d *= 2) out.push_back(d);
   return out;
 }
 
-bool is_power_of_two(long n) { return n > 0 && (n & (n - 1)) == 0; }
-
 }  // namespace
 
+// The candidates per axis depend on the model and the NVLink domain, not on the cluster's
+// size, so the search is bounded: tp a power of two within a domain, pp a divisor of the
+// layers, cp a power of two up to 16, ep a divisor of the experts; dp takes the rest.
 std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const ClusterSpec& cluster, long seq_len,
                                                 long global_batch, long top) {
   model.validate();
@@ -29,20 +41,20 @@ std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const Cl
   if (top < 1) throw std::invalid_argument("top must be positive");
   const long gpus = cluster.num_gpus();
   std::vector<std::pair<Layout, Estimate>> feasible;
-  for (long tp : divisors(gpus)) {
-    if (!is_power_of_two(tp) || tp > cluster.gpus_per_domain || model.num_heads % tp) continue;
-    for (long pp : divisors(gpus / tp)) {
-      if (model.num_layers % pp) continue;  // the search keeps stages even
-      for (long cp : divisors(gpus / tp / pp)) {
-        if (!is_power_of_two(cp) || cp > 16 || seq_len % (cp * tp)) continue;
-        for (long ep : divisors(gpus / tp / pp / cp)) {
-          if (model.num_experts % ep) continue;
+  for (long tp : power_of_two_divisors(gpus, cluster.gpus_per_domain)) {
+    if (model.num_heads % tp) continue;
+    for (long pp : divisors(model.num_layers)) {  // the search keeps stages even
+      if ((gpus / tp) % pp) continue;
+      for (long cp : power_of_two_divisors(gpus / tp / pp, 16)) {
+        if (seq_len % (cp * tp)) continue;
+        for (long ep : divisors(model.num_experts)) {
+          if ((gpus / tp / pp / cp) % ep) continue;
           const long dp = gpus / tp / pp / cp / ep;
           for (long micro_batch : {1L, 2L, 4L}) {
             if (global_batch % (dp * ep * micro_batch)) continue;
             const long microbatches = global_batch / (dp * ep * micro_batch);
             for (int zero : {1, 3}) {
-              for (const char* recompute : {"none", "selective", "full"}) {
+              for (const auto& [recompute, recompute_name] : OptionTable<Recompute>::kNames) {
                 for (long virtual_stages : {1L, 2L}) {
                   if (virtual_stages == 2 && (pp == 1 || model.num_layers % (pp * 2))) continue;
                   Layout l;
@@ -52,7 +64,7 @@ std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const Cl
                   l.recompute = recompute;
                   l.micro_batch = micro_batch;
                   l.num_microbatches = microbatches;
-                  l.schedule = virtual_stages == 2 ? "interleaved" : "1f1b";
+                  l.schedule = virtual_stages == 2 ? Schedule::kInterleaved : Schedule::k1F1B;
                   l.virtual_stages = virtual_stages;
                   l.seq_len = seq_len;
                   const Estimate e = estimate(model, cluster, l);

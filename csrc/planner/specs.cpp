@@ -20,15 +20,6 @@ void require_positive(const char* field, double value) {
   if (!(value > 0)) invalid(std::string(field) + " must be positive, got " + str(value));
 }
 
-void require_one_of(const char* field, const std::string& value, std::initializer_list<const char*> allowed) {
-  for (const char* option : allowed) {
-    if (value == option) return;
-  }
-  std::string options;
-  for (const char* option : allowed) options += std::string(options.empty() ? "" : ", ") + option;
-  invalid(std::string(field) + " must be one of " + options + ", got '" + value + "'");
-}
-
 }  // namespace
 
 void ModelSpec::validate() const {
@@ -56,7 +47,7 @@ void ModelSpec::validate() const {
             str(num_layers) + "]");
   }
   if (num_shared_experts < 0) invalid("ModelSpec.num_shared_experts must be >= 0, got " + str(num_shared_experts));
-  if (num_params_override < 0) invalid("ModelSpec.num_params must be positive, got " + str(num_params_override));
+  if (num_params < 0) invalid("ModelSpec.num_params must be positive (or 0: counted), got " + str(num_params));
 }
 
 ParamCount count_params(const ModelSpec& m) {
@@ -77,8 +68,8 @@ ParamCount count_params(const ModelSpec& m) {
   count.total = m.num_layers * count.per_layer_dense + dense_layers * dense_mlp + count.expert + shared +
                 count.embedding;
   count.active = count.total - count.expert + moe_layers * m.experts_per_token * expert_mlp;
-  if (m.num_params_override > 0) {
-    const double scale = m.num_params_override / count.total;
+  if (m.num_params > 0) {
+    const double scale = m.num_params / count.total;
     count.total *= scale;
     count.active *= scale;
     count.expert *= scale;
@@ -119,11 +110,11 @@ double ClusterSpec::min_bf16_flops() const {
   return least;
 }
 
-bool ClusterSpec::mixed() const {
+bool ClusterSpec::one_gpu_type() const {
   for (const auto& group : groups) {
-    if (group.first.name != groups.at(0).first.name) return true;
+    if (group.first.name != groups.at(0).first.name) return false;
   }
-  return false;
+  return true;
 }
 
 void ClusterSpec::validate() const {
@@ -133,6 +124,11 @@ void ClusterSpec::validate() const {
     require_positive("ClusterSpec GPU count", group.second);
   }
   require_positive("ClusterSpec.gpus_per_domain", gpus_per_domain);
+  // The checks walk a mixed cluster's ranks; no cluster built comes near this.
+  constexpr int64_t kMaxGpus = int64_t{1} << 24;
+  if (num_gpus() > kMaxGpus) {
+    invalid("ClusterSpec has " + str(num_gpus()) + " GPUs; the planner models at most " + str(kMaxGpus));
+  }
 }
 
 int64_t Layout::stride(const std::string& axis) const {
@@ -157,12 +153,9 @@ void Layout::validate() const {
   require_positive("Layout.seq_len", seq_len);
   require_positive("Layout.fp8_amax_history", fp8_amax_history);
   if (zero_stage < 0 || zero_stage > 3) invalid("Layout.zero_stage must be 0, 1, 2 or 3, got " + str(zero_stage));
-  require_one_of("Layout.recompute", recompute, {"none", "selective", "full"});
-  require_one_of("Layout.schedule", schedule, {"1f1b", "gpipe", "interleaved", "zb-h1", "zb-v"});
-  require_one_of("Layout.precision", precision, {"bf16-mixed", "fp8-mixed"});
-  require_one_of("Layout.fp8_grad_format", fp8_grad_format, {"e5m2", "e4m3"});
-  if (schedule != "interleaved" && virtual_stages != 1) {
-    invalid("Layout.virtual_stages=" + str(virtual_stages) + " needs schedule='interleaved', got '" + schedule + "'");
+  if (schedule != Schedule::kInterleaved && virtual_stages != 1) {
+    invalid("Layout.virtual_stages=" + str(virtual_stages) + " needs schedule='interleaved', got '" +
+            option_name(schedule) + "'");
   }
 }
 

@@ -9,6 +9,8 @@
 #include <utility>
 #include <vector>
 
+#include "planner/options.h"
+
 namespace tdx::planner {
 
 // A decoder-only transformer (Llama family; MoE optional).
@@ -25,7 +27,8 @@ struct ModelSpec {
   int64_t moe_ffn_hidden = 0;     // expert SwiGLU width
   int64_t num_dense_layers = 0;   // leading layers with a dense MLP in an MoE model (DeepSeek-V3: 3)
   int64_t num_shared_experts = 0; // experts every token uses, besides the routed top-k
-  double num_params_override = 0; // published total, when the architecture is outside this formula
+  double num_params = 0;          // the published total, when the architecture is outside count_params'
+                                  // formula (0: counted from the shapes)
 
   int64_t head_dim() const { return hidden / num_heads; }
   bool is_moe() const { return num_experts > 1; }
@@ -62,7 +65,7 @@ struct ClusterSpec {
   const GpuSpec& gpu_of_rank(int64_t rank) const;
   double min_memory_bytes() const;
   double min_bf16_flops() const;
-  bool mixed() const;
+  bool one_gpu_type() const;
   void validate() const;
 };
 
@@ -75,17 +78,17 @@ struct Layout {
   int64_t tp = 1, pp = 1, dp = 1, cp = 1, ep = 1;
   int zero_stage = 0;
   bool sequence_parallel = false;
-  std::string recompute = "none";  // none | selective | full
+  Recompute recompute = Recompute::kNone;
   int64_t micro_batch = 1;
   int64_t num_microbatches = 1;
-  std::string schedule = "1f1b";   // 1f1b | gpipe | interleaved | zb-h1 | zb-v
+  Schedule schedule = Schedule::k1F1B;
   int64_t virtual_stages = 1;
   int64_t seq_len = 4096;
-  std::string precision = "bf16-mixed";  // bf16-mixed | fp8-mixed
-  // fp8 recipe (with precision == "fp8-mixed")
+  Precision precision = Precision::kBf16Mixed;
+  // fp8 recipe (with precision == kFp8Mixed)
   int64_t fp8_amax_history = 1024;
-  std::string fp8_grad_format = "e5m2";  // e5m2 | e4m3
-  bool fp8_attention = false;            // fp8 around softmax (attention GEMMs in fp8)
+  Fp8GradFormat fp8_grad_format = Fp8GradFormat::kE5M2;
+  bool fp8_attention = false;  // fp8 around softmax (attention GEMMs in fp8)
 
   int64_t world_size() const { return tp * pp * dp * cp * ep; }
   int64_t sequences_per_step() const { return micro_batch * num_microbatches * dp * ep; }

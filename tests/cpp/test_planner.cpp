@@ -38,60 +38,65 @@ ClusterSpec cluster_of(GpuSpec gpu, int64_t count) {
 
 TEST(ModelStates, SixteenBytesPerParameterWithMixedPrecisionAdam) {
   // 2 (bf16 params) + 2 (bf16 grads) + 4 + 4 + 4 (fp32 master, Adam m, Adam v) = 16 bytes.
-  EXPECT_DOUBLE_EQ(model_state_bytes(70e9, 0, 1, "bf16-mixed").total(), 70e9 * 16);  // 1.12 TB, as in the notes
-  EXPECT_DOUBLE_EQ(model_state_bytes(13e9, 0, 1, "bf16-mixed").total(), 208e9);
+  EXPECT_DOUBLE_EQ(model_state_bytes(70e9, 0, 1, Precision::kBf16Mixed).total(), 70e9 * 16);  // 1.12 TB, as in the notes
+  EXPECT_DOUBLE_EQ(model_state_bytes(13e9, 0, 1, Precision::kBf16Mixed).total(), 208e9);
   // ZeRO-3 over 32 ranks: 1.12 TB / 32 = 35 GB per GPU.
-  EXPECT_DOUBLE_EQ(model_state_bytes(70e9, 3, 32, "bf16-mixed").total(), 35e9);
+  EXPECT_DOUBLE_EQ(model_state_bytes(70e9, 3, 32, Precision::kBf16Mixed).total(), 35e9);
 }
 
 TEST(ModelStates, ZeroStagesReduceByFourEightAndDp) {
   // Rajbhandari et al. 2019: stage 1 -> 4x, stage 2 -> 8x, stage 3 -> Nd x as Nd grows.
   // (The reference notes say "ZeRO-1 up to 8x": that is stage 2's figure.)
   const double dp = 1024, full = 16;
-  EXPECT_NEAR(full / (model_state_bytes(1, 1, dp, "bf16-mixed").total()), 4.0, 0.05);  // 16 / (4 + 12/Nd)
-  EXPECT_NEAR(full / (model_state_bytes(1, 2, dp, "bf16-mixed").total()), 8.0, 0.1);   // 16 / (2 + 14/Nd)
-  EXPECT_DOUBLE_EQ(full / (model_state_bytes(1, 3, 64, "bf16-mixed").total()), 64.0);
-  EXPECT_DOUBLE_EQ(model_state_bytes(1, 0, 1, "fp8-mixed").total(), 17.0);
-  EXPECT_THROW(model_state_bytes(1, 4, 1, "bf16-mixed"), std::invalid_argument);
-  EXPECT_THROW(model_state_bytes(1, 0, 1, "fp16"), std::invalid_argument);
+  EXPECT_NEAR(full / (model_state_bytes(1, 1, dp, Precision::kBf16Mixed).total()), 4.0, 0.05);  // 16 / (4 + 12/Nd)
+  EXPECT_NEAR(full / (model_state_bytes(1, 2, dp, Precision::kBf16Mixed).total()), 8.0, 0.1);   // 16 / (2 + 14/Nd)
+  EXPECT_DOUBLE_EQ(full / (model_state_bytes(1, 3, 64, Precision::kBf16Mixed).total()), 64.0);
+  EXPECT_DOUBLE_EQ(model_state_bytes(1, 0, 1, Precision::kFp8Mixed).total(), 17.0);
+  EXPECT_THROW(model_state_bytes(1, 4, 1, Precision::kBf16Mixed), std::invalid_argument);
+  EXPECT_THROW(parse_option<Precision>("fp16"), std::invalid_argument);
 }
 
 TEST(Activations, KorthikantiTable2) {
   // Llama-3 70B shapes: s = 4096, b = 1, h = 8192, a = 64; sbh = 33,554,432.
   const double sbh = 4096.0 * 8192.0;
   // No parallelism: sbh (34 + 5 a s / h) = sbh (34 + 160) = 6.51e9 bytes; x 80 layers = 520.8 GB (the notes' figures).
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, "none"), sbh * 194);
-  EXPECT_NEAR(80 * activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, "none") / 1e9, 520.8, 0.1);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, Recompute::kNone), sbh * 194);
+  EXPECT_NEAR(80 * activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, Recompute::kNone) / 1e9, 520.8, 0.1);
   // TP = 8 without SP: sbh (10 + 24/8 + 5*64*4096/(8192*8)) = sbh (13 + 20).
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, "none"), sbh * 33);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, Recompute::kNone), sbh * 33);
   // TP + SP: sbh (34/8 + 20); selective recomputation drops the 20; full keeps 2 sbh / t.
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, "none"), sbh * 24.25);
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, "selective"), sbh * 4.25);
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, "full"), sbh * 2 / 8);
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, "full"), sbh * 2);
-  EXPECT_THROW(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, "some"), std::invalid_argument);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, Recompute::kNone), sbh * 24.25);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, Recompute::kSelective), sbh * 4.25);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, Recompute::kFull), sbh * 2 / 8);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, Recompute::kFull), sbh * 2);
+  try {
+    parse_option<Recompute>("some", "Layout.recompute");
+    FAIL() << "expected invalid_argument";
+  } catch (const std::invalid_argument& e) {
+    EXPECT_STREQ(e.what(), "Layout.recompute must be one of none, selective, full, got 'some'");
+  }
 }
 
 TEST(Pipeline, BubbleOf8StagesAnd4MicroBatches) {
   // (p - 1) / (m + p - 1) = 7 / 11 = 63.6%. The reference notes' "46%" is not this formula's value
   // (nor (p-1)/m = 175%): it is the wrong figure there.
-  EXPECT_DOUBLE_EQ(bubble_fraction(8, 4, "1f1b", 1), 7.0 / 11.0);
-  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, "1f1b", 1), 7.0 / 39.0);    // m = 4p: 17.9%
-  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, "interleaved", 2), 7.0 / 71.0);
-  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, "zb-h1", 1), 7.0 / 103.0);
-  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, "zb-v", 1), 7.0 / 199.0);
-  EXPECT_DOUBLE_EQ(bubble_fraction(1, 1, "gpipe", 1), 0.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 4, Schedule::k1F1B, 1), 7.0 / 11.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, Schedule::k1F1B, 1), 7.0 / 39.0);    // m = 4p: 17.9%
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, Schedule::kInterleaved, 2), 7.0 / 71.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, Schedule::kZbH1, 1), 7.0 / 103.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, Schedule::kZbV, 1), 7.0 / 199.0);
+  EXPECT_DOUBLE_EQ(bubble_fraction(1, 1, Schedule::kGPipe, 1), 0.0);
 }
 
 TEST(Pipeline, SimulatedTimelinesHaveTheClosedFormBubble) {
   for (long p : {2, 4, 8}) {
     for (long m : {1, 3, 8, 16}) {
-      for (const std::string schedule : {"gpipe", "1f1b", "zb-h1", "zb-v"}) {
+      for (const Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B, Schedule::kZbH1, Schedule::kZbV}) {
         const auto timeline = simulate_schedule(p, m, schedule);
-        const size_t passes = schedule == "zb-v" ? 6 : schedule == "zb-h1" ? 3 : 2;
+        const size_t passes = schedule == Schedule::kZbV ? 6 : schedule == Schedule::kZbH1 ? 3 : 2;
         ASSERT_EQ(timeline.size(), passes * p * m);
         EXPECT_NEAR(idle_fraction(timeline, p), bubble_fraction(p, m, schedule, 1), 1e-12)
-            << schedule << " p=" << p << " m=" << m;
+            << option_name(schedule) << " p=" << p << " m=" << m;
       }
     }
   }
@@ -101,21 +106,21 @@ TEST(Pipeline, SimulatedInterleavedScheduleHasTheClosedFormBubble) {
   for (long p : {2, 4, 8}) {
     for (long v : {2, 3, 4}) {
       for (long m : {p, 2 * p, 4 * p}) {
-        const auto timeline = simulate_schedule(p, m, "interleaved", v);
+        const auto timeline = simulate_schedule(p, m, Schedule::kInterleaved, v);
         ASSERT_EQ(timeline.size(), static_cast<size_t>(2 * p * m * v));
-        EXPECT_NEAR(idle_fraction(timeline, p), bubble_fraction(p, m, "interleaved", v), 1e-12)
+        EXPECT_NEAR(idle_fraction(timeline, p), bubble_fraction(p, m, Schedule::kInterleaved, v), 1e-12)
             << "p=" << p << " v=" << v << " m=" << m;
       }
     }
   }
-  EXPECT_THROW(simulate_schedule(4, 6, "interleaved", 2), std::invalid_argument);  // m % p != 0
+  EXPECT_THROW(simulate_schedule(4, 6, Schedule::kInterleaved, 2), std::invalid_argument);  // m % p != 0
 }
 
 TEST(Pipeline, OneFOneBHoldsAtMostPMicroBatches) {
-  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, "1f1b", 1), 8);
-  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, "gpipe", 1), 32);
-  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 4, "1f1b", 1), 4);
-  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, "interleaved", 2), 8 * (1 + 7.0 / 16.0));
+  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, Schedule::k1F1B, 1), 8);
+  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, Schedule::kGPipe, 1), 32);
+  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 4, Schedule::k1F1B, 1), 4);
+  EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, Schedule::kInterleaved, 2), 8 * (1 + 7.0 / 16.0));
 }
 
 TEST(Compute, SixNDAndGpuHours) {
@@ -175,7 +180,7 @@ TEST(Checks, MixedGpuTypesInsideATensorParallelGroup) {
 TEST(Estimate, MemoryBreakdownOfZero3Tp8OnH100) {
   // Llama-3 70B, TP = 8, ZeRO-3 over dp = 4, SP, selective recomputation, s = 4096, b = 1, m = 8.
   Layout l;
-  l.tp = 8, l.dp = 4, l.zero_stage = 3, l.sequence_parallel = true, l.recompute = "selective";
+  l.tp = 8, l.dp = 4, l.zero_stage = 3, l.sequence_parallel = true, l.recompute = Recompute::kSelective;
   l.num_microbatches = 8;
   const Estimate e = estimate(llama3_70b(), cluster_of(h100(), 32), l);
   const ParamCount params = count_params(llama3_70b());

@@ -30,8 +30,8 @@ def test_estimate_json_round_trip(capsys):
     assert document["mode"] == "estimate"
     assert document["layout"]["tp"] == 16 and document["layout"]["dp"] == 4
     assert [f["code"] for f in document["findings"]] == ["TDX001"]
-    assert document["estimate"]["memory"]["total"] > 0
-    assert document["estimate"]["comm"]["tp"]["placement"] == "inter-node"
+    assert document["estimate"]["total_memory"] > 0
+    assert document["estimate"]["comm"]["tp"]["intra_domain"] is False
 
 
 def test_search_json_and_table(capsys):
@@ -58,6 +58,31 @@ def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys, schedule):
     search_plot = tmp_path / "search.png"
     run_cli(capsys, "--model", "llama3-8b", "--gpus", "16", "--global-batch", "64", "--plot", str(search_plot))
     assert search_plot.read_bytes()[:4] == b"\x89PNG"
+
+
+@pytest.mark.parametrize(
+    "argv, message",
+    [
+        (["--gpus", "8", "--tp", "0"], "argument --tp: must lie in [1, 16777216], got 0"),
+        (["--gpus", "8", "--tp", "8", "--micro-batch", "0"], "argument --micro-batch: must lie in [1, 16777216], got 0"),
+        (["--gpus", "1e30"], "argument --gpus: must be a positive integer, got '1e30'"),
+        (["--gpus", "1099511627776"], "argument --gpus: must lie in [1, 16777216], got 1099511627776"),
+        (["--gpus", "8", "--tp", "3"], "Layout: tp x pp x dp x cp x ep = 3 x 1 x 2 x 1 x 1 = 6 must equal"),
+        (["--gpus", "8", "--tp", "8", "--schedule", "zb-x"], "argument --schedule: invalid choice: 'zb-x'"),
+    ],
+)
+def test_bad_arguments_end_with_one_line(capsys, argv, message):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "llama3-8b", *argv])
+    assert exit_info.value.code == 2
+    error = capsys.readouterr().err.strip().splitlines()[-1]
+    assert message in error, error
+
+
+def test_search_is_bounded_on_a_huge_cluster(capsys):
+    document = json.loads(run_cli(capsys, "--model", "llama3-8b", "--gpus", "16777216", "--global-batch",
+                                  "16777216", "--top", "1", "--json"))
+    assert document["results"][0]["layout"]["dp"] >= 16777216 // 8 // 32 // 16
 
 
 def test_module_entry_point_runs_as_a_program():
@@ -131,5 +156,12 @@ def test_lint_cli_and_bad_paths(tmp_path, capsys):
     assert [f["code"] for f in json.loads(capsys.readouterr().out)] == ["TDX003"]
     with pytest.raises(ValueError, match="is not a file"):
         lint(tmp_path / "missing.py")
-    with pytest.raises(ValueError, match="is not valid Python"):
+    with pytest.raises(ValueError, match="is not a Python source file"):
         lint(write(tmp_path, "broken.py", "def ("))
+    binary = tmp_path / "model.bin"
+    binary.write_bytes(bytes(range(256)) * 4)
+    with pytest.raises(ValueError, match="is not a Python source file"):
+        lint(binary)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["lint", str(binary)])
+    assert exit_info.value.code == 2 and "is not a Python source file" in capsys.readouterr().err

@@ -37,17 +37,24 @@ GiB = 2**30
     ],
 )
 def test_presets_match_published_parameter_counts(name, total, active):
-    model = ModelSpec.preset(name)
-    assert model.num_params == pytest.approx(total, rel=0.02)
+    count = ModelSpec.preset(name).count_params()
+    assert count.total == pytest.approx(total, rel=0.02)
     if active is not None:
         # DeepSeek-V3's MLA attention is counted as plain attention: its active count is within 5%.
-        assert model.num_active_params == pytest.approx(active, rel=0.05)
+        assert count.active == pytest.approx(active, rel=0.05)
 
 
 def test_llama3_8b_count_written_out():
     h, kv, ffn, vocab, layers = 4096, 8 * 128, 14336, 128256, 32
     per_layer = 2 * h * h + 2 * h * kv + 3 * h * ffn + 2 * h
-    assert ModelSpec.preset("llama3-8b").num_params == layers * per_layer + 2 * h * vocab + h
+    assert ModelSpec.preset("llama3-8b").count_params().total == layers * per_layer + 2 * h * vocab + h
+
+
+def test_a_published_total_rescales_the_counts():
+    model = ModelSpec(2, 64, 4, ffn_hidden=128, vocab_size=100, num_params=1e6)
+    counted = ModelSpec(2, 64, 4, ffn_hidden=128, vocab_size=100).count_params()
+    assert model.num_params == 1e6 and model.count_params().total == pytest.approx(1e6)
+    assert model.count_params().active == pytest.approx(counted.active * 1e6 / counted.total)
 
 
 def test_model_states_and_the_reference_notes():
@@ -93,12 +100,12 @@ def mt_nlg_530b() -> ModelSpec:
 def test_published_layouts_are_feasible():
     # MT-NLG 530B: 2240 A100 80GB, TP 8 x PP 35 x DP 8, sequence 2048, batch 1920, activation checkpointing.
     mt_nlg = mt_nlg_530b()
-    assert mt_nlg.num_params == pytest.approx(530e9, rel=0.01)
+    assert mt_nlg.count_params().total == pytest.approx(530e9, rel=0.01)
     layout = Layout(tp=8, pp=35, dp=8, zero_stage=1, sequence_parallel=False, recompute="full",
                     micro_batch=1, num_microbatches=1920 // 8, seq_len=2048)
     cluster = ClusterSpec.preset("a100-80gb", 2240)
     e = estimate(mt_nlg, cluster, layout)
-    assert e.fits, e.memory
+    assert e.fits, e
     assert not [f for f in check(mt_nlg, cluster, layout) if f.severity == "error"]
     assert 0.2 < e.mfu < 0.6  # the paper reports 126 TFLOP/s per A100, 40% of peak
     # Llama 3.1 405B: 16,384 H100, TP 8 x PP 16 x DP 128, sequence 8192, 16 sequences per DP rank.
@@ -107,7 +114,7 @@ def test_published_layouts_are_feasible():
                     micro_batch=1, num_microbatches=16, schedule="interleaved", virtual_stages=2, seq_len=8192)
     cluster = ClusterSpec.preset("h100-80gb", 16384)
     e = estimate(llama, cluster, layout)
-    assert e.fits, e.memory
+    assert e.fits, e
     findings = check(llama, cluster, layout)
     assert [f.code for f in findings] == ["TDX002"]  # m = 16 < 4p = 64: a warning, not an error
     assert 0.2 < e.mfu < 0.6  # the paper reports 38-43% MFU
@@ -118,13 +125,12 @@ def test_estimate_breakdown_is_consistent():
     layout = Layout(tp=8, dp=4, zero_stage=3, sequence_parallel=True, recompute="selective", num_microbatches=8)
     e = estimate(model, cluster, layout)
     parts = ("params", "grads", "optimizer", "activations", "buffers")
-    assert e.memory["total"] == pytest.approx(sum(e.memory[p] for p in parts))
-    assert e.params_per_gpu == pytest.approx(model.num_params / 8)
-    assert e.memory["params"] + e.memory["grads"] + e.memory["optimizer"] == pytest.approx(
-        model.num_params / 8 * 16 / 4)
+    assert e.total_memory == pytest.approx(sum(getattr(e, p) for p in parts))
+    assert e.params_per_gpu == pytest.approx(model.count_params().total / 8)
+    assert e.params + e.grads + e.optimizer == pytest.approx(model.count_params().total / 8 * 16 / 4)
     assert e.tokens_per_step == 4 * 8 * 4096
     assert set(e.comm) == {"tp", "dp"}
-    assert e.comm["tp"]["placement"] == "intra-domain" and e.comm["dp"]["placement"] == "inter-node"
+    assert e.comm["tp"].intra_domain and not e.comm["dp"].intra_domain
     assert e.step_seconds >= e.compute_seconds
     assert e.tokens_per_second == pytest.approx(e.tokens_per_step / e.step_seconds)
 
@@ -171,7 +177,7 @@ def test_mixtral_with_expert_parallelism():
                                         recompute="selective", num_microbatches=4))
     assert e.fits and "ep" in e.comm
     # Each GPU holds 1/8 of the experts: fewer parameters than the dense-equivalent split.
-    assert e.params_per_gpu < model.num_params / 2 / 4
+    assert e.params_per_gpu < model.count_params().total / 2 / 4
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,8 @@
-"""Estimates, findings and the layout search: Python faces of csrc/planner/{estimate,checks,search}.h."""
+"""Estimates, findings and the layout search: Python faces of csrc/planner/{estimate,checks,search}.h.
+
+Field names are the C++ ones (``Estimate``'s methods ``total_memory()``, ``fits()`` and
+``tokens_per_second()`` become values here).
+"""
 
 from __future__ import annotations
 
@@ -7,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from torchdist_ext import _planner
 from torchdist_ext.planner.specs import ClusterSpec, Layout, ModelSpec
 
-__all__ = ["Estimate", "Finding", "estimate", "check", "search"]
+__all__ = ["AxisComm", "Estimate", "Finding", "estimate", "check", "search"]
 
 
 @dataclass(frozen=True)
@@ -27,40 +31,48 @@ class Finding:
 
 
 @dataclass(frozen=True)
+class AxisComm:
+    """One parallel axis's communication per GPU per step."""
+
+    bytes: float  # sent
+    seconds: float  # at the axis's link bandwidth
+    exposed_seconds: float  # the part not hidden behind compute
+    intra_domain: bool  # every group of the axis inside one NVLink domain
+
+
+@dataclass(frozen=True)
 class Estimate:
     """Per-GPU memory (bytes, on the fullest pipeline stage), step time and its parts.
 
-    ``comm`` maps each parallel axis of size > 1 to the bytes a GPU sends per
-    step, the seconds that takes on the axis's link, the part not hidden
-    behind compute, and whether the axis stays inside an NVLink domain.
+    ``comm`` maps each parallel axis of size > 1 to its ``AxisComm``.
     """
 
-    memory: dict[str, float]
-    gpu_memory: float
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    total_memory: float
+    gpu_memory: float  # the smallest GPU's
     fits: bool
-    params_per_gpu: float
+    params_per_gpu: float  # parameters held (before ZeRO sharding)
     tokens_per_step: float
-    flops_per_step: float
-    compute_seconds: float
-    bubble: float
-    comm: dict[str, dict] = field(default_factory=dict)
+    model_flops_per_step: float  # 6 N_active D + causal attention, without recomputation
+    compute_seconds: float  # busy time of one GPU, with recomputation
+    bubble: float  # idle fraction of the pipeline
+    comm: dict[str, AxisComm] = field(default_factory=dict)
     step_seconds: float = 0.0
     mfu: float = 0.0
     tokens_per_second: float = 0.0
 
     @classmethod
     def from_cpp(cls, e) -> "Estimate":
-        memory = {k: getattr(e, k) for k in ("params", "grads", "optimizer", "activations", "buffers")}
-        memory["total"] = e.total_memory()
-        comm = {
-            axis: {"bytes": c.bytes, "seconds": c.seconds, "exposed_seconds": c.exposed,
-                   "placement": "intra-domain" if c.intra_domain else "inter-node"}
-            for axis, c in e.comm.items()
-        }
-        return cls(memory=memory, gpu_memory=e.gpu_memory, fits=e.fits(), params_per_gpu=e.params_per_gpu,
-                   tokens_per_step=e.tokens_per_step, flops_per_step=e.model_flops_per_step,
-                   compute_seconds=e.compute_seconds, bubble=e.bubble, comm=comm, step_seconds=e.step_seconds,
-                   mfu=e.mfu, tokens_per_second=e.tokens_per_second())
+        comm = {axis: AxisComm(c.bytes, c.seconds, c.exposed_seconds, c.intra_domain) for axis, c in e.comm.items()}
+        return cls(params=e.params, grads=e.grads, optimizer=e.optimizer, activations=e.activations,
+                   buffers=e.buffers, total_memory=e.total_memory(), gpu_memory=e.gpu_memory, fits=e.fits(),
+                   params_per_gpu=e.params_per_gpu, tokens_per_step=e.tokens_per_step,
+                   model_flops_per_step=e.model_flops_per_step, compute_seconds=e.compute_seconds, bubble=e.bubble,
+                   comm=comm, step_seconds=e.step_seconds, mfu=e.mfu, tokens_per_second=e.tokens_per_second())
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -81,6 +93,7 @@ def check(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> list[Findin
 def search(model: ModelSpec, cluster: ClusterSpec, *, seq_len: int, global_batch: int,
            top: int = 10) -> list[tuple[Layout, Estimate]]:
     """Feasible layouts (fit in memory, no error-level finding) for ``global_batch`` sequences of
-    ``seq_len`` tokens per step, fastest first."""
+    ``seq_len`` tokens per step, fastest first. The candidates per axis depend on the model and the
+    NVLink domain, not on the cluster's size, so the search is bounded."""
     results = _planner.search(model.to_cpp(), cluster.to_cpp(), seq_len, global_batch, top)
     return [(Layout.from_cpp(layout), Estimate.from_cpp(e)) for layout, e in results]

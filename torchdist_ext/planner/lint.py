@@ -108,9 +108,9 @@ def lint(path: str | Path) -> list[Finding]:
     if not source_path.is_file():
         raise ValueError(f"path {str(path)!r} is not a file")
     try:
-        tree = ast.parse(source_path.read_text(), filename=str(source_path))
-    except SyntaxError as error:
-        raise ValueError(f"{path} is not valid Python: {error}") from error
+        tree = ast.parse(source_path.read_bytes(), filename=str(source_path))
+    except (SyntaxError, ValueError) as error:  # ValueError: null bytes, undecodable text
+        raise ValueError(f"{path} is not a Python source file: {error}") from error
     sharded = _mentions(tree, _SHARDING_NAMES)
     name = str(source_path)
     findings = (_sampler_findings(tree, name) + _no_sync_findings(tree, name, sharded)

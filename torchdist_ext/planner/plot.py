@@ -27,7 +27,7 @@ def plot_plan(path: str | Path, layouts: list[tuple[str, Estimate]], timeline: l
     labels = [label for label, _ in layouts]
     bottoms = [0.0] * len(layouts)
     for part in _MEMORY_PARTS:
-        values = [e.memory[part] / 2**30 for _, e in layouts]
+        values = [getattr(e, part) / 2**30 for _, e in layouts]
         memory_axes.bar(labels, values, bottom=bottoms, label=part)
         bottoms = [b + v for b, v in zip(bottoms, values)]
     limit = min(e.gpu_memory for _, e in layouts) / 2**30

@@ -7,7 +7,7 @@ and every formula live there). Bad values raise ``ValueError`` naming the field.
 from __future__ import annotations
 
 import dataclasses
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from torchdist_ext import _planner
 
@@ -20,9 +20,12 @@ GiB = 2**30
 class ModelSpec:
     """A decoder-only transformer: Llama-style (GQA, SwiGLU, untied embeddings), MoE optional.
 
-    ``num_params`` is computed from the shapes unless given. Beyond the basic
-    shape, ``num_dense_layers`` (leading layers with a dense MLP in an MoE model)
-    and ``num_shared_experts`` (experts every token uses) describe DeepSeek-style MoE.
+    ``num_params`` is the published total for an architecture the shape formula
+    does not cover exactly (None: counted from the shapes); ``count_params()``
+    gives the counts (``total``, ``active`` per token, ``expert``, ...) either way.
+    Beyond the basic shape, ``num_dense_layers`` (leading layers with a dense MLP
+    in an MoE model) and ``num_shared_experts`` (experts every token uses)
+    describe DeepSeek-style MoE.
     """
 
     num_layers: int
@@ -34,7 +37,7 @@ class ModelSpec:
     num_experts: int = 1
     experts_per_token: int = 1
     moe_ffn_hidden: int | None = None
-    num_params_given: float | None = field(default=None, repr=False)
+    num_params: float | None = None
     num_dense_layers: int = 0
     num_shared_experts: int = 0
     name: str = "custom"
@@ -46,7 +49,7 @@ class ModelSpec:
         values = dict(num_layers=num_layers, hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
                       ffn_hidden=ffn_hidden, vocab_size=vocab_size, num_experts=num_experts,
                       experts_per_token=experts_per_token, moe_ffn_hidden=moe_ffn_hidden,
-                      num_params_given=num_params, num_dense_layers=num_dense_layers,
+                      num_params=num_params, num_dense_layers=num_dense_layers,
                       num_shared_experts=num_shared_experts, name=name)
         for key, value in values.items():
             object.__setattr__(self, key, value)
@@ -64,18 +67,14 @@ class ModelSpec:
         spec.num_kv_heads = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
         spec.ffn_hidden = self.ffn_hidden or 0
         spec.moe_ffn_hidden = self.moe_ffn_hidden or 0
-        spec.num_params_override = float(self.num_params_given or 0)
+        spec.num_params = float(self.num_params or 0)
         return spec
 
-    @property
-    def num_params(self) -> float:
-        """Total parameters (embeddings and LM head included)."""
-        return _planner.count_params(self.to_cpp()).total
-
-    @property
-    def num_active_params(self) -> float:
-        """Parameters a token goes through (MoE: the routed top-k experts, plus shared ones)."""
-        return _planner.count_params(self.to_cpp()).active
+    def count_params(self) -> _planner.ParamCount:
+        """Parameter counts: ``total`` (embeddings and LM head included), ``active`` (what a token goes
+        through: for MoE the routed top-k experts plus shared ones), ``expert`` (in routed experts),
+        ``embedding``, ``per_layer_dense``."""
+        return _planner.count_params(self.to_cpp())
 
     @classmethod
     def preset(cls, name: str) -> "ModelSpec":
