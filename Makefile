@@ -1,14 +1,19 @@
 # The two set-up commands of README.md:
 #   make demo   creates .venv if missing, installs torch and the package, runs the main job
 #   make test   the same set-up, then pytest and the GoogleTest suite (ctest)
+# and CI's check of the oldest supported torch:
+#   make compat builds a copy of the tree against torch COMPAT_TORCH (in its own venv) and runs the
+#               op tests and one main-job run there
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 TORCH_VERSION := 2.14.1
+COMPAT_TORCH := 2.13.0
+COMPAT_DIR := build/compat-torch$(COMPAT_TORCH)
 NPROC ?= 4
 MAX_JOBS ?= 2
 
-.PHONY: demo test pytest ctest install bench clean
+.PHONY: demo test pytest ctest install bench compat clean
 
 $(VENV)/.installed-deps: requirements-dev.txt Makefile
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -35,6 +40,18 @@ ctest: $(VENV)/.installed-deps
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake -S tests/cpp -B build/cpp -G Ninja -DCMAKE_BUILD_TYPE=Release
 	PATH=$(CURDIR)/$(VENV)/bin:$$PATH cmake --build build/cpp
 	ctest --test-dir build/cpp --output-on-failure
+
+# The copy keeps this tree's extension (built against $(TORCH_VERSION)) apart from the one built here.
+compat:
+	mkdir -p $(COMPAT_DIR)
+	find $(COMPAT_DIR) -mindepth 1 -maxdepth 1 ! -name .venv -exec rm -rf {} +
+	git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C $(COMPAT_DIR)
+	test -x $(COMPAT_DIR)/.venv/bin/python || $(PYTHON) -m venv $(COMPAT_DIR)/.venv
+	$(COMPAT_DIR)/.venv/bin/python -m pip install torch==$(COMPAT_TORCH) -r requirements-dev.txt
+	cd $(COMPAT_DIR) && MAX_JOBS=$(MAX_JOBS) .venv/bin/python -m pip install --no-build-isolation --no-deps -e .
+	cd $(COMPAT_DIR) && .venv/bin/python -c 'import torch; assert torch.__version__.startswith("$(COMPAT_TORCH)"), torch.__version__'
+	cd $(COMPAT_DIR) && .venv/bin/python -m pytest -q tests/ops tests/test_cpu_isa.py \
+		"tests/examples/test_train_llama.py::test_matches_single_process[cp2-ring-tp2]"
 
 bench: install
 	$(PY) benchmarks/bench_tp.py

@@ -105,7 +105,7 @@ setup(
     description="Drop-in parallel layers and native ops for distributed LLM training, tested on CPU with gloo",
     packages=find_packages(include=["torchdist_ext", "torchdist_ext.*"]),
     python_requires=">=3.10",
-    install_requires=["torch>=2.11,<2.15", "numpy"],
+    install_requires=["torch>=2.13,<2.15", "numpy"],
     ext_modules=[extension(), planner_extension()],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
 )

@@ -4,12 +4,14 @@
 #   bash benchmarks/gpu_check.sh          # logs under $OUT (or ./gpu_check_out)
 #
 # Builds torchdist_ext in place against that machine's own torch (no venv, no
-# downloads), for its GPU's architecture only, then runs the CUDA tests
+# downloads), for its GPU's architecture only, then runs the main job on the
+# GPUs it finds (one GPU, or an odd count: dp only; even: dp x tp=2; NCCL, bf16, printing tokens/s
+# and MFU, and --check against one fp32 process), the CUDA tests
 # (tests/ops/test_cuda.py: every CUDA kernel and CUDA dispatch against torch on
-# the same device, and against our CPU kernels) and the single-GPU kernel
-# benchmarks (cross-entropy and the log-sum-exp merge against the unfused torch
-# expressions, with the fraction of the measured copy bandwidth reached).
-# Exits non-zero when the build, a test or a benchmark fails.
+# the same device, and against our CPU kernels; the main job on one GPU) and the
+# single-GPU kernel benchmarks (cross-entropy and the log-sum-exp merge against
+# the unfused torch expressions, with the fraction of the measured copy
+# bandwidth reached). Exits non-zero when the build, a test or a benchmark fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_check_out}
@@ -34,7 +36,12 @@ fi
 echo "built in $(($(date +%s) - start)) s"
 
 status=0
-python3 -m pytest -q -p no:cacheprovider tests/ops/test_cuda.py 2>&1 | tee "$out/test_cuda.log" || status=1
+gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
+tp=$([ $((gpus % 2)) -eq 0 ] && echo 2 || echo 1)
+python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" examples/train_llama.py --device cuda \
+  --tp "$tp" --steps 30 --batch $((8 * gpus / tp)) --check 2>&1 | tee "$out/main_job.log" || status=1
+python3 -m pytest -q -p no:cacheprovider tests/ops/test_cuda.py tests/examples/test_train_llama.py -m cuda 2>&1 \
+  | tee "$out/test_cuda.log" || status=1
 for bench in bench_cross_entropy bench_lse_merge; do
   python3 "benchmarks/$bench.py" --device cuda 2>&1 | tee "$out/$bench.log" || status=1
 done

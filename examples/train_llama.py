@@ -93,10 +93,11 @@ def precision(args: argparse.Namespace) -> str:
 
 
 def model_flops_per_token(model: Llama, seq: int) -> float:
-    """6 N for the weights' GEMMs (forward 2N, backward 4N) plus causal attention's
-    6 L S d (QK^T and PV: 4 S d per token and layer forward, half of it masked, x3 with backward)."""
+    """6 N for the weights' GEMMs (forward 2N, backward 4N; the embedding table is a lookup, norms are
+    not GEMMs) plus causal attention's 6 L S d (QK^T and PV: 4 S d per token and layer forward, half of
+    it masked, x3 with backward)."""
     cfg = model.cfg
-    weights = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name)
+    weights = sum(p.numel() for name, p in model.named_parameters() if "norm" not in name and "embeddings" not in name)
     return 6 * weights + 6 * cfg.num_layers * seq * cfg.dim
 
 
@@ -207,8 +208,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         losses.append(global_loss.item())
         elapsed = time.perf_counter() - start  # .item() above waited for the step's work
         if rank == 0:
-            # Every rank processes tokens.numel() of the step's tokens: the world's rate is that x world / cp x tp.
-            tokens_per_second = args.batch * args.seq / elapsed
+            tokens_per_second = args.batch * args.seq / elapsed  # the whole world's: one global batch per step
             line = (f"step {step:3d}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
                     f"{tokens_per_second:,.0f} tokens/s")
             if peak is not None:

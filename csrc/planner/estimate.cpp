@@ -12,7 +12,7 @@ namespace {
 // Assumptions (each a single constant so that it is easy to find and change):
 // Large GEMMs and attention kernels reach this share of the dense peak.
 constexpr double kKernelEfficiency = 0.7;
-// NCCL ring collectives reach this share of the link bandwidth (the reference notes: 70-85%).
+// NCCL ring collectives reach this share of the link bandwidth (commonly quoted as 70-85%).
 constexpr double kLinkEfficiency = 0.8;
 // CUDA context, NCCL buffers and allocator fragmentation per GPU.
 constexpr double kFrameworkReserveBytes = 2.0 * (1ull << 30);

@@ -13,7 +13,8 @@
 //     value: the CPU's vector exp < 4e-7 = 6.7 u (ExpApprox asserts it), glibc's
 //     exp/log < 1 ulp = 2 u, CUDA's expf/logf <= 2 ulp = 4 u. Rounding exp's
 //     argument x adds u |x| to its relative error. An exp below the normal range
-//     may flush to 0: an absolute error up to kTiny per exp.
+//     may flush to 0: an absolute error up to kTiny per exp (the CPU's vector exp
+//     flushes below -87.3, where e^x < 1.05 x 2^-126; kTiny is 2^-125).
 //   * storing an accumulator into a 16-bit element rounds once more: relative
 //     2^-8 (bf16) or 2^-11 (fp16), plus half the smallest subnormal.
 
@@ -35,7 +36,7 @@ constexpr double unit_roundoff() {
 }
 
 template <typename Acc>
-constexpr double kTiny = std::numeric_limits<Acc>::min();
+constexpr double kTiny = 2 * std::numeric_limits<Acc>::min();
 
 // Relative rounding of a store into an element of `type` (0: the accumulator itself).
 inline double store_roundoff(kernels::ElementType type) {

@@ -1,5 +1,5 @@
 // The planner's formulas against hand computations written out here, and the
-// figures of ../shared/reference (one of which is wrong: see BubbleOf8StagesAnd4MicroBatches).
+// figures of commonly quoted training notes (docs/planner.md; some are wrong: see BubbleOf8StagesAnd4MicroBatches).
 
 #include <gtest/gtest.h>
 
@@ -46,7 +46,7 @@ TEST(ModelStates, SixteenBytesPerParameterWithMixedPrecisionAdam) {
 
 TEST(ModelStates, ZeroStagesReduceByFourEightAndDp) {
   // Rajbhandari et al. 2019: stage 1 -> 4x, stage 2 -> 8x, stage 3 -> Nd x as Nd grows.
-  // (The reference notes say "ZeRO-1 up to 8x": that is stage 2's figure.)
+  // (Commonly quoted notes say "ZeRO-1 up to 8x": that is stage 2's figure.)
   const double dp = 1024, full = 16;
   EXPECT_NEAR(full / (model_state_bytes(1, 1, dp, Precision::kBf16Mixed).total()), 4.0, 0.05);  // 16 / (4 + 12/Nd)
   EXPECT_NEAR(full / (model_state_bytes(1, 2, dp, Precision::kBf16Mixed).total()), 8.0, 0.1);   // 16 / (2 + 14/Nd)
@@ -78,7 +78,7 @@ TEST(Activations, KorthikantiTable2) {
 }
 
 TEST(Pipeline, BubbleOf8StagesAnd4MicroBatches) {
-  // (p - 1) / (m + p - 1) = 7 / 11 = 63.6%. The reference notes' "46%" is not this formula's value
+  // (p - 1) / (m + p - 1) = 7 / 11 = 63.6%. The commonly quoted "46%" (docs/planner.md) is not this formula's value
   // (nor (p-1)/m = 175%): it is the wrong figure there.
   EXPECT_DOUBLE_EQ(bubble_fraction(8, 4, Schedule::k1F1B, 1), 7.0 / 11.0);
   EXPECT_DOUBLE_EQ(bubble_fraction(8, 32, Schedule::k1F1B, 1), 7.0 / 39.0);    // m = 4p: 17.9%
@@ -127,7 +127,7 @@ TEST(Compute, SixNDAndGpuHours) {
   // Chinchilla-optimal 70B on 1.4T tokens: 6 x 70e9 x 1.4e12 = 5.88e23 FLOPs (as in the notes).
   EXPECT_DOUBLE_EQ(training_flops(70e9, 1.4e12), 5.88e23);
   // On H100s at the dense bf16 peak (989 TFLOP/s): 5.88e23 / 989e12 / 3600 = 165,150 GPU-hours,
-  // 412,900 at 40% MFU: not the "13 million hours" the reference notes give for one H100.
+  // 412,900 at 40% MFU: not the "13 million hours" commonly quoted for one H100.
   EXPECT_NEAR(gpu_hours(5.88e23, cluster_of(h100(), 1), 1.0), 5.88e23 / 989e12 / 3600, 1e-6);
   EXPECT_NEAR(gpu_hours(5.88e23, cluster_of(h100(), 1), 0.4), 412875, 1);
 }

@@ -113,24 +113,26 @@ def test_ring_attention_block_kernels(cuda_world, dtype, causal):
     assert cuda_world.run(check_ring_attention_blocks, dtype, causal) == [True]
 
 
-def check_ulysses_all_to_all():
-    """One rank: the NCCL all-to-all and the fused re-layout are the identity, each the other's gradient."""
+def check_ulysses_all_to_all(layout):
+    """One rank: the NCCL all-to-all and the fused re-layout are the identity (in either layout: one rank's
+    zigzag chunks 0 and 1 are the sequence in order), each the other's gradient."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 8, 16, 32, generator=gen).cuda().requires_grad_(True)
-    heads = all_to_all_seq_to_heads(x, group_name())
+    heads = all_to_all_seq_to_heads(x, group_name(), layout)
     torch.testing.assert_close(heads, x, atol=0, rtol=0)
-    back = all_to_all_heads_to_seq(heads, group_name())
+    back = all_to_all_heads_to_seq(heads, group_name(), layout)
     torch.testing.assert_close(back, x, atol=0, rtol=0)
     grad = torch.randn_like(x)
     back.backward(grad)
     torch.testing.assert_close(x.grad, grad, atol=0, rtol=0)
     for op in (torch.ops.tdx.all_to_all_seq_to_heads, torch.ops.tdx.all_to_all_heads_to_seq):
-        torch.library.opcheck(op, (x.detach().requires_grad_(True), group_name()))
+        torch.library.opcheck(op, (x.detach().requires_grad_(True), group_name(), layout))
     return True
 
 
-def test_ulysses_all_to_all(cuda_world):
-    assert cuda_world.run(check_ulysses_all_to_all) == [True]
+@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+def test_ulysses_all_to_all(cuda_world, layout):
+    assert cuda_world.run(check_ulysses_all_to_all, layout) == [True]
 
 
 def test_lse_merge_kernel_matches_cpu():

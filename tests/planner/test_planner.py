@@ -71,7 +71,7 @@ def test_activation_and_bubble_closed_forms():
     assert activation_bytes_per_layer(4096, 1, 8192, 64) == sbh * (34 + 5 * 64 * 4096 / 8192)  # 6.51 GB
     assert activation_bytes_per_layer(4096, 1, 8192, 64, tp=8, sequence_parallel=True,
                                       recompute="selective") == sbh * 34 / 8
-    # p = 8, m = 4: 7/11 = 63.6% (the reference notes' 46% is wrong); m >= 4p: 7/39 = 17.9%.
+    # p = 8, m = 4: 7/11 = 63.6% (the commonly quoted 46% is wrong: docs/planner.md); m >= 4p: 7/39 = 17.9%.
     assert bubble_fraction(8, 4) == pytest.approx(7 / 11)
     assert bubble_fraction(8, 32) == pytest.approx(7 / 39)
     assert bubble_fraction(8, 32, schedule="interleaved", virtual_stages=4) == pytest.approx(7 / 135)

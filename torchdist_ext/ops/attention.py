@@ -72,6 +72,11 @@ def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
         layout == "contiguous" or q.shape[2] % 2 == 0,
         lambda: f"{op}: the zigzag layout needs an even local sequence (two chunks per rank), got {q.shape[2]}",
     )
+    torch._check_type(
+        q.device.type != "cuda" or q.dtype != torch.float64,
+        lambda: "ring_attention on CUDA: float64 is not supported by the block kernels; use float32, bfloat16 "
+        "or float16",
+    )
 
 
 @torch.library.register_fake("tdx::ring_attention_fwd")
@@ -121,6 +126,10 @@ def _(out, lse, block_out, block_lse):
         f"{lse.dtype}, {block_lse.dtype}",
     )
     torch._check(
+        out.device == lse.device == block_out.device == block_lse.device,
+        lambda: f"{op}: out, lse, block_out and block_lse must be on one device",
+    )
+    torch._check(
         block_out.is_contiguous() and block_lse.is_contiguous(),
         lambda: f"{op}: block_out and block_lse must be contiguous",
     )
@@ -128,6 +137,11 @@ def _(out, lse, block_out, block_lse):
         out.stride(-1) == 1 and (out.shape[-2] <= 1 or out.stride(-2) == out.shape[-1]) and lse.stride(-1) == 1,
         lambda: f"{op}: out rows must be dense (stride(-1) == 1, stride(-2) == dim) and lse rows contiguous",
     )
+    for d in range(out.dim() - 3):
+        torch._check(
+            out.stride(d) == out.stride(d + 1) * out.shape[d + 1] and lse.stride(d) == lse.stride(d + 1) * lse.shape[d + 1],
+            lambda: f"{op}: the leading dims of out and lse must be collapsible (a slice of rows of a contiguous tensor)",
+        )
     return None
 
 

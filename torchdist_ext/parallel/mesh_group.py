@@ -13,7 +13,8 @@ class MeshGroup:
     """What a layer or function needs of its axis's mesh, as plain values (constants under torch.compile).
 
     Attributes:
-        mesh: the 1-D mesh of the axis (parameters are placed on it).
+        mesh: the mesh of the axis, 1-D (parameters are placed on it); ``of_dim`` of a mesh without dim
+            names keeps the N-D mesh (only the tensor-parallel layers, built with ``of``, place parameters).
         name: registered process-group name, passed to the ``tdx`` ops.
         size: number of ranks.
         rank: this process's rank within the group.

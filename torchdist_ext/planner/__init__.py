@@ -6,6 +6,7 @@ this package is its Python face, and ``python -m torchdist_ext.plan`` its CLI.
     ModelSpec(num_layers, hidden, num_heads, *, num_kv_heads=None, ffn_hidden=None, vocab_size=32000,
               num_experts=1, experts_per_token=1, moe_ffn_hidden=None, num_params=None)
     ModelSpec.preset("llama3-70b")        llama3-8b, llama3-70b, llama3.1-405b, mixtral-8x7b, deepseek-v3
+    ModelSpec.count_params()              total, active, expert, embedding, per_layer_dense
     ClusterSpec.preset("h100-80gb", 32)   a100-80gb, h100-80gb, h200-141gb, b200-192gb, gb200-nvl72
     Layout(tp=1, pp=1, dp=1, cp=1, ep=1, *, zero_stage=0, sequence_parallel=False, recompute="none", ...)
     model_state_bytes, activation_bytes_per_layer, bubble_fraction, training_flops, gpu_hours
@@ -14,7 +15,7 @@ this package is its Python face, and ``python -m torchdist_ext.plan`` its CLI.
     search(model, cluster, *, seq_len, global_batch, top=10) -> list[(Layout, Estimate)]
 """
 
-from torchdist_ext.planner.estimate import Estimate, Finding, check, estimate, search
+from torchdist_ext.planner.estimate import AxisComm, Estimate, Finding, check, estimate, search
 from torchdist_ext.planner.formulas import (
     activation_bytes_per_layer,
     bubble_fraction,
@@ -27,6 +28,7 @@ from torchdist_ext.planner.lint import lint
 from torchdist_ext.planner.specs import GPU_PRESETS, MODEL_PRESETS, ClusterSpec, GpuSpec, Layout, ModelSpec
 
 __all__ = [
+    "AxisComm",
     "GPU_PRESETS",
     "MODEL_PRESETS",
     "ClusterSpec",

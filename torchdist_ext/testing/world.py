@@ -23,8 +23,8 @@ Failure rules (nothing hangs, nothing is left behind):
     the world is shut down.
 A shut-down world raises ``WorldError`` on ``run``; check ``world.alive``.
 Each rank runs in a process group of its own, which shutting down kills whole
-(the processes a rank started too); on Linux a rank also dies with the process
-that started the world.
+(the processes a rank started too); on Linux a rank also dies with the thread
+that started the world (the parent-death signal follows the creating thread).
 """
 
 from __future__ import annotations
@@ -236,7 +236,10 @@ class World:
         if code is None:
             return "no exit status"
         if code < 0:
-            return f"killed by {signal.Signals(-code).name}"
+            try:
+                return f"killed by {signal.Signals(-code).name}"
+            except ValueError:  # a signal without a name
+                return f"killed by signal {-code}"
         return f"exit code {code}"
 
     def close(self) -> None:
@@ -254,10 +257,14 @@ class World:
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
-            try:  # the worker's process group: the worker and whatever it started
+            # The worker's process group: the worker and whatever it started, which outlives it (a pid
+            # cannot be reused while a process group of that id has members).
+            try:
                 os.killpg(proc.pid, signal.SIGKILL)
             except (ProcessLookupError, PermissionError):
                 pass
+            if proc.is_alive():  # not yet in a group of its own (still starting up)
+                proc.kill()
             proc.join()
         for conn in self._conns:
             conn.close()

@@ -5,7 +5,8 @@
 // ISA's target attribute that flattens (inlines) everything the kernel calls into
 // itself, so that the kernel's loops and every helper they call use that ISA's
 // vectors (and fused multiply-adds where it has FMA). Only calls into other
-// libraries (libm's exp for double, itself dispatched by ISA) stay calls.
+// libraries stay calls: libm's exp and log (the merge's scalar weights, the
+// double-precision kernels), which libm dispatches by ISA itself.
 //
 //   const Table& table = cpu_kernel_table<Table, &kernel_a, &kernel_b>(isa);
 //

@@ -2,6 +2,7 @@
 
 #include "kernels/attention.h"
 
+#include <algorithm>
 #include <type_traits>
 
 #include "kernels/cuda/element.cuh"
@@ -41,7 +42,7 @@ void lse_merge(const LseMergeArgs& args, const Launch& launch) {
   const int64_t blocks = (launch.end - launch.begin) * layout.rows;
   if (blocks == 0) return;
   // Whole warps, at least one (a row without features still merges its lse).
-  const int threads = layout.dim >= 256 ? 256 : static_cast<int>((layout.dim + 32) / 32 * 32);
+  const int threads = layout.dim >= 256 ? 256 : std::max(32, static_cast<int>((layout.dim + 31) / 32 * 32));
   visit_element_type(layout.block_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using Acc = accumulator_t<T>;

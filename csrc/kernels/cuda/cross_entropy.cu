@@ -102,7 +102,7 @@ void shard_stats(const ShardStatsArgs& args, const Launch& launch) {
         static_cast<const T*>(args.logits), args.target, shard.vocab_local, shard.vocab_start, stats,
         stats + shard.rows, stats + 2 * shard.rows, launch.begin);
   });
-  check_launch("vocab_shard_stats");
+  check_launch("cross_entropy shard_stats");
 }
 
 void shard_grad(const ShardGradArgs& args, const Launch& launch) {
@@ -117,7 +117,7 @@ void shard_grad(const ShardGradArgs& args, const Launch& launch) {
         static_cast<const Acc*>(args.lse), shard.vocab_local, shard.vocab_start, args.ignore_index,
         static_cast<T*>(args.grad_logits), launch.begin);
   });
-  check_launch("vocab_shard_grad");
+  check_launch("cross_entropy shard_grad");
 }
 
 }  // namespace
