@@ -63,4 +63,41 @@ TORCH_LIBRARY(tdx, m) {
   // [B, H/N, S, D] (a head shard of the whole sequence, in order), and back.
   m.def("all_to_all_seq_to_heads(Tensor x, str group_name, str layout) -> Tensor");
   m.def("all_to_all_heads_to_seq(Tensor x, str group_name, str layout) -> Tensor");
+
+  // ---- moe: expert-parallel token exchange and expert-major permutation ----
+  // x [T, D] tokens, expert_ids [T, k] int64 (global expert, -1: dropped), weights [T, k] (fp32; fp64 for fp64 x)
+  // over a group holding num_experts / n experts per rank. Returns the rows this rank receives: x [R, D],
+  // expert_ids [R, k] (local experts, -1 for slots of other ranks), weights [R, k] (0 there), and counts
+  // [2, n, 1 + experts per rank] on the host (rows sent / received per rank, then slots per local expert;
+  // pass it to moe_combine). rows_per_rank -1: dropless (R from a count exchange); >= 0: exactly that many
+  // rows per rank pair, zero-padded (static shapes). With `counts` given, no counts are exchanged.
+  m.def(
+      "moe_dispatch(Tensor x, Tensor expert_ids, Tensor weights, int num_experts, int rows_per_rank, "
+      "str group_name, Tensor? counts=None) -> (Tensor x, Tensor expert_ids, Tensor weights, Tensor counts)");
+  // The adjoint: y [R, D] and weights [R, k] back to their tokens: out [T, D] sums a token's rows over the
+  // ranks in rank order (in fp32, fp64 for fp64); out_weights [T, k] takes slot j from its expert's rank
+  // (weights None: out_weights is empty).
+  m.def(
+      "moe_combine(Tensor y, Tensor? weights, Tensor expert_ids, Tensor counts, int num_experts, "
+      "int rows_per_rank, str group_name) -> (Tensor out, Tensor out_weights)");
+  // x [R, D] and expert_ids [R, k] (local, -1 none) -> x_sorted [A, D]: one row per slot, expert-major and
+  // in slot order within an expert; positions [R, k] (each slot's row in x_sorted, -1 none); offsets
+  // [num_experts] int32 (each expert's end row, for torch._grouped_mm). Dropless (capacity -1): A is the sum
+  // of tokens_per_expert (host int64 [num_experts]); else A = num_experts * capacity, zero-padded.
+  m.def(
+      "moe_permute(Tensor x, Tensor expert_ids, Tensor tokens_per_expert, int num_experts, int capacity) "
+      "-> (Tensor x_sorted, Tensor positions, Tensor offsets)");
+  // y [R, D]: y[r] = sum over j, in order, of weights[r, j] * sorted[positions[r, j]] (weights None: 1),
+  // accumulated in fp32 (fp64 for fp64).
+  m.def("moe_unpermute(Tensor sorted, Tensor positions, Tensor? weights) -> Tensor");
+  // Its gradients: grad_sorted [A, D] and grad_weights [R, k] (empty without weights).
+  m.def(
+      "moe_unpermute_bwd(Tensor grad, Tensor sorted, Tensor positions, Tensor? weights) "
+      "-> (Tensor grad_sorted, Tensor grad_weights)");
+  // x [A, K] expert-major (tokens_per_expert, host int64 [E], rows each) times weight [E, N, K] per expert:
+  // out [A, N] = x_e @ weight[e].T; an expert without rows is skipped. For where torch._grouped_mm does not
+  // run (CPU float32 under torch.compile, float64, unaligned widths).
+  m.def("moe_grouped_mm(Tensor x, Tensor weight, Tensor tokens_per_expert) -> Tensor");
+  // Its weight gradient: [E, N, K], per expert grad_e.T @ x_e (zero without rows).
+  m.def("moe_grouped_mm_wgrad(Tensor grad, Tensor x, Tensor tokens_per_expert) -> Tensor");
 }

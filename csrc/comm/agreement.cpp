@@ -16,11 +16,12 @@ constexpr int kMaxDims = 8;
 constexpr int kNameWords = 6;
 constexpr int kWords = 2 + kMaxDims + kNameWords;
 
-std::vector<int64_t> fingerprint(const char* op, const at::Tensor& t) {
+// Dims before `from_dim` are recorded as -1 (free to differ).
+std::vector<int64_t> fingerprint(const char* op, const at::Tensor& t, int64_t from_dim) {
   std::vector<int64_t> words(kWords, 0);
   words[0] = static_cast<int64_t>(t.scalar_type());
   words[1] = t.dim();
-  for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kMaxDims); ++d) words[2 + d] = t.size(d);
+  for (int64_t d = 0; d < std::min<int64_t>(t.dim(), kMaxDims); ++d) words[2 + d] = d < from_dim ? -1 : t.size(d);
   std::strncpy(reinterpret_cast<char*>(words.data() + 2 + kMaxDims), op, kNameWords * sizeof(int64_t) - 1);
   return words;
 }
@@ -29,7 +30,14 @@ std::string describe(const int64_t* words) {
   std::string name(reinterpret_cast<const char*>(words + 2 + kMaxDims));
   std::ostringstream out;
   out << name << " with " << c10::toString(static_cast<c10::ScalarType>(words[0])) << " [";
-  for (int64_t d = 0; d < std::min<int64_t>(words[1], kMaxDims); ++d) out << (d ? ", " : "") << words[2 + d];
+  for (int64_t d = 0; d < std::min<int64_t>(words[1], kMaxDims); ++d) {
+    out << (d ? ", " : "");
+    if (words[2 + d] < 0) {
+      out << "*";
+    } else {
+      out << words[2 + d];
+    }
+  }
   out << (words[1] > kMaxDims ? ", ...]" : "]");
   return out.str();
 }
@@ -38,10 +46,11 @@ std::string describe(const int64_t* words) {
 
 bool checking_agreement() { return c10d::debug_level() == c10d::DebugLevel::Detail; }
 
-void check_ranks_agree(c10d::ProcessGroup& group, const char* op, const char* what, const at::Tensor& exchanged) {
+void check_ranks_agree(c10d::ProcessGroup& group, const char* op, const char* what, const at::Tensor& exchanged,
+                       int64_t from_dim) {
   if (!checking_agreement()) return;
   const int n = group.getSize();
-  const auto mine = fingerprint(op, exchanged);
+  const auto mine = fingerprint(op, exchanged, from_dim);
   auto local = at::tensor(mine, at::TensorOptions().dtype(at::kLong)).to(exchanged.device());
   auto all = at::empty({n * kWords}, local.options());
   group._allgather_base(all, local)->wait();

@@ -18,8 +18,10 @@ namespace tdx::comm {
 bool checking_agreement();
 
 // Under checking_agreement(): raises unless every rank of `group` passes the
-// same `op` and a tensor of `exchanged`'s dtype and shape. `what` names the
-// tensor in the message (e.g. "k/v block").
-void check_ranks_agree(c10d::ProcessGroup& group, const char* op, const char* what, const at::Tensor& exchanged);
+// same `op` and a tensor of `exchanged`'s dtype and shape, from dim `from_dim`
+// on (1: the number of rows may differ, as in an all-to-all-v). `what` names
+// the tensor in the message (e.g. "k/v block").
+void check_ranks_agree(c10d::ProcessGroup& group, const char* op, const char* what, const at::Tensor& exchanged,
+                       int64_t from_dim = 0);
 
 }  // namespace tdx::comm

@@ -15,8 +15,32 @@ at::Tensor all_to_all_equal_blocks(c10d::ProcessGroup& group, const char* op, co
   auto input = send.contiguous();
   auto received = at::empty_like(input);
   std::vector<int64_t> equal_splits;
-  group.alltoall_base(received, input, equal_splits, equal_splits)->wait();
+  group.all_to_all_single(received, input, equal_splits, equal_splits)->wait();
   return received;
+}
+
+std::vector<at::Tensor> all_to_all_rows(c10d::ProcessGroup& group, const char* op, const char* what,
+                                        const std::vector<at::Tensor>& sends, const std::vector<int64_t>& send_rows,
+                                        const std::vector<int64_t>& recv_rows) {
+  const size_t n = static_cast<size_t>(group.getSize());
+  TORCH_CHECK(
+      send_rows.size() == n && recv_rows.size() == n, op, ": the ", what, " need one send and one receive count per ",
+      "rank of the group (", n, "), got ", send_rows.size(), " and ", recv_rows.size());
+  int64_t total = 0;
+  for (const int64_t rows : recv_rows) total += rows;
+  std::vector<at::Tensor> inputs, outputs;
+  std::vector<c10::intrusive_ptr<c10d::Work>> works;
+  for (const auto& send : sends) {
+    check_ranks_agree(group, op, what, send, /*from_dim=*/1);
+    inputs.push_back(send.contiguous());
+    auto sizes = send.sizes().vec();
+    sizes[0] = total;
+    outputs.push_back(at::empty(sizes, send.options()));
+    std::vector<int64_t> in_splits = send_rows, out_splits = recv_rows;
+    works.push_back(group.all_to_all_single(outputs.back(), inputs.back(), out_splits, in_splits));
+  }
+  for (auto& work : works) work->wait();
+  return outputs;
 }
 
 }  // namespace tdx::comm

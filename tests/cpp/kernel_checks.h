@@ -19,6 +19,7 @@
 #include "error_bounds.h"
 #include "kernels/attention.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/moe.h"
 
 namespace tdx::test {
 
@@ -291,6 +292,104 @@ void check_lse_merges(const kernels::AttentionKernels& table, ElementType block_
     }
     for (int64_t p = 0; p < padding; ++p) EXPECT_EQ(out[g * out_stride + rows * dim + p], Acc(99)) << "padding";
     EXPECT_EQ(lse[g * lse_stride + rows], -INFINITY) << "lse padding";
+  }
+}
+
+// The MoE permutation kernels: `rows` received rows with top_k slots over `experts` local experts (the
+// last expert gets no slot; -1 slots are blank), sorted expert-major dropless or with a capacity that
+// one expert overflows; rows scattered there (with and without weights), gathered back weighted, and
+// the weights' gradients. Positions are exact; values within one product and one sum per slot
+// (error_bounds.h's model) plus the element type's rounding.
+template <typename Acc>
+void check_moe_permutation(const kernels::MoeKernels& table, ElementType type, int64_t dim) {
+  SCOPED_TRACE(std::string(type_name(type)) + ", dim " + std::to_string(dim));
+  constexpr int64_t rows = 131, top_k = 3, experts = 5;  // 393 slots: past one GPU sort block of 256
+  std::mt19937 gen(13);
+  std::uniform_int_distribution<int64_t> pick(-1, experts - 2);  // expert experts-1 stays idle
+  std::vector<int64_t> ids(rows * top_k);
+  for (auto& id : ids) id = pick(gen);
+  std::vector<int64_t> counts(experts, 0);
+  for (const int64_t id : ids) {
+    if (id >= 0) ++counts[id];
+  }
+  const int64_t most = *std::max_element(counts.begin(), counts.end());
+  for (const int64_t capacity : {int64_t{-1}, most - 2}) {
+    SCOPED_TRACE("capacity " + std::to_string(capacity));
+    std::vector<int64_t> starts(experts, 0);
+    for (int64_t e = 1; e < experts; ++e) starts[e] = starts[e - 1] + counts[e - 1];
+    std::vector<int64_t> positions(rows * top_k, -7);
+    table.sort_slots({ids.data(), rows, top_k, experts, capacity, starts.data(), positions.data()},
+                     kernels::Launch{0, experts, nullptr});
+    std::vector<int64_t> taken(experts, 0);
+    for (int64_t slot = 0; slot < rows * top_k; ++slot) {  // the expected order: slot order within an expert
+      const int64_t e = ids[slot];
+      int64_t want = -1;
+      if (e >= 0) {
+        const int64_t rank = taken[e]++;
+        const int64_t first = capacity >= 0 ? e * capacity : starts[e];
+        if (capacity < 0 || rank < capacity) want = first + rank;
+      }
+      EXPECT_EQ(positions[slot], want) << "slot " << slot;
+    }
+    const int64_t sorted_rows = capacity >= 0 ? experts * capacity : starts[experts - 1] + counts[experts - 1];
+    const Elements x(type, normal_values(rows * dim, 1.0, 21));
+    const Elements g(type, normal_values(rows * dim, 1.0, 22));
+    std::vector<double> weight_values = normal_values(rows * top_k, 1.0, 23);
+    std::vector<Acc> weights(weight_values.begin(), weight_values.end());
+    const kernels::SlotRows plain{type, rows, top_k, dim, positions.data(), nullptr};
+    const kernels::SlotRows weighted{type, rows, top_k, dim, positions.data(), weights.data()};
+    const std::vector<double> zeros(sorted_rows * dim, 0.0);
+    Elements sorted(type, zeros), scaled(type, zeros);
+    table.scatter_rows({plain, x.data(), sorted.data()}, kernels::Launch{0, rows, nullptr});
+    table.scatter_rows({weighted, x.data(), scaled.data()}, kernels::Launch{0, rows, nullptr});
+    const double u = unit_roundoff<Acc>(), rounding = store_roundoff(type);
+    std::vector<bool> used(sorted_rows, false);
+    for (int64_t slot = 0; slot < rows * top_k; ++slot) {
+      if (positions[slot] < 0) continue;
+      used[positions[slot]] = true;
+      for (int64_t d = 0; d < dim; ++d) {
+        const double value = x.get((slot / top_k) * dim + d), w = weights[slot];
+        EXPECT_EQ(sorted.get(positions[slot] * dim + d), value) << "slot " << slot;
+        EXPECT_TRUE(close(scaled.get(positions[slot] * dim + d), w * value,
+                          (u + rounding) * std::abs(w * value) + store_underflow(type)))
+            << "weighted, slot " << slot;
+      }
+    }
+    for (int64_t row = 0; row < sorted_rows; ++row) {
+      if (used[row]) continue;
+      for (int64_t d = 0; d < dim; ++d) EXPECT_EQ(sorted.get(row * dim + d), 0.0) << "padding row " << row;
+    }
+    // Back: y[r] = sum_j w[r, j] sorted[pos(r, j)], and the weights' gradients <g[r], sorted[pos(r, j)]>.
+    Elements y(type, std::vector<double>(rows * dim, 5.0));
+    table.gather_sum_rows({weighted, sorted.data(), y.data()}, kernels::Launch{0, rows, nullptr});
+    std::vector<Acc> dots(rows * top_k, Acc(-9));
+    table.slot_dots({weighted, g.data(), sorted.data(), dots.data()}, kernels::Launch{0, rows, nullptr});
+    for (int64_t r = 0; r < rows; ++r) {
+      for (int64_t d = 0; d < dim; ++d) {
+        double want = 0, magnitude = 0;
+        for (int64_t j = 0; j < top_k; ++j) {
+          if (positions[r * top_k + j] < 0) continue;
+          const double term = weights[r * top_k + j] * x.get(r * dim + d);
+          want += term;
+          magnitude += std::abs(term);
+        }
+        EXPECT_TRUE(close(y.get(r * dim + d), want, 2 * top_k * u * magnitude * (1 + rounding) +
+                                                        rounding * std::abs(want) + store_underflow(type)))
+            << "row " << r << ", feature " << d;
+      }
+      for (int64_t j = 0; j < top_k; ++j) {
+        double want = 0, magnitude = 0;
+        if (positions[r * top_k + j] >= 0) {
+          for (int64_t d = 0; d < dim; ++d) {
+            const double term = g.get(r * dim + d) * x.get(r * dim + d);
+            want += term;
+            magnitude += std::abs(term);
+          }
+        }
+        // A sum of dim products: each product and add rounds (the GPU's tree adds as many levels as the CPU's chain).
+        EXPECT_TRUE(close(dots[r * top_k + j], want, 2 * (dim + 1) * u * magnitude)) << "dot, row " << r << ", slot " << j;
+      }
+    }
   }
 }
 

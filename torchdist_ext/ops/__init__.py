@@ -14,6 +14,7 @@ from torchdist_ext.ops.collective_matmul import (
     matmul_reduce_scatter,
 )
 from torchdist_ext.ops.cross_entropy import vocab_parallel_cross_entropy_fwd
+from torchdist_ext.ops.moe import moe_combine, moe_dispatch, moe_grouped_mm, moe_permute, moe_unpermute
 
 __all__ = [
     "all_gather_matmul",
@@ -22,6 +23,11 @@ __all__ = [
     "all_to_all_seq_to_heads",
     "lse_merge_",
     "matmul_reduce_scatter",
+    "moe_combine",
+    "moe_dispatch",
+    "moe_grouped_mm",
+    "moe_permute",
+    "moe_unpermute",
     "ring_attention_fwd",
     "vocab_parallel_cross_entropy_fwd",
 ]

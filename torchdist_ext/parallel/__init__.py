@@ -18,22 +18,29 @@ Context parallelism (attention tensors [batch, heads, seq_local, head_dim]; ``cp
     hybrid_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")
     shard_sequence(x, *, cp_mesh, dim, layout="zigzag") / unshard_sequence(x_local, *, cp_mesh, dim, layout="zigzag")
 
+Expert parallelism (``ep_mesh``: its ranks see different tokens):
+    MoE(dim, ffn_dim, num_experts, *, top_k=2, ep_mesh, capacity_factor=None, drop_policy="probs",
+        score_func="softmax", aux_loss_coef=0.0, z_loss_coef=0.0, num_shared_experts=0, device=None, dtype=None)
+
 Build from existing modules with the same full weights:
     ColumnParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
     RowParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
     VocabParallelEmbedding.from_embedding(embedding, tp_mesh=..., **kwargs)
     RMSNorm.from_rms_norm(norm, tp_mesh=..., sequence_parallel=False)
+    MoE.from_experts(gate, w1, w3, w2, *, ep_mesh=..., shared=None, **kwargs)
 """
 
 from torchdist_ext.parallel.context_attention import hybrid_attention, ring_attention, ulysses_attention
 from torchdist_ext.parallel.cross_entropy import vocab_parallel_cross_entropy
 from torchdist_ext.parallel.embedding import VocabParallelEmbedding
 from torchdist_ext.parallel.linear import ColumnParallelLinear, RowParallelLinear
+from torchdist_ext.parallel.moe import MoE
 from torchdist_ext.parallel.norm import RMSNorm
 from torchdist_ext.parallel.sequence_sharding import shard_sequence, unshard_sequence
 
 __all__ = [
     "ColumnParallelLinear",
+    "MoE",
     "RMSNorm",
     "RowParallelLinear",
     "VocabParallelEmbedding",

@@ -17,9 +17,11 @@
 // The kernels under test, as one translation unit with this test.
 #include "kernels/cuda/attention.cu"
 #include "kernels/cuda/cross_entropy.cu"
+#include "kernels/cuda/moe.cu"
 
 using tdx::kernels::AttentionKernels;
 using tdx::kernels::CrossEntropyKernels;
+using tdx::kernels::MoeKernels;
 using tdx::kernels::ElementType;
 namespace gpu = tdx::kernels::cuda;
 
@@ -92,5 +94,12 @@ TEST(CudaLseMerge, SequencesOfMergesStayWithinTheirBoundForEveryBlockTypeAndStri
   // Features: none, one, under a warp, not a multiple of the warp, one block of threads, several per thread.
   tdx::test::for_each_type_and_size({0, 1, 33, 64, 256, 300}, [](auto acc, ElementType type, int64_t dim) {
     tdx::test::check_lse_merges<decltype(acc)>(AttentionKernels::cuda(), type, dim);
+  });
+}
+
+TEST(CudaMoePermutation, SortsSlotsExpertMajorAndMovesRowsBothWaysInEveryElementType) {
+  // Features: one, under a warp, past a block of threads.
+  tdx::test::for_each_type_and_size({1, 7, 300}, [](auto acc, ElementType type, int64_t dim) {
+    tdx::test::check_moe_permutation<decltype(acc)>(MoeKernels::cuda(), type, dim);
   });
 }

@@ -1,0 +1,374 @@
+// Mixture-of-experts token exchange and permutation, host side for every device.
+//
+// moe_dispatch sends each token to the ranks of the expert-parallel group that
+// hold one of its chosen experts, once per rank however many of its experts live
+// there (DeepEP's rule), with the token's slots re-addressed to that rank's local
+// experts (and the slots of other ranks' experts blanked: expert -1, weight 0).
+// moe_combine sends rows back and sums each token's rows from the ranks in rank
+// order, in the accumulator type. They are each other's adjoints.
+//
+// Dropless (rows_per_rank = -1): one small all-to-all of counts (rows and slots
+// per local expert, per rank pair) precedes the rows; the counts come back to the
+// host in one copy and size everything after it. Capacity mode (rows_per_rank
+// >= 0): every rank pair exchanges exactly rows_per_rank rows, padded with zero
+// rows whose slots are blank: static shapes, no copy to the host. The caller
+// keeps the rows a rank sends to each rank within rows_per_rank (MoE caps the
+// tokens per (rank, expert) pair, so at most capacity x experts per rank).
+//
+// The tokens sent to rank r are this rank's tokens with an expert on r, in
+// increasing token order; both ops derive that order from expert_ids.
+
+#include <ATen/ATen.h>
+
+#include "comm/all_to_all.h"
+#include "comm/group.h"
+#include "kernels/moe.h"
+#include "ops/device.h"
+#include "ops/index_checks.h"
+
+namespace tdx::ops {
+namespace {
+
+constexpr const char* kDispatch = "moe_dispatch";
+constexpr const char* kCombine = "moe_combine";
+constexpr const char* kPermute = "moe_permute";
+constexpr const char* kUnpermute = "moe_unpermute";
+constexpr const char* kUnpermuteBwd = "moe_unpermute_bwd";
+constexpr const char* kGroupedMm = "moe_grouped_mm";
+constexpr const char* kGroupedMmWgrad = "moe_grouped_mm_wgrad";
+
+using kernels::MoeKernels;
+
+// The tokens' routing over the group: which rank each slot's expert lives on, and the
+// tokens sent to each rank (padded with the index `tokens` up to rows_per_rank).
+struct Routing {
+  int64_t ranks;
+  int64_t experts_per_rank;
+  at::Tensor destinations;          // [T, k]: the rank of the slot's expert, or -1
+  std::vector<at::Tensor> tokens;   // per rank: [rows sent] token indices, ascending
+  std::vector<int64_t> rows;        // per rank: rows sent
+};
+
+void check_expert_ids(const char* op, const at::Tensor& expert_ids, int64_t tokens, int64_t num_experts) {
+  TORCH_CHECK(
+      expert_ids.dim() == 2 && expert_ids.size(0) == tokens, op, ": expert_ids must be [tokens=", tokens,
+      ", top_k], got ", expert_ids.sizes());
+  TORCH_CHECK_TYPE(expert_ids.scalar_type() == at::kLong, op, ": expert_ids must be int64, got ",
+                   expert_ids.scalar_type());
+  if (index_checks_enabled() && expert_ids.numel() > 0) {
+    const auto bad = (expert_ids < -1) | (expert_ids >= num_experts);
+    if (bad.any().item<bool>()) {
+      const int64_t at = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
+      TORCH_CHECK_VALUE(
+          false, op, ": every expert id must lie in [0, num_experts=", num_experts, ") or be -1 (dropped); ",
+          "expert_ids (flattened) [", at, "] = ", expert_ids.reshape(-1)[at].item<int64_t>());
+    }
+  }
+}
+
+int64_t group_checked(const char* op, const c10d::ProcessGroup& group, int64_t num_experts, int64_t rows_per_rank) {
+  const int64_t n = group.getSize();
+  TORCH_CHECK_VALUE(
+      num_experts > 0 && num_experts % n == 0, op, ": num_experts=", num_experts,
+      " must be a positive multiple of the group size ", n);
+  TORCH_CHECK_VALUE(rows_per_rank >= -1, op, ": rows_per_rank must be -1 (dropless) or >= 0, got ", rows_per_rank);
+  return n;
+}
+
+Routing route(const at::Tensor& expert_ids, int64_t ranks, int64_t num_experts, const std::vector<int64_t>& rows) {
+  Routing routing{ranks, num_experts / ranks, {}, {}, rows};
+  routing.destinations = at::where(expert_ids >= 0, at::div(expert_ids, routing.experts_per_rank, "floor"), -1);
+  const auto rank_ids = at::arange(ranks, expert_ids.options());
+  const auto present = (routing.destinations.unsqueeze(-1) == rank_ids).any(1);  // [T, ranks]
+  const int64_t tokens = expert_ids.size(0);
+  for (int64_t r = 0; r < ranks; ++r) {
+    routing.tokens.push_back(at::nonzero_static(present.select(1, r), rows[r], tokens).reshape(-1));
+  }
+  return routing;
+}
+
+// [n, 1 + experts_per_rank]: per rank, the rows this rank sends it and the slots per expert of it.
+at::Tensor send_counts(const at::Tensor& expert_ids, int64_t ranks, int64_t num_experts) {
+  const auto destinations = at::where(expert_ids >= 0, at::div(expert_ids, num_experts / ranks, "floor"), -1);
+  const auto present = (destinations.unsqueeze(-1) == at::arange(ranks, expert_ids.options())).any(1);
+  auto slots = at::zeros({num_experts + 1}, expert_ids.options());
+  const auto ids = expert_ids.reshape(-1);
+  slots.scatter_add_(0, at::where(ids >= 0, ids, num_experts), at::ones_like(ids));
+  return at::cat({present.sum(0).unsqueeze(1), slots.narrow(0, 0, num_experts).view({ranks, -1})}, 1);
+}
+
+std::vector<int64_t> column(const at::Tensor& counts, int64_t side) {
+  const auto rows = counts.select(0, side).select(1, 0).contiguous();
+  return {rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + rows.numel()};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(
+    const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights, int64_t num_experts,
+    int64_t rows_per_rank, c10::string_view group_name, const std::optional<at::Tensor>& given_counts) {
+  TORCH_CHECK(x.dim() == 2, kDispatch, ": x must be [tokens, dim], got ", x.sizes());
+  element_type(kDispatch, x.scalar_type());
+  auto group = comm::group_by_name(group_name);
+  const int64_t n = group_checked(kDispatch, *group, num_experts, rows_per_rank);
+  check_expert_ids(kDispatch, expert_ids, x.size(0), num_experts);
+  TORCH_CHECK(weights.sizes() == expert_ids.sizes(), kDispatch, ": weights ", weights.sizes(),
+              " must have expert_ids' shape ", expert_ids.sizes());
+  TORCH_CHECK_TYPE(
+      weights.scalar_type() == accumulation_dtype(x.scalar_type()), kDispatch, ": weights must be ",
+      accumulation_dtype(x.scalar_type()), " for ", x.scalar_type(), " tokens, got ", weights.scalar_type());
+  TORCH_CHECK(x.device() == expert_ids.device() && x.device() == weights.device(), kDispatch,
+              ": x, expert_ids and weights must be on one device");
+  const int64_t experts_per_rank = num_experts / n;
+
+  at::Tensor counts;  // [2 (sent, received), n, 1 + experts_per_rank], on the host
+  if (given_counts.has_value()) {
+    counts = given_counts->clone();
+  } else if (rows_per_rank >= 0) {
+    counts = at::full({2, n, 1 + experts_per_rank}, -1, at::TensorOptions().dtype(at::kLong));
+    counts.select(2, 0).fill_(rows_per_rank);
+  } else {
+    const auto sent = send_counts(expert_ids, n, num_experts);
+    const auto received = comm::all_to_all_equal_blocks(*group, kDispatch, "token counts", sent);
+    counts = at::stack({sent, received}).cpu();  // the one copy to the host
+  }
+  TORCH_CHECK(counts.sizes() == at::IntArrayRef({2, n, 1 + experts_per_rank}), kDispatch, ": counts must be [2, ", n,
+              ", ", 1 + experts_per_rank, "], got ", counts.sizes());
+
+  const auto routing = route(expert_ids, n, num_experts, column(counts, 0));
+  const int64_t tokens = x.size(0);
+  const auto order = at::cat(routing.tokens);                    // [S] token per row sent, padded with `tokens`
+  const auto valid = order < tokens;
+  const auto safe_order = order.clamp_max(std::max<int64_t>(tokens - 1, 0));
+  std::vector<at::Tensor> owners;
+  for (int64_t r = 0; r < n; ++r) owners.push_back(at::full({routing.rows[r]}, r, order.options()));
+  const auto owner = at::cat(owners).unsqueeze(1);              // [S, 1] the rank each row goes to
+  const auto mine = (routing.destinations.index_select(0, safe_order) == owner) & valid.unsqueeze(1);
+  auto send_x = x.index_select(0, safe_order);
+  if (rows_per_rank >= 0) send_x.masked_fill_(~valid.unsqueeze(1), 0);
+  const auto send_ids = at::where(mine, expert_ids.index_select(0, safe_order) - owner * experts_per_rank, -1);
+  const auto send_weights = at::where(mine, weights.index_select(0, safe_order), 0);
+  auto received = comm::all_to_all_rows(*group, kDispatch, "tokens", {send_x, send_ids, send_weights},
+                                        routing.rows, column(counts, 1));
+  return {received[0], received[1], received[2], counts};
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_combine(const at::Tensor& y, const std::optional<at::Tensor>& weights,
+                                               const at::Tensor& expert_ids, const at::Tensor& counts,
+                                               int64_t num_experts, int64_t rows_per_rank,
+                                               c10::string_view group_name) {
+  TORCH_CHECK(y.dim() == 2, kCombine, ": y must be [rows, dim], got ", y.sizes());
+  element_type(kCombine, y.scalar_type());
+  TORCH_CHECK(expert_ids.dim() == 2, kCombine, ": expert_ids must be [tokens, top_k], got ", expert_ids.sizes());
+  if (weights.has_value()) {
+    TORCH_CHECK(
+        weights->dim() == 2 && weights->size(0) == y.size(0) && weights->size(1) == expert_ids.size(1), kCombine,
+        ": weights ", weights->sizes(), " must be [rows of y = ", y.size(0), ", top_k = ", expert_ids.size(1), "]");
+    TORCH_CHECK_TYPE(
+        weights->scalar_type() == accumulation_dtype(y.scalar_type()), kCombine, ": weights must be ",
+        accumulation_dtype(y.scalar_type()), " for ", y.scalar_type(), " rows, got ", weights->scalar_type());
+  }
+  auto group = comm::group_by_name(group_name);
+  const int64_t n = group_checked(kCombine, *group, num_experts, rows_per_rank);
+  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == 2 && counts.size(1) == n && counts.device().is_cpu(), kCombine,
+              ": counts must be moe_dispatch's [2, ", n, ", 1 + experts per rank] host tensor, got ", counts.sizes());
+  const auto received_rows = column(counts, 1);
+  int64_t total = 0;
+  for (const int64_t rows : received_rows) total += rows;
+  TORCH_CHECK(y.size(0) == total, kCombine, ": y has ", y.size(0), " rows; moe_dispatch delivered ", total);
+
+  const auto routing = route(expert_ids, n, num_experts, column(counts, 0));
+  std::vector<at::Tensor> sends{y};
+  if (weights.has_value()) sends.push_back(*weights);
+  auto back = comm::all_to_all_rows(*group, kCombine, "expert outputs", sends, received_rows, routing.rows);
+  const int64_t tokens = expert_ids.size(0);
+  const auto acc = accumulation_dtype(y.scalar_type());
+  // One extra row takes the padding; each rank's block is added in rank order (unique indices
+  // within a block), so the sums are the same run to run on every device.
+  auto out = at::zeros({tokens + 1, y.size(1)}, y.options().dtype(acc));
+  auto out_weights = at::zeros({weights.has_value() ? tokens + 1 : 0, expert_ids.size(1)}, y.options().dtype(acc));
+  int64_t first = 0;
+  for (int64_t r = 0; r < n; ++r) {
+    const int64_t rows = routing.rows[r];
+    const auto& order = routing.tokens[r];
+    out.index_add_(0, order, back[0].narrow(0, first, rows).to(acc));
+    if (weights.has_value()) {
+      const auto safe_order = order.clamp_max(std::max<int64_t>(tokens - 1, 0));
+      const auto mine = routing.destinations.index_select(0, safe_order) == r;
+      out_weights.index_add_(0, order, back[1].narrow(0, first, rows) * mine);
+    }
+    first += rows;
+  }
+  if (weights.has_value()) out_weights = out_weights.narrow(0, 0, tokens).contiguous();
+  return {out.narrow(0, 0, tokens).to(y.scalar_type()), out_weights};
+}
+
+void check_slots(const char* op, const at::Tensor& positions, const std::optional<at::Tensor>& weights,
+                 c10::ScalarType type) {
+  TORCH_CHECK(positions.dim() == 2, op, ": positions must be [rows, top_k], got ", positions.sizes());
+  TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong, op, ": positions must be int64, got ",
+                   positions.scalar_type());
+  if (weights.has_value()) {
+    TORCH_CHECK(weights->sizes() == positions.sizes(), op, ": weights ", weights->sizes(),
+                " must have the shape of positions ", positions.sizes());
+    TORCH_CHECK_TYPE(weights->scalar_type() == accumulation_dtype(type), op, ": weights must be ",
+                     accumulation_dtype(type), " for ", type, " rows, got ", weights->scalar_type());
+  }
+}
+
+kernels::SlotRows slot_rows(const char* op, const at::Tensor& rows_like, const at::Tensor& positions,
+                            const at::Tensor& weights) {
+  return {element_type(op, rows_like.scalar_type()), positions.size(0), positions.size(1), rows_like.size(1),
+          positions.data_ptr<int64_t>(), weights.defined() ? weights.data_ptr() : nullptr};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, const at::Tensor& expert_ids,
+                                                           const at::Tensor& tokens_per_expert, int64_t num_experts,
+                                                           int64_t capacity) {
+  TORCH_CHECK(x.dim() == 2, kPermute, ": x must be [rows, dim], got ", x.sizes());
+  element_type(kPermute, x.scalar_type());
+  check_expert_ids(kPermute, expert_ids, x.size(0), num_experts);
+  TORCH_CHECK_VALUE(num_experts > 0, kPermute, ": num_experts must be positive, got ", num_experts);
+  TORCH_CHECK_VALUE(capacity >= -1, kPermute, ": capacity must be -1 (dropless) or >= 0, got ", capacity);
+  const auto device_longs = expert_ids.options();
+  int64_t sorted_rows;
+  at::Tensor starts, offsets;
+  if (capacity >= 0) {
+    sorted_rows = num_experts * capacity;
+    offsets = (at::arange(1, num_experts + 1, device_longs) * capacity).to(at::kInt);
+  } else {
+    TORCH_CHECK(
+        tokens_per_expert.dim() == 1 && tokens_per_expert.size(0) == num_experts && tokens_per_expert.is_cpu() &&
+            tokens_per_expert.scalar_type() == at::kLong,
+        kPermute, ": dropless, tokens_per_expert must be a host int64 [num_experts=", num_experts, "], got ",
+        tokens_per_expert.sizes(), " ", tokens_per_expert.scalar_type(), " on ", tokens_per_expert.device());
+    const auto ends = tokens_per_expert.cumsum(0);
+    sorted_rows = num_experts > 0 ? ends[-1].item<int64_t>() : 0;
+    starts = (ends - tokens_per_expert).to(x.device());
+    offsets = ends.to(at::kInt).to(x.device());
+  }
+  const auto ids = expert_ids.contiguous();
+  auto positions = at::empty(ids.sizes(), device_longs);
+  const auto& table = kernels_for<MoeKernels>(kPermute, x.device());
+  const kernels::SortSlotsArgs sort{ids.data_ptr<int64_t>(), ids.size(0), ids.size(1), num_experts, capacity,
+                                    starts.defined() ? starts.data_ptr<int64_t>() : nullptr,
+                                    positions.data_ptr<int64_t>()};
+  launch(table.sort_slots, sort, x.device(), num_experts, 1);
+  const auto rows = x.contiguous();
+  auto sorted = at::zeros({sorted_rows, x.size(1)}, x.options());
+  const kernels::ScatterRowsArgs scatter{slot_rows(kPermute, rows, positions, at::Tensor()), rows.data_ptr(),
+                                         sorted.data_ptr()};
+  launch(table.scatter_rows, scatter, x.device(), x.size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(1, x.size(1))));
+  return {sorted, positions, offsets};
+}
+
+at::Tensor moe_unpermute(const at::Tensor& sorted, const at::Tensor& positions,
+                         const std::optional<at::Tensor>& weights) {
+  TORCH_CHECK(sorted.dim() == 2, kUnpermute, ": sorted must be [sorted rows, dim], got ", sorted.sizes());
+  element_type(kUnpermute, sorted.scalar_type());
+  check_slots(kUnpermute, positions, weights, sorted.scalar_type());
+  const auto rows = sorted.contiguous();
+  const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
+  const auto slots = positions.contiguous();
+  auto y = at::empty({positions.size(0), sorted.size(1)}, sorted.options());
+  const kernels::GatherSumRowsArgs args{slot_rows(kUnpermute, rows, slots, w), rows.data_ptr(), y.data_ptr()};
+  launch(kernels_for<MoeKernels>(kUnpermute, sorted.device()).gather_sum_rows, args, sorted.device(),
+         positions.size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(1, sorted.size(1))));
+  return y;
+}
+
+std::tuple<at::Tensor, at::Tensor> moe_unpermute_bwd(const at::Tensor& grad, const at::Tensor& sorted,
+                                                     const at::Tensor& positions,
+                                                     const std::optional<at::Tensor>& weights) {
+  TORCH_CHECK(
+      grad.dim() == 2 && sorted.dim() == 2 && grad.size(0) == positions.size(0) && grad.size(1) == sorted.size(1),
+      kUnpermuteBwd, ": grad ", grad.sizes(), " must be [rows of positions, dim of sorted ", sorted.sizes(), "]");
+  TORCH_CHECK_TYPE(grad.scalar_type() == sorted.scalar_type(), kUnpermuteBwd, ": grad and sorted must have one dtype");
+  element_type(kUnpermuteBwd, grad.scalar_type());
+  check_slots(kUnpermuteBwd, positions, weights, grad.scalar_type());
+  const auto g = grad.contiguous();
+  const auto rows = sorted.contiguous();
+  const auto slots = positions.contiguous();
+  const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
+  const auto& table = kernels_for<MoeKernels>(kUnpermuteBwd, grad.device());
+  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, grad.size(1)));
+  auto grad_sorted = at::zeros_like(rows);
+  const kernels::ScatterRowsArgs scatter{slot_rows(kUnpermuteBwd, g, slots, w), g.data_ptr(), grad_sorted.data_ptr()};
+  launch(table.scatter_rows, scatter, grad.device(), positions.size(0), grain);
+  at::Tensor grad_weights;
+  if (w.defined()) {
+    grad_weights = at::empty(slots.sizes(), w.options());
+    const kernels::SlotDotsArgs dots{slot_rows(kUnpermuteBwd, g, slots, w), g.data_ptr(), rows.data_ptr(),
+                                     grad_weights.data_ptr()};
+    launch(table.slot_dots, dots, grad.device(), positions.size(0), grain);
+  } else {
+    grad_weights = at::empty({0}, grad.options().dtype(accumulation_dtype(grad.scalar_type())));
+  }
+  return {grad_sorted, grad_weights};
+}
+
+// The experts' segments of `rows` rows: host int64 [E] summing to rows.
+std::vector<int64_t> segments(const char* op, const at::Tensor& tokens_per_expert, int64_t experts, int64_t rows) {
+  TORCH_CHECK(
+      tokens_per_expert.dim() == 1 && tokens_per_expert.size(0) == experts && tokens_per_expert.is_cpu() &&
+          tokens_per_expert.scalar_type() == at::kLong,
+      op, ": tokens_per_expert must be a host int64 [experts=", experts, "], got ", tokens_per_expert.sizes(), " ",
+      tokens_per_expert.scalar_type(), " on ", tokens_per_expert.device());
+  const auto counts = tokens_per_expert.contiguous();
+  std::vector<int64_t> sizes(counts.data_ptr<int64_t>(), counts.data_ptr<int64_t>() + experts);
+  int64_t total = 0;
+  for (const int64_t size : sizes) {
+    TORCH_CHECK_VALUE(size >= 0, op, ": tokens_per_expert must be >= 0, got ", size);
+    total += size;
+  }
+  TORCH_CHECK(total == rows, op, ": tokens_per_expert sums to ", total, ", but there are ", rows, " rows");
+  return sizes;
+}
+
+// out [A, N]: rows of expert e times weight[e].T (weight [E, N, K], x [A, K] expert-major).
+at::Tensor moe_grouped_mm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& tokens_per_expert) {
+  TORCH_CHECK(
+      x.dim() == 2 && weight.dim() == 3 && weight.size(2) == x.size(1), kGroupedMm, ": x ", x.sizes(),
+      " must be [rows, K] and weight ", weight.sizes(), " [experts, N, K]");
+  TORCH_CHECK_TYPE(x.scalar_type() == weight.scalar_type(), kGroupedMm, ": x and weight must have one dtype, got ",
+                   x.scalar_type(), " and ", weight.scalar_type());
+  const auto sizes = segments(kGroupedMm, tokens_per_expert, weight.size(0), x.size(0));
+  auto out = at::empty({x.size(0), weight.size(1)}, x.options());
+  int64_t first = 0;
+  for (size_t e = 0; e < sizes.size(); ++e) {
+    auto rows = out.narrow(0, first, sizes[e]);
+    at::mm_out(rows, x.narrow(0, first, sizes[e]), weight[e].t());
+    first += sizes[e];
+  }
+  return out;
+}
+
+// [E, N, K]: per expert, grad_e.T @ x_e (zero for an expert without rows).
+at::Tensor moe_grouped_mm_wgrad(const at::Tensor& grad, const at::Tensor& x, const at::Tensor& tokens_per_expert) {
+  TORCH_CHECK(
+      grad.dim() == 2 && x.dim() == 2 && grad.size(0) == x.size(0), kGroupedMmWgrad, ": grad ", grad.sizes(),
+      " and x ", x.sizes(), " must be [rows, N] and [rows, K]");
+  TORCH_CHECK_TYPE(grad.scalar_type() == x.scalar_type(), kGroupedMmWgrad, ": grad and x must have one dtype");
+  const int64_t experts = tokens_per_expert.dim() == 1 ? tokens_per_expert.size(0) : 0;
+  const auto sizes = segments(kGroupedMmWgrad, tokens_per_expert, experts, x.size(0));
+  auto out = at::empty({experts, grad.size(1), x.size(1)}, x.options());
+  int64_t first = 0;
+  for (int64_t e = 0; e < experts; ++e) {
+    auto slice = out[e];
+    at::mm_out(slice, grad.narrow(0, first, sizes[e]).t(), x.narrow(0, first, sizes[e]));
+    first += sizes[e];
+  }
+  return out;
+}
+
+}  // namespace
+
+TDX_IMPL_ON_EVERY_DEVICE(register_moe) {
+  m.impl("moe_grouped_mm", &moe_grouped_mm);
+  m.impl("moe_grouped_mm_wgrad", &moe_grouped_mm_wgrad);
+  m.impl("moe_dispatch", &moe_dispatch);
+  m.impl("moe_combine", &moe_combine);
+  m.impl("moe_permute", &moe_permute);
+  m.impl("moe_unpermute", &moe_unpermute);
+  m.impl("moe_unpermute_bwd", &moe_unpermute_bwd);
+}
+
+}  // namespace tdx::ops

@@ -1,0 +1,33 @@
+// CPU kernels of the MoE token permutation, every ISA clone, through the checks every implementation
+// passes (kernel_checks.h).
+
+#include <gtest/gtest.h>
+
+#include "cpu_isa_test.h"
+#include "kernel_checks.h"
+#include "kernels/moe.h"
+
+namespace {
+
+class MoePermutation : public tdx::test::CpuIsaTest {};
+TDX_INSTANTIATE_FOR_EVERY_CPU_ISA(MoePermutation);
+
+TEST_P(MoePermutation, SortsSlotsExpertMajorAndMovesRowsBothWaysInEveryElementType) {
+  tdx::test::for_each_type_and_size({1, 7, 300}, [&](auto acc, tdx::kernels::ElementType type, int64_t dim) {
+    tdx::test::check_moe_permutation<decltype(acc)>(tdx::kernels::MoeKernels::cpu(isa()), type, dim);
+  });
+}
+
+TEST_P(MoePermutation, ExpertsSortedByPartialLaunchesAgreeWithOneLaunch) {
+  const std::vector<int64_t> ids = {2, 0, -1, 1, 2, 0, 0, 1, -1, 2};  // 5 rows, top 2, 3 experts
+  const std::vector<int64_t> starts = {0, 3, 5};
+  std::vector<int64_t> whole(ids.size()), parts(ids.size(), -7);
+  const auto& table = tdx::kernels::MoeKernels::cpu(isa());
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), whole.data()}, {0, 3, nullptr});
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), parts.data()}, {0, 1, nullptr});
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), parts.data()}, {1, 3, nullptr});
+  EXPECT_EQ(parts, whole);
+  EXPECT_EQ(whole, (std::vector<int64_t>{5, 0, -1, 3, 6, 1, 2, 4, -1, 7}));
+}
+
+}  // namespace

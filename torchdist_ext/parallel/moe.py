@@ -1,0 +1,296 @@
+"""Mixture of experts over an expert-parallel mesh: router, capacity, token exchange, grouped expert GEMMs.
+
+Each rank routes its own tokens (the ranks of ``ep_mesh`` see different tokens, as
+data-parallel ranks do), sends every token once to each rank holding one of its
+chosen experts (``tdx::moe_dispatch``), runs its local experts on the received
+rows sorted expert-major (``tdx::moe_permute``; one grouped GEMM per projection),
+weights each row's expert outputs by the router in fp32 (``tdx::moe_unpermute``)
+and sends them back (``tdx::moe_combine``), where each token's rows are summed in
+rank order: the same result run to run.
+
+Routing. ``score_func="softmax"``: softmax over the E experts, top-k, the k weights
+renormalised to sum 1 when k > 1 (k = 1 keeps the probability, as Switch does).
+``"sigmoid"`` (DeepSeek-V3): sigmoid scores, top-k, the k weights normalised to sum 1.
+The router runs in fp32.
+
+Capacity. ``capacity_factor=None`` is dropless. With ``c``, each (source rank, expert)
+pair keeps at most ``C = ceil(c * T * k / E)`` of the rank's T tokens' slots:
+``drop_policy="probs"`` keeps the slots with the highest router weights,
+``"position"`` the earliest tokens; ties go to the lower token index. A dropped slot
+contributes 0 (the residual stream carries the token); the kept slots keep their
+weights (no renormalisation). Megatron's ``moe_expert_capacity_factor`` computes the
+same C (over the local tokens) and drops by probability or position likewise, but
+per expert over the whole local batch after the all-gather of the sequence-parallel
+tokens; GShard's capacity is per group and drops by position only, the second
+expert's slots after every first expert's slots (here the order is by token).
+Capacity mode has static shapes end to end (nothing goes to the host); dropless
+copies one small count tensor to the host per layer.
+
+Auxiliary losses (Megatron's): the Switch load-balancing loss
+``aux_loss_coef * E * sum_e f_e P_e``, f_e the share of the T*k top-k slots (before
+dropping) that chose e and P_e the mean over tokens of e's routing probability
+(softmax probabilities; sigmoid scores divided by their sum over E), and the router
+z-loss ``z_loss_coef * mean(logsumexp(logits)^2)``. Both are computed on this rank's
+tokens and add their gradient in backward without appearing in the user's loss;
+``last_aux_loss``, ``last_z_loss`` and ``last_tokens_per_expert`` (this rank's kept
+slots per expert) hold the last forward's values, detached.
+"""
+
+import math
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import Shard
+
+from torchdist_ext import ops
+from torchdist_ext.index_checks import index_checks_enabled
+from torchdist_ext.parallel.input_checks import check_features, check_floating_dtype, check_floating_input
+from torchdist_ext.parallel.mesh_group import MeshGroup
+from torchdist_ext.parallel.parameters import distribute_parameter
+
+__all__ = ["MoE"]
+
+SCORE_FUNCS = ("softmax", "sigmoid")
+DROP_POLICIES = ("probs", "position")
+
+
+class _AddAuxiliaryLoss(torch.autograd.Function):
+    """Identity on ``out``; in backward also sends gradient 1 into ``loss`` (Megatron's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, out, loss):
+        ctx.loss_shape = loss.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_ones(ctx.loss_shape, dtype=torch.float32)
+
+
+def _positive_int(arg: str, value) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ValueError(f"{arg} must be a positive int, got {value!r}")
+
+
+class MoE(nn.Module):
+    """SwiGLU experts ``w2(silu(w1 x) * w3 x)`` split over ``ep_mesh``, behind a top-k router.
+
+    Args:
+        dim, ffn_dim: model and expert hidden widths.
+        num_experts: E, divisible by the size of ``ep_mesh``.
+        top_k: experts per token, in [1, E].
+        ep_mesh: 1-D DeviceMesh of the expert-parallel group (its ranks see different tokens).
+        capacity_factor: None (dropless) or a positive float (see the module docstring).
+        drop_policy: "probs" or "position" (with a capacity).
+        score_func: "softmax" or "sigmoid".
+        aux_loss_coef, z_loss_coef: weights of the load-balancing and router z losses (>= 0).
+        num_shared_experts: a dense SwiGLU of width ``num_shared_experts * ffn_dim`` on every token, added.
+
+    Shapes: input ``[..., dim]`` (any leading dims) -> output of the same shape.
+    Parameters: ``w1``, ``w3`` ``[E, ffn_dim, dim]`` and ``w2`` ``[E, dim, ffn_dim]`` DTensors ``Shard(0)`` on
+    ``ep_mesh`` (rank r holds experts r*E/ep .. (r+1)*E/ep - 1); ``gate`` ``[E, dim]`` and the shared experts'
+    ``shared_w1``, ``shared_w3`` ``[S*ffn, dim]``, ``shared_w2`` ``[dim, S*ffn]`` plain parameters, equal on the
+    ranks of ``ep_mesh`` (shard them over the data-parallel mesh with FSDP2).
+    """
+
+    def __init__(self, dim: int, ffn_dim: int, num_experts: int, *, top_k: int = 2, ep_mesh: DeviceMesh,
+                 capacity_factor: float | None = None, drop_policy: str = "probs", score_func: str = "softmax",
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, num_shared_experts: int = 0,
+                 device=None, dtype=None):
+        super().__init__()
+        for arg, value in (("dim", dim), ("ffn_dim", ffn_dim), ("num_experts", num_experts)):
+            _positive_int(arg, value)
+        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
+            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+        if capacity_factor is not None and (isinstance(capacity_factor, bool) or
+                                            not isinstance(capacity_factor, (int, float)) or
+                                            not capacity_factor > 0 or not math.isfinite(capacity_factor)):
+            raise ValueError(f"capacity_factor must be None (dropless) or a positive number, got {capacity_factor!r}")
+        if drop_policy not in DROP_POLICIES:
+            raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+        if score_func not in SCORE_FUNCS:
+            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+        for arg, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+                raise ValueError(f"{arg} must be a number >= 0, got {value!r}")
+        if not isinstance(num_shared_experts, int) or isinstance(num_shared_experts, bool) or num_shared_experts < 0:
+            raise ValueError(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
+        check_floating_dtype(dtype)
+        self.ep = MeshGroup.of(ep_mesh, "ep_mesh")
+        if num_experts % self.ep.size:
+            raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel size {self.ep.size}")
+        self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
+        self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
+        self.drop_policy, self.score_func = drop_policy, score_func
+        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.num_shared_experts = num_shared_experts
+        factory = dict(device=device, dtype=dtype)
+
+        def linear_weights(experts: int, out_features: int, in_features: int) -> Tensor:
+            """Weights drawn as nn.Linear draws them (uniform, bound 1/sqrt(in)), one matrix per expert."""
+            weight = torch.empty(experts, out_features, in_features, **factory)
+            if not weight.is_meta:
+                bound = 1 / math.sqrt(in_features)
+                nn.init.uniform_(weight, -bound, bound)
+            return weight
+
+        # Every rank starts from ep rank 0's draw, as one process would.
+        self.gate = nn.Parameter(self._from_first_rank(linear_weights(1, num_experts, dim)[0]))
+        self.w1 = distribute_parameter(linear_weights(num_experts, ffn_dim, dim), self.ep, Shard(0), src_data_rank=0)
+        self.w3 = distribute_parameter(linear_weights(num_experts, ffn_dim, dim), self.ep, Shard(0), src_data_rank=0)
+        self.w2 = distribute_parameter(linear_weights(num_experts, dim, ffn_dim), self.ep, Shard(0), src_data_rank=0)
+        if num_shared_experts:
+            width = num_shared_experts * ffn_dim
+            self.shared_w1 = nn.Parameter(self._from_first_rank(linear_weights(1, width, dim)[0]))
+            self.shared_w3 = nn.Parameter(self._from_first_rank(linear_weights(1, width, dim)[0]))
+            self.shared_w2 = nn.Parameter(self._from_first_rank(linear_weights(1, dim, width)[0]))
+        self.last_aux_loss: Tensor | None = None
+        self.last_z_loss: Tensor | None = None
+        self.last_tokens_per_expert: Tensor | None = None
+
+    def _from_first_rank(self, tensor: Tensor) -> Tensor:
+        if not tensor.is_meta and self.ep.size > 1:
+            dist.broadcast(tensor, group=self.ep.mesh.get_group(), group_src=0)
+        return tensor
+
+    @classmethod
+    def from_experts(cls, gate: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, *, ep_mesh: DeviceMesh,
+                     shared: tuple[Tensor, Tensor, Tensor] | None = None, **kwargs) -> "MoE":
+        """The layer holding the full weights of a single-process MoE (every rank passes the same tensors):
+        ``gate [E, dim]``, ``w1``/``w3 [E, ffn, dim]``, ``w2 [E, dim, ffn]``, and ``shared`` =
+        ``(w1 [S*ffn, dim], w3 [S*ffn, dim], w2 [dim, S*ffn])`` for ``num_shared_experts = S``."""
+        if not (isinstance(gate, Tensor) and gate.dim() == 2):
+            raise ValueError(f"gate must be an [E, dim] tensor, got {getattr(gate, 'shape', type(gate))}")
+        num_experts, dim = gate.shape
+        if not (w1.dim() == 3 and w1.shape[0] == num_experts and w1.shape[2] == dim and w3.shape == w1.shape
+                and w2.shape == (num_experts, dim, w1.shape[1])):
+            raise ValueError(
+                f"w1, w3 must be [E={num_experts}, ffn, dim={dim}] and w2 [E, dim, ffn]; got {tuple(w1.shape)}, "
+                f"{tuple(w3.shape)}, {tuple(w2.shape)}"
+            )
+        ffn_dim = w1.shape[1]
+        num_shared = 0
+        if shared is not None:
+            if len(shared) != 3 or shared[0].shape[0] % ffn_dim:
+                raise ValueError(f"shared must be (w1, w3, w2) with w1 [S*{ffn_dim}, {dim}]")
+            num_shared = shared[0].shape[0] // ffn_dim
+        layer = cls(dim, ffn_dim, num_experts, ep_mesh=ep_mesh, num_shared_experts=num_shared, device="meta",
+                    dtype=gate.dtype, **kwargs)
+        layer.gate = nn.Parameter(gate.detach().clone())
+        for name, full in (("w1", w1), ("w3", w3), ("w2", w2)):
+            setattr(layer, name, distribute_parameter(full.detach(), layer.ep, Shard(0), src_data_rank=None))
+        if shared is not None:
+            for name, full in zip(("shared_w1", "shared_w3", "shared_w2"), shared):
+                setattr(layer, name, nn.Parameter(full.detach().clone()))
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        check_floating_input(x, "input", self.gate.dtype)
+        check_features(x, "input", self.dim, "dim")
+        tokens = x.reshape(-1, self.dim)
+        expert_ids, weights, auxiliary = self._route(tokens)
+        out = self._experts(tokens, expert_ids, weights)
+        if self.num_shared_experts:
+            out = out + F.linear(F.silu(F.linear(tokens, self.shared_w1)) * F.linear(tokens, self.shared_w3),
+                                 self.shared_w2)
+        if auxiliary is not None:
+            out = _AddAuxiliaryLoss.apply(out, auxiliary)
+        return out.view(x.shape)
+
+    def _route(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+        """(expert_ids [T, k] int64, -1 where dropped; weights [T, k] in the accumulator type; the weighted
+        auxiliary losses when they have a gradient to add, else None)."""
+        logits = F.linear(tokens.float(), self.gate.float())
+        if not torch.compiler.is_compiling() and index_checks_enabled() and logits.isnan().any():
+            raise ValueError("router logits contain NaN (the input or the gate weight holds NaN or inf); "
+                             "torchdist_ext.set_index_checks(False) skips this check")
+        if self.score_func == "softmax":
+            scores = logits.softmax(-1)
+            distribution = scores
+        else:
+            scores = logits.sigmoid()
+            distribution = scores / scores.sum(-1, keepdim=True)
+        top_scores, top_ids = scores.topk(self.top_k, dim=-1)
+        weights = top_scores
+        if self.score_func == "sigmoid" or self.top_k > 1:
+            weights = top_scores / top_scores.sum(-1, keepdim=True)
+        auxiliary = self._losses(logits, distribution, top_ids)
+        kept = top_ids if self.capacity_factor is None else self._drop_over_capacity(top_ids, weights)
+        self.last_tokens_per_expert = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=kept.device)
+        self.last_tokens_per_expert.scatter_add_(0, torch.where(kept >= 0, kept, self.num_experts).flatten(),
+                                                 torch.ones_like(kept).flatten())
+        self.last_tokens_per_expert = self.last_tokens_per_expert[: self.num_experts]
+        acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
+        return kept, weights.to(acc), auxiliary
+
+    def _losses(self, logits: Tensor, distribution: Tensor, top_ids: Tensor) -> Tensor | None:
+        """Records the load-balancing and z losses of this rank's tokens; returns their weighted sum when it has
+        a gradient to add (a coefficient > 0 and autograd on)."""
+        num_tokens = logits.shape[0]
+        slots = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device)
+        slots.scatter_add_(0, top_ids.flatten(), torch.ones(top_ids.numel(), device=logits.device))
+        share = slots / max(1, num_tokens * self.top_k)
+        aux = self.num_experts * (share * distribution.mean(0)).sum()
+        z = logits.logsumexp(-1).square().mean()
+        self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
+        if not (self.aux_loss_coef or self.z_loss_coef) or not logits.requires_grad:
+            return None
+        return self.aux_loss_coef * aux + self.z_loss_coef * z
+
+    def _drop_over_capacity(self, top_ids: Tensor, weights: Tensor) -> Tensor:
+        """top_ids with the slots past each expert's capacity set to -1 (the documented rule)."""
+        num_tokens, k = top_ids.shape
+        capacity = math.ceil(self.capacity_factor * num_tokens * k / self.num_experts)
+        experts = top_ids.flatten()
+        order = torch.arange(experts.numel(), device=experts.device)  # token-major: lower token first
+        if self.drop_policy == "probs":
+            order = torch.sort(-weights.flatten(), stable=True).indices
+        order = order[torch.sort(experts[order], stable=True).indices]  # expert-major, policy order inside
+        counts = torch.zeros(self.num_experts, dtype=torch.int64, device=experts.device)
+        counts.scatter_add_(0, experts, torch.ones_like(experts))
+        starts = counts.cumsum(0) - counts
+        rank = torch.empty_like(order)
+        rank[order] = torch.arange(order.numel(), device=order.device) - starts[experts[order]]
+        return torch.where(rank < capacity, experts, -1).view(num_tokens, k)
+
+    def _experts(self, tokens: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+        n, local = self.ep.size, self.num_experts // self.ep.size
+        dropless = self.capacity_factor is None
+        capacity = -1 if dropless else math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.num_experts)
+        rows_per_rank = -1 if dropless else capacity * local
+        rows, row_ids, row_weights, counts = ops.moe_dispatch(tokens, expert_ids, weights, self.num_experts,
+                                                              rows_per_rank, self.ep.name)
+        per_expert = counts[1, :, 1:].sum(0) if dropless else counts.new_empty(0)
+        sorted_rows, positions, offsets = ops.moe_permute(rows, row_ids, per_expert, local,
+                                                          -1 if dropless else n * capacity)
+        w1, w3, w2 = self.w1.to_local(), self.w3.to_local(), self.w2.to_local()
+        if dropless:
+            hidden = F.silu(_grouped_mm(sorted_rows, w1, offsets, per_expert)) * _grouped_mm(sorted_rows, w3, offsets,
+                                                                                             per_expert)
+            expert_out = _grouped_mm(hidden, w2, offsets, per_expert)
+        else:
+            batch = sorted_rows.view(local, n * capacity, self.dim)
+            hidden = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))
+            expert_out = torch.bmm(hidden, w2.transpose(1, 2)).view(-1, self.dim)
+        out_rows = ops.moe_unpermute(expert_out, positions, row_weights)
+        out, _ = ops.moe_combine(out_rows, None, expert_ids, counts, self.num_experts, rows_per_rank, self.ep.name)
+        return out
+
+    def extra_repr(self) -> str:
+        capacity = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
+        return (f"dim={self.dim}, ffn_dim={self.ffn_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
+                f"ep={self.ep.size}, {capacity}, score_func={self.score_func}, "
+                f"num_shared_experts={self.num_shared_experts}")
+
+
+def _grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor, per_expert: Tensor) -> Tensor:
+    """``rows`` (expert-major, expert e's rows ending at ``offsets[e]``, ``per_expert[e]`` of them on the host)
+    times each expert's ``weight[e].T``: ``torch._grouped_mm`` on a GPU in 16-bit with 16-byte aligned widths,
+    else ``tdx::moe_grouped_mm`` (one GEMM per expert; torch._grouped_mm does not trace on the CPU)."""
+    aligned = all((size * rows.element_size()) % 16 == 0 for size in (weight.shape[1], weight.shape[2]))
+    if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and aligned and hasattr(torch, "_grouped_mm"):
+        return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
+    return ops.moe_grouped_mm(rows, weight, per_expert)
