@@ -143,7 +143,7 @@ def check_against_reference(num_experts, top_k, score_func, capacity_factor, dro
     dist.all_reduce(gate_grad)
     assert_close_to_scale(gate_grad, params[0].grad, dtype, "gate grad")
     for name, ref in zip(("w1", "w3", "w2"), params[1:]):
-        assert_close_to_scale(getattr(moe, name).grad.full_tensor(), ref.grad, dtype, f"{name} grad")
+        assert_close_to_scale(getattr(moe.experts, name).grad.full_tensor(), ref.grad, dtype, f"{name} grad")
     if shared:
         for name, ref in zip(("shared_w1", "shared_w3", "shared_w2"), shared_params):
             grad = getattr(moe, name).grad.clone()
@@ -197,7 +197,7 @@ def run_compiled(capacity_factor):
         return x + moe(x)
 
     compiled = torch.compile(block, fullgraph=True)
-    params = [moe.gate, moe.w1, moe.w2, moe.shared_w1]
+    params = [moe.gate, moe.experts.w1, moe.experts.w2, moe.shared_w1]
     for step in range(5):
         gen = torch.Generator().manual_seed(100 * step + dist.get_rank())
         x = torch.randn(2, TOKENS // 2, DIM, generator=gen, requires_grad=True)

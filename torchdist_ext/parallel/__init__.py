@@ -34,13 +34,14 @@ from torchdist_ext.parallel.context_attention import hybrid_attention, ring_atte
 from torchdist_ext.parallel.cross_entropy import vocab_parallel_cross_entropy
 from torchdist_ext.parallel.embedding import VocabParallelEmbedding
 from torchdist_ext.parallel.linear import ColumnParallelLinear, RowParallelLinear
-from torchdist_ext.parallel.moe import MoE
+from torchdist_ext.parallel.moe import MoE, fully_shard_moe
 from torchdist_ext.parallel.norm import RMSNorm
 from torchdist_ext.parallel.sequence_sharding import shard_sequence, unshard_sequence
 
 __all__ = [
     "ColumnParallelLinear",
     "MoE",
+    "fully_shard_moe",
     "RMSNorm",
     "RowParallelLinear",
     "VocabParallelEmbedding",

@@ -51,7 +51,7 @@ from torchdist_ext.parallel.input_checks import check_features, check_floating_d
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
 
-__all__ = ["MoE"]
+__all__ = ["GroupedExperts", "MoE", "fully_shard_moe"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
@@ -75,6 +75,30 @@ def _positive_int(arg: str, value) -> None:
         raise ValueError(f"{arg} must be a positive int, got {value!r}")
 
 
+class GroupedExperts(nn.Module):
+    """The experts this rank holds, as stacked weights ``w1``, ``w3`` ``[E, ffn, dim]``, ``w2`` ``[E, dim, ffn]``
+    (DTensors ``Shard(0)`` on the ep mesh; a module of its own, so that FSDP2 can shard it over the ranks that
+    hold the same experts and gather it around its forward).
+
+    ``forward(rows, offsets, per_expert, capacity)``: ``rows [A, dim]`` expert-major (``tdx::moe_permute``'s
+    order) -> ``[A, dim]``, each row through its expert's SwiGLU. Dropless (``capacity=-1``): expert e's rows
+    end at ``offsets[e]``, ``per_expert[e]`` of them (host); with a capacity, ``capacity`` rows each.
+    """
+
+    def __init__(self, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter):
+        super().__init__()
+        self.w1, self.w3, self.w2 = w1, w3, w2
+
+    def forward(self, rows: Tensor, offsets: Tensor, per_expert: Tensor, capacity: int) -> Tensor:
+        w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))
+        if capacity < 0:
+            hidden = F.silu(_grouped_mm(rows, w1, offsets, per_expert)) * _grouped_mm(rows, w3, offsets, per_expert)
+            return _grouped_mm(hidden, w2, offsets, per_expert)
+        batch = rows.view(w1.shape[0], capacity, rows.shape[1])
+        hidden = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))
+        return torch.bmm(hidden, w2.transpose(1, 2)).view(-1, rows.shape[1])
+
+
 class MoE(nn.Module):
     """SwiGLU experts ``w2(silu(w1 x) * w3 x)`` split over ``ep_mesh``, behind a top-k router.
 
@@ -90,10 +114,11 @@ class MoE(nn.Module):
         num_shared_experts: a dense SwiGLU of width ``num_shared_experts * ffn_dim`` on every token, added.
 
     Shapes: input ``[..., dim]`` (any leading dims) -> output of the same shape.
-    Parameters: ``w1``, ``w3`` ``[E, ffn_dim, dim]`` and ``w2`` ``[E, dim, ffn_dim]`` DTensors ``Shard(0)`` on
-    ``ep_mesh`` (rank r holds experts r*E/ep .. (r+1)*E/ep - 1); ``gate`` ``[E, dim]`` and the shared experts'
-    ``shared_w1``, ``shared_w3`` ``[S*ffn, dim]``, ``shared_w2`` ``[dim, S*ffn]`` plain parameters, equal on the
-    ranks of ``ep_mesh`` (shard them over the data-parallel mesh with FSDP2).
+    Parameters: ``experts.w1``, ``experts.w3`` ``[E, ffn_dim, dim]`` and ``experts.w2`` ``[E, dim, ffn_dim]``
+    DTensors ``Shard(0)`` on ``ep_mesh`` (rank r holds experts r*E/ep .. (r+1)*E/ep - 1); ``gate`` ``[E, dim]``
+    and the shared experts' ``shared_w1``, ``shared_w3`` ``[S*ffn, dim]``, ``shared_w2`` ``[dim, S*ffn]`` plain
+    parameters, equal on the ranks of ``ep_mesh``. With FSDP2, shard ``experts`` over the ranks that hold the
+    same experts and the rest over the whole data-parallel mesh (``fully_shard_moe``).
     """
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, *, top_k: int = 2, ep_mesh: DeviceMesh,
@@ -139,9 +164,9 @@ class MoE(nn.Module):
 
         # Every rank starts from ep rank 0's draw, as one process would.
         self.gate = nn.Parameter(self._from_first_rank(linear_weights(1, num_experts, dim)[0]))
-        self.w1 = distribute_parameter(linear_weights(num_experts, ffn_dim, dim), self.ep, Shard(0), src_data_rank=0)
-        self.w3 = distribute_parameter(linear_weights(num_experts, ffn_dim, dim), self.ep, Shard(0), src_data_rank=0)
-        self.w2 = distribute_parameter(linear_weights(num_experts, dim, ffn_dim), self.ep, Shard(0), src_data_rank=0)
+        self.experts = GroupedExperts(*(distribute_parameter(linear_weights(num_experts, *shape), self.ep, Shard(0),
+                                                             src_data_rank=0)
+                                        for shape in ((ffn_dim, dim), (ffn_dim, dim), (dim, ffn_dim))))
         if num_shared_experts:
             width = num_shared_experts * ffn_dim
             self.shared_w1 = nn.Parameter(self._from_first_rank(linear_weights(1, width, dim)[0]))
@@ -180,8 +205,8 @@ class MoE(nn.Module):
         layer = cls(dim, ffn_dim, num_experts, ep_mesh=ep_mesh, num_shared_experts=num_shared, device="meta",
                     dtype=gate.dtype, **kwargs)
         layer.gate = nn.Parameter(gate.detach().clone())
-        for name, full in (("w1", w1), ("w3", w3), ("w2", w2)):
-            setattr(layer, name, distribute_parameter(full.detach(), layer.ep, Shard(0), src_data_rank=None))
+        layer.experts = GroupedExperts(*(distribute_parameter(full.detach(), layer.ep, Shard(0), src_data_rank=None)
+                                         for full in (w1, w3, w2)))
         if shared is not None:
             for name, full in zip(("shared_w1", "shared_w3", "shared_w2"), shared):
                 setattr(layer, name, nn.Parameter(full.detach().clone()))
@@ -264,17 +289,9 @@ class MoE(nn.Module):
         rows, row_ids, row_weights, counts = ops.moe_dispatch(tokens, expert_ids, weights, self.num_experts,
                                                               rows_per_rank, self.ep.name)
         per_expert = counts[1, :, 1:].sum(0) if dropless else counts.new_empty(0)
-        sorted_rows, positions, offsets = ops.moe_permute(rows, row_ids, per_expert, local,
-                                                          -1 if dropless else n * capacity)
-        w1, w3, w2 = self.w1.to_local(), self.w3.to_local(), self.w2.to_local()
-        if dropless:
-            hidden = F.silu(_grouped_mm(sorted_rows, w1, offsets, per_expert)) * _grouped_mm(sorted_rows, w3, offsets,
-                                                                                             per_expert)
-            expert_out = _grouped_mm(hidden, w2, offsets, per_expert)
-        else:
-            batch = sorted_rows.view(local, n * capacity, self.dim)
-            hidden = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))
-            expert_out = torch.bmm(hidden, w2.transpose(1, 2)).view(-1, self.dim)
+        expert_capacity = -1 if dropless else n * capacity  # each source sends an expert at most `capacity`
+        sorted_rows, positions, offsets = ops.moe_permute(rows, row_ids, per_expert, local, expert_capacity)
+        expert_out = self.experts(sorted_rows, offsets, per_expert, expert_capacity)
         out_rows = ops.moe_unpermute(expert_out, positions, row_weights)
         out, _ = ops.moe_combine(out_rows, None, expert_ids, counts, self.num_experts, rows_per_rank, self.ep.name)
         return out
@@ -294,3 +311,20 @@ def _grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor, per_expert: Tenso
     if rows.is_cuda and rows.dtype in (torch.bfloat16, torch.float16) and aligned and hasattr(torch, "_grouped_mm"):
         return torch._grouped_mm(rows, weight.transpose(1, 2), offs=offsets)
     return ops.moe_grouped_mm(rows, weight, per_expert)
+
+
+def fully_shard_moe(moe: MoE, *, dp_mesh: DeviceMesh, expert_dp_mesh: DeviceMesh, **fsdp_kwargs) -> MoE:
+    """FSDP2 for an MoE whose ``ep_mesh`` is carved out of the data-parallel ranks (as torchtitan and
+    Megatron do): ``experts`` sharded over ``expert_dp_mesh`` (the ranks holding the same experts), the
+    router and shared experts over ``dp_mesh`` (all data-parallel ranks). The experts' gradients are
+    divided by the size of ``dp_mesh``, not of ``expert_dp_mesh``: each already sums its ep group's tokens.
+    ``fsdp_kwargs`` (e.g. ``mp_policy``) go to both ``fully_shard`` calls; the caller shards the enclosing
+    modules as usual.
+    """
+    from torch.distributed.fsdp import fully_shard
+
+    experts = fully_shard(moe.experts, mesh=expert_dp_mesh, **fsdp_kwargs)
+    experts.set_gradient_divide_factor(float(dp_mesh.size()))
+    if dp_mesh.device_type != "cuda":  # a custom factor is NCCL's pre-multiplied sum; gloo sums, then scales
+        experts.set_force_sum_reduction_for_comms(True)
+    return fully_shard(moe, mesh=dp_mesh, **fsdp_kwargs)
