@@ -76,7 +76,8 @@ TORCH_LIBRARY(tdx, m) {
       "str group_name, Tensor? counts=None) -> (Tensor x, Tensor expert_ids, Tensor weights, Tensor counts)");
   // The adjoint: y [R, D] and weights [R, k] back to their tokens: out [T, D] sums a token's rows over the
   // ranks in rank order (in fp32, fp64 for fp64); out_weights [T, k] takes slot j from its expert's rank
-  // (weights None: out_weights is empty).
+  // (weights None: out_weights is empty). expert_ids may keep the tokens' leading dims [..., k]: out is
+  // then [..., D] (and out_weights [..., k]).
   m.def(
       "moe_combine(Tensor y, Tensor? weights, Tensor expert_ids, Tensor counts, int num_experts, "
       "int rows_per_rank, str group_name) -> (Tensor out, Tensor out_weights)");
@@ -88,9 +89,9 @@ TORCH_LIBRARY(tdx, m) {
       "moe_permute(Tensor x, Tensor expert_ids, Tensor tokens_per_expert, int num_experts, int capacity) "
       "-> (Tensor x_sorted, Tensor positions, Tensor offsets)");
   // y [R, D]: y[r] = sum over j, in order, of weights[r, j] * sorted[positions[r, j]] (weights None: 1),
-  // accumulated in fp32 (fp64 for fp64).
+  // accumulated in fp32 (fp64 for fp64). sorted may be [experts, capacity, D] (its rows flattened).
   m.def("moe_unpermute(Tensor sorted, Tensor positions, Tensor? weights) -> Tensor");
-  // Its gradients: grad_sorted [A, D] and grad_weights [R, k] (empty without weights).
+  // Its gradients: grad_sorted (sorted's shape) and grad_weights [R, k] (empty without weights).
   m.def(
       "moe_unpermute_bwd(Tensor grad, Tensor sorted, Tensor positions, Tensor? weights) "
       "-> (Tensor grad_sorted, Tensor grad_weights)");

@@ -1,14 +1,17 @@
 """A small Llama-style decoder (RMSNorm, RoPE, SwiGLU, grouped-query attention) and its parallelisation.
 
 ``Llama`` is a plain single-process ``nn.Module`` built from ``nn.Linear``,
-``nn.Embedding`` and ``nn.RMSNorm``. ``parallelize_llama`` turns it, in place,
-into the tensor-parallel (optionally sequence-parallel) model with the same
-weights, optionally swaps in a context-parallel attention, then shards it with
+``nn.Embedding`` and ``nn.RMSNorm`` (with ``num_experts`` > 0 each block's FFN
+is a mixture of experts written as a plain loop over the experts).
+``parallelize_llama`` turns it, in place, into the tensor-parallel (optionally
+sequence-parallel) model with the same weights, optionally swaps in a
+context-parallel attention and the expert-parallel ``MoE``, then shards it with
 FSDP2. The forward code is shared: attention reads its local head count from
 the projection's output width and RoPE takes each token's global position, so
 one definition serves every layout.
 """
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -21,11 +24,15 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchdist_ext.parallel import (
     ColumnParallelLinear,
+    MoE,
     RMSNorm,
     RowParallelLinear,
     VocabParallelEmbedding,
+    fully_shard_moe,
     vocab_parallel_cross_entropy,
 )
+from torchdist_ext.parallel.mesh_group import MeshGroup
+from torchdist_ext.parallel.regions import gather_from_region, scatter_to_region
 
 
 @dataclass(frozen=True)
@@ -39,6 +46,10 @@ class LlamaConfig:
     max_seq_len: int = 512
     rope_theta: float = 10000.0
     norm_eps: float = 1e-5
+    num_experts: int = 0  # > 0: every FFN is a mixture of this many experts of width ffn_dim
+    top_k: int = 2
+    capacity_factor: float | None = None
+    aux_loss_coef: float = 0.0
 
     @property
     def head_dim(self) -> int:
@@ -97,13 +108,71 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))
 
 
+class MixtureOfExperts(nn.Module):
+    """The single-process MoE FFN: softmax top-k router, SwiGLU experts, a plain loop over them.
+
+    Tokens are routed in ``groups`` (index tensors into the flattened ``[batch * seq]`` tokens, each in the
+    order one parallel rank sees its tokens; default: one group), the capacity ``ceil(c T k / E)`` and the
+    kept slots (highest router weight first, ties to the lower token) per group, as ``torchdist_ext``'s
+    ``MoE`` does per rank. ``auxiliary`` is the groups' mean of ``aux_loss_coef`` times the load-balancing
+    loss, for the trainer to add to the loss it differentiates.
+    """
+
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.cfg = cfg
+        bound_in, bound_ffn = cfg.dim ** -0.5, cfg.ffn_dim ** -0.5
+        self.gate = nn.Parameter(torch.empty(cfg.num_experts, cfg.dim).uniform_(-bound_in, bound_in))
+        self.w1 = nn.Parameter(torch.empty(cfg.num_experts, cfg.ffn_dim, cfg.dim).uniform_(-bound_in, bound_in))
+        self.w3 = nn.Parameter(torch.empty(cfg.num_experts, cfg.ffn_dim, cfg.dim).uniform_(-bound_in, bound_in))
+        self.w2 = nn.Parameter(torch.empty(cfg.num_experts, cfg.dim, cfg.ffn_dim).uniform_(-bound_ffn, bound_ffn))
+        self.groups: list[Tensor] | None = None
+        self.auxiliary = torch.zeros(())
+
+    def forward(self, x: Tensor) -> Tensor:
+        tokens = x.reshape(-1, x.shape[-1])
+        groups = self.groups or [torch.arange(tokens.shape[0], device=x.device)]
+        out, self.auxiliary = torch.zeros_like(tokens), torch.zeros((), device=x.device)
+        for group in groups:
+            routed, aux = self._route_and_run(tokens[group])
+            out = out.index_copy(0, group, routed)
+            self.auxiliary = self.auxiliary + self.cfg.aux_loss_coef * aux / len(groups)
+        return out.view(x.shape)
+
+    def _route_and_run(self, x: Tensor) -> tuple[Tensor, Tensor]:
+        cfg, (num_tokens, _) = self.cfg, x.shape
+        probs = (x.float() @ self.gate.float().t()).softmax(-1)
+        weights, ids = probs.topk(cfg.top_k, dim=-1)
+        if cfg.top_k > 1:
+            weights = weights / weights.sum(-1, keepdim=True)
+        keep = torch.ones_like(ids, dtype=torch.bool)
+        if cfg.capacity_factor is not None:
+            capacity = math.ceil(cfg.capacity_factor * num_tokens * cfg.top_k / cfg.num_experts)
+            for e in range(cfg.num_experts):
+                slots = (ids == e).nonzero().tolist()  # (token, j), token order
+                slots.sort(key=lambda s: -weights[s[0], s[1]].item())  # stable: ties keep token order
+                for t, j in slots[capacity:]:
+                    keep[t, j] = False
+        out = torch.zeros_like(x)
+        for e in range(cfg.num_experts):
+            for j in range(cfg.top_k):
+                rows = ((ids[:, j] == e) & keep[:, j]).nonzero().squeeze(1)
+                if rows.numel():
+                    h = x[rows]
+                    y = (F.silu(h @ self.w1[e].t()) * (h @ self.w3[e].t())) @ self.w2[e].t()
+                    out = out.index_add(0, rows, (weights[rows, j].unsqueeze(1) * y).to(x.dtype))
+        share = torch.zeros(cfg.num_experts, device=x.device).index_add(
+            0, ids.flatten(), torch.ones(ids.numel(), device=x.device)) / ids.numel()
+        return out, cfg.num_experts * (share * probs.mean(0)).sum()
+
+
 class TransformerBlock(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.attention_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.attention = Attention(cfg)
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
-        self.feed_forward = FeedForward(cfg)
+        self.feed_forward = MixtureOfExperts(cfg) if cfg.num_experts else FeedForward(cfg)
 
     def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
         x = x + self.attention(self.attention_norm(x), cos, sin)
@@ -149,12 +218,31 @@ def check_layout(cfg: LlamaConfig, tp: int) -> None:
             raise ValueError(f"LlamaConfig.{name}={getattr(cfg, name)} must be divisible by tp={tp}")
 
 
+class ExpertParallelFeedForward(nn.Module):
+    """``MoE`` on the block's tokens. With sequence parallelism the tokens arrive sharded over tp: they are
+    gathered first and this rank's block of the output kept (every tp rank runs the same MoE on the same
+    tokens, so the expert and router gradients need no reduction over tp)."""
+
+    def __init__(self, moe: MoE, tp: MeshGroup, sequence_parallel: bool):
+        super().__init__()
+        self.moe, self.tp, self.sequence_parallel = moe, tp, sequence_parallel
+
+    def forward(self, x: Tensor) -> Tensor:
+        if not self.sequence_parallel:
+            return self.moe(x)
+        return scatter_to_region(self.moe(gather_from_region(x, self.tp, 1)), self.tp, 1)
+
+
 def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool,
                       attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                      compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy()) -> Llama:
+                      compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                      ep_mesh: DeviceMesh | None = None, expert_dp_mesh: DeviceMesh | None = None) -> Llama:
     """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
     attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh`` (with its
     mixed-precision policy ``mp_policy``, e.g. bf16 parameters with fp32 gradient reduction).
+    With experts, each block's ``MixtureOfExperts`` becomes the expert-parallel ``MoE`` over
+    ``ep_mesh`` (ranks of ``dp_mesh`` that see different tokens), its experts sharded by FSDP2 over
+    ``expert_dp_mesh`` (the ranks holding the same experts).
 
     With sequence parallelism the residual stream between blocks is sharded
     along the sequence over tp; the embedding reduce-scatters into it and the
@@ -170,9 +258,16 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         for name in ("wq", "wk", "wv"):
             setattr(attention, name, ColumnParallelLinear.from_linear(getattr(attention, name), **kw))
         attention.wo = RowParallelLinear.from_linear(attention.wo, **kw)
-        ffn.w1 = ColumnParallelLinear.from_linear(ffn.w1, **kw)
-        ffn.w3 = ColumnParallelLinear.from_linear(ffn.w3, **kw)
-        ffn.w2 = RowParallelLinear.from_linear(ffn.w2, **kw)
+        if isinstance(ffn, MixtureOfExperts):
+            cfg = model.cfg
+            moe = MoE.from_experts(ffn.gate, ffn.w1, ffn.w3, ffn.w2, ep_mesh=ep_mesh, top_k=cfg.top_k,
+                                   capacity_factor=cfg.capacity_factor, aux_loss_coef=cfg.aux_loss_coef)
+            fully_shard_moe(moe, dp_mesh=dp_mesh, expert_dp_mesh=expert_dp_mesh, mp_policy=mp_policy)
+            block.feed_forward = ExpertParallelFeedForward(moe, MeshGroup.of(tp_mesh), sequence_parallel)
+        else:
+            ffn.w1 = ColumnParallelLinear.from_linear(ffn.w1, **kw)
+            ffn.w3 = ColumnParallelLinear.from_linear(ffn.w3, **kw)
+            ffn.w2 = RowParallelLinear.from_linear(ffn.w2, **kw)
         if attend is not None:
             attention.attend = attend
         block.attention_norm = RMSNorm.from_rms_norm(block.attention_norm, **kw)

@@ -6,10 +6,15 @@
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 1 --cp 4 --cp-method hybrid --cp-ulysses 2
     torchrun --nproc-per-node 4 examples/train_llama.py --bf16 --check      # FSDP2 mixed precision
     torchrun --nproc-per-node 8 examples/train_llama.py --device cuda       # 8 GPUs: dp=4 x tp=2, NCCL, bf16
+    torchrun --nproc-per-node 4 examples/train_llama.py --experts 4 --ep 2 --check   # MoE FFNs: ep=2 of dp=2
 
 Every rank builds the same single-process model (same seed), converts it to
 tensor-parallel layers with the same weights and shards it with FSDP2 over
-dp x cp. Each step draws one global batch of byte windows (same generator on
+dp x cp. ``--experts E`` makes every FFN a mixture of E experts (top ``--top-k``,
+dropless or ``--capacity-factor c``), split over ``--ep`` ranks carved out of the
+dp x cp ranks (ep divides dp x cp), each step printing the busiest expert's load
+over the mean; ``--check``'s single process then routes each rank's tokens as
+that rank does. Each step draws one global batch of byte windows (same generator on
 every rank); data-parallel rank d trains on its slice, and context-parallel
 ranks split its sequence (tokens, targets and RoPE positions) zigzag, which
 balances causal work (for the hybrid: zigzag over the ring ranks, contiguous
@@ -34,14 +39,20 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama import Llama, LlamaConfig, parallelize_llama  # noqa: E402
+from llama import Llama, LlamaConfig, MixtureOfExperts, parallelize_llama  # noqa: E402
 
 import torchdist_ext  # noqa: E402,F401
-from torchdist_ext.parallel import hybrid_attention, ring_attention, shard_sequence, ulysses_attention  # noqa: E402
+from torchdist_ext.parallel import (  # noqa: E402
+    MoE,
+    hybrid_attention,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+)
 from torchdist_ext.planner import GPU_PRESETS  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
@@ -77,6 +88,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                           help="FSDP2 mixed precision: bf16 parameters and activations, fp32 gradient reduction "
                                "(the default with --device cuda)")
     numerics.add_argument("--fp32", action="store_true", help="fp32 throughout (the default on the CPU)")
+    parser.add_argument("--experts", type=int, default=0, help="experts per MoE FFN (0: dense FFNs)")
+    parser.add_argument("--top-k", type=int, default=2, help="experts per token")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size, dividing dp x cp")
+    parser.add_argument("--capacity-factor", type=float, default=None, help="drop slots past this capacity")
+    parser.add_argument("--aux-loss-coef", type=float, default=0.01, help="load-balancing loss weight")
     parser.add_argument("--check", action="store_true", help="also train in one process (fp32) and compare losses")
     parser.add_argument("--check-tolerance", type=float, default=None,
                         help=f"largest relative loss difference allowed by --check (default: "
@@ -121,18 +137,61 @@ def batches(steps: int, batch: int, seq: int, seed: int):
 
 
 def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
-    """Clips by the norm of the *whole* gradient: DTensor shards are reduced over every mesh dim first."""
+    """Clips by the norm of the *whole* gradient: DTensor shards are reduced over every dim of their mesh
+    first, one norm per mesh (the experts' gradients live on their own), then combined."""
     grads = [p.grad for p in parameters if p.grad is not None]
-    total = torch.nn.utils.get_total_norm(grads)
-    if isinstance(total, torch.distributed.tensor.DTensor):
-        total = total.full_tensor()
+    by_mesh: dict = {}
+    for g in grads:
+        by_mesh.setdefault(g.device_mesh if isinstance(g, torch.distributed.tensor.DTensor) else None, []).append(g)
+    norms = []
+    for group in by_mesh.values():
+        norm = torch.nn.utils.get_total_norm(group)
+        norms.append(norm.full_tensor() if isinstance(norm, torch.distributed.tensor.DTensor) else norm)
+    total = torch.linalg.vector_norm(torch.stack(norms))
     torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
     return total
 
 
 def build_model(args, device: torch.device) -> Llama:
     torch.manual_seed(args.seed)
-    return Llama(LlamaConfig(max_seq_len=args.seq)).to(device)
+    config = LlamaConfig(max_seq_len=args.seq, num_experts=args.experts, top_k=args.top_k,
+                         capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
+    return Llama(config).to(device)
+
+
+def expert_parallel_meshes(args, dp: int, ring: int, ulysses: int):
+    """(ep mesh, expert data-parallel mesh): the dp x cp ranks of each tp index cut into groups of ep
+    consecutive ranks; the expert-dp mesh joins the ranks that hold the same experts."""
+    if args.experts == 0:
+        return None, None
+    ranks = dp * ring * ulysses
+    if ranks % args.ep or args.experts % args.ep:
+        raise ValueError(f"--ep {args.ep} must divide dp x cp = {ranks} and --experts {args.experts}")
+    layout = torch.arange(ranks * args.tp).view(ranks // args.ep, args.ep, args.tp)
+    mesh = DeviceMesh(args.device, layout, mesh_dim_names=("expert_dp", "ep", "tp"))
+    mesh["expert_dp", "ep"]._flatten("experts")  # the experts' gradient norm in one all-reduce
+    return mesh["ep"], mesh["expert_dp"]
+
+
+def expert_token_groups(args, dp: int, ring: int, ulysses: int) -> list[torch.Tensor]:
+    """The flattened ``[batch * seq]`` token indices each dp x cp rank routes, in that rank's order: its batch
+    rows, and its sequence shard (zigzag over the ring ranks, or over the Ulysses ranks for --cp-method
+    ulysses; the hybrid's Ulysses ranks take contiguous blocks of each ring shard)."""
+    zigzag, inner = (ulysses, 1) if args.cp_method == "ulysses" else (ring, ulysses)
+    chunks = torch.arange(args.seq).chunk(2 * zigzag)
+    groups = []
+    for rows in torch.arange(args.batch).chunk(dp):
+        for z in range(zigzag):
+            for positions in torch.cat([chunks[z], chunks[2 * zigzag - 1 - z]]).chunk(inner):
+                groups.append((rows.unsqueeze(1) * args.seq + positions).flatten())
+    return groups
+
+
+def expert_load(model, group) -> float:
+    """The busiest expert's tokens over the mean, in the worst MoE layer, summed over `group`'s ranks."""
+    counts = torch.stack([m.last_tokens_per_expert for m in model.modules() if isinstance(m, MoE)]).float()
+    dist.all_reduce(counts, group=group)
+    return (counts.max(1).values / counts.mean(1)).max().item()
 
 
 def context_parallel_split(args) -> tuple[int, int]:
@@ -160,13 +219,19 @@ def context_parallel_plan(args, mesh):
     return partial(attention, cp_mesh=cp_mesh, causal=True, layout="zigzag"), cp_mesh
 
 
-def train_parallel(args, world_size: int, rank: int, device: torch.device) -> list[float]:
+def data_and_context_split(args, world_size: int) -> tuple[int, int, int]:
+    """(dp, ring ranks, Ulysses ranks), checked against the world size and the batch."""
     ring, ulysses = context_parallel_split(args)
     dp = args.dp or world_size // (args.tp * args.cp)
     if dp * args.cp * args.tp != world_size:
         raise ValueError(f"--dp {dp} x --cp {args.cp} x --tp {args.tp} must equal the world size {world_size}")
     if args.batch % dp:
         raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
+    return dp, ring, ulysses
+
+
+def train_parallel(args, world_size: int, rank: int, device: torch.device) -> list[float]:
+    dp, ring, ulysses = data_and_context_split(args, world_size)
     mesh = init_device_mesh(args.device, (dp, ring, ulysses, args.tp),
                             mesh_dim_names=("dp", "ring", "ulysses", "tp"))
     # FSDP shards over dp x cp: context-parallel ranks hold the same parameters and see different tokens.
@@ -174,18 +239,21 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     # A flattened mesh of every dim lets DTensor reduce the gradient norm in one all-reduce.
     mesh["dp", "ring", "ulysses", "tp"]._flatten("all")
     attend, cp_mesh = context_parallel_plan(args, mesh)
+    ep_mesh, expert_dp_mesh = expert_parallel_meshes(args, dp, ring, ulysses)
     single = build_model(args, device)
     flops_per_token = model_flops_per_token(single, args.seq)
     peak = gpu_peak_flops(device) if device.type == "cuda" else None
     model = parallelize_llama(single, tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
                               sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
-                              mp_policy=PRECISION_POLICY[precision(args)])
+                              mp_policy=PRECISION_POLICY[precision(args)], ep_mesh=ep_mesh,
+                              expert_dp_mesh=expert_dp_mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dp_rank, fsdp_group = mesh["dp"].get_local_rank(), fsdp_mesh.get_group()
     if rank == 0:
         print(f"world {world_size}: dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
               f"ring {ring} x ulysses {ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
-              f"compile={args.compile}, {precision(args)} on {args.device}; "
+              f"compile={args.compile}, {precision(args)} on {args.device}"
+              f"{f', {args.experts} experts (top {args.top_k}) over ep={args.ep}' if args.experts else ''}; "
               f"{sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
     positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
@@ -207,23 +275,29 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         global_loss /= fsdp_mesh.size()
         losses.append(global_loss.item())
         elapsed = time.perf_counter() - start  # .item() above waited for the step's work
+        load = expert_load(model, fsdp_group) if args.experts else None
         if rank == 0:
             tokens_per_second = args.batch * args.seq / elapsed  # the whole world's: one global batch per step
             line = (f"step {step:3d}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
                     f"{tokens_per_second:,.0f} tokens/s")
             if peak is not None:
                 line += f"  MFU {100 * tokens_per_second * flops_per_token / (peak * world_size):.2f}%"
+            if load is not None:
+                line += f"  expert load max/mean {load:.2f}"
             print(line, flush=True)
     return losses
 
 
-def train_single_process(args, device: torch.device) -> list[float]:
+def train_single_process(args, device: torch.device, dp: int, ring: int, ulysses: int) -> list[float]:
     model = build_model(args, device)
+    experts = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
+    for moe in experts:  # route as the parallel ranks do: each rank's tokens on their own
+        moe.groups = [group.to(device) for group in expert_token_groups(args, dp, ring, ulysses)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     losses = []
     for tokens, target in batches(args.steps, args.batch, args.seq, args.seed):
         loss = model(tokens.to(device), target.to(device))
-        loss.backward()
+        (loss + sum(moe.auxiliary for moe in experts)).backward()
         clip_grad_norm_(model.parameters(), args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
@@ -249,7 +323,7 @@ def main(argv=None) -> int:
         losses = train_parallel(args, world_size, rank, device)
         status = 0
         if args.check and rank == 0:
-            reference = train_single_process(args, device)
+            reference = train_single_process(args, device, *data_and_context_split(args, world_size))
             worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
             print(f"check: single-process losses {reference[0]:.4f} -> {reference[-1]:.4f}; "
                   f"largest relative loss difference over {len(losses)} steps: {worst:.2e} "

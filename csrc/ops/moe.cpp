@@ -157,7 +157,10 @@ std::tuple<at::Tensor, at::Tensor> moe_combine(const at::Tensor& y, const std::o
                                                c10::string_view group_name) {
   TORCH_CHECK(y.dim() == 2, kCombine, ": y must be [rows, dim], got ", y.sizes());
   element_type(kCombine, y.scalar_type());
-  TORCH_CHECK(expert_ids.dim() == 2, kCombine, ": expert_ids must be [tokens, top_k], got ", expert_ids.sizes());
+  TORCH_CHECK(expert_ids.dim() >= 2, kCombine, ": expert_ids must be [..., top_k], got ", expert_ids.sizes());
+  auto token_shape = expert_ids.sizes().vec();
+  token_shape.back() = y.size(1);  // out: the tokens' leading dims, then the rows' width
+  const auto ids = expert_ids.reshape({-1, expert_ids.size(-1)});
   if (weights.has_value()) {
     TORCH_CHECK(
         weights->dim() == 2 && weights->size(0) == y.size(0) && weights->size(1) == expert_ids.size(1), kCombine,
@@ -175,30 +178,33 @@ std::tuple<at::Tensor, at::Tensor> moe_combine(const at::Tensor& y, const std::o
   for (const int64_t rows : received_rows) total += rows;
   TORCH_CHECK(y.size(0) == total, kCombine, ": y has ", y.size(0), " rows; moe_dispatch delivered ", total);
 
-  const auto routing = route(expert_ids, n, num_experts, column(counts, 0));
+  const auto routing = route(ids, n, num_experts, column(counts, 0));
   std::vector<at::Tensor> sends{y};
   if (weights.has_value()) sends.push_back(*weights);
   auto back = comm::all_to_all_rows(*group, kCombine, "expert outputs", sends, received_rows, routing.rows);
-  const int64_t tokens = expert_ids.size(0);
+  const int64_t tokens = ids.size(0);
   const auto acc = accumulation_dtype(y.scalar_type());
-  // One extra row takes the padding; each rank's block is added in rank order (unique indices
-  // within a block), so the sums are the same run to run on every device.
-  auto out = at::zeros({tokens + 1, y.size(1)}, y.options().dtype(acc));
-  auto out_weights = at::zeros({weights.has_value() ? tokens + 1 : 0, expert_ids.size(1)}, y.options().dtype(acc));
+  // Each rank's block is added in rank order (unique indices within a block), so the sums are the
+  // same run to run on every device; padding rows (index `tokens`) are masked out. The outputs are
+  // allocated in their final shapes (fresh tensors, not views).
+  auto out = at::zeros(token_shape, y.options().dtype(acc));
+  auto out_weights = at::zeros(weights.has_value() ? expert_ids.sizes() : at::IntArrayRef({0, ids.size(1)}),
+                               y.options().dtype(acc));
+  auto out_rows = out.view({tokens, y.size(1)});
   int64_t first = 0;
   for (int64_t r = 0; r < n; ++r) {
     const int64_t rows = routing.rows[r];
     const auto& order = routing.tokens[r];
-    out.index_add_(0, order, back[0].narrow(0, first, rows).to(acc));
+    const auto valid = (order < tokens).unsqueeze(1);
+    const auto safe_order = order.clamp_max(std::max<int64_t>(tokens - 1, 0));
+    out_rows.index_add_(0, safe_order, back[0].narrow(0, first, rows).to(acc) * valid);
     if (weights.has_value()) {
-      const auto safe_order = order.clamp_max(std::max<int64_t>(tokens - 1, 0));
-      const auto mine = routing.destinations.index_select(0, safe_order) == r;
-      out_weights.index_add_(0, order, back[1].narrow(0, first, rows) * mine);
+      const auto mine = (routing.destinations.index_select(0, safe_order) == r) & valid;
+      out_weights.view({tokens, ids.size(1)}).index_add_(0, safe_order, back[1].narrow(0, first, rows) * mine);
     }
     first += rows;
   }
-  if (weights.has_value()) out_weights = out_weights.narrow(0, 0, tokens).contiguous();
-  return {out.narrow(0, 0, tokens).to(y.scalar_type()), out_weights};
+  return {out.to(y.scalar_type()), out_weights};
 }
 
 void check_slots(const char* op, const at::Tensor& positions, const std::optional<at::Tensor>& weights,
@@ -262,16 +268,17 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
 
 at::Tensor moe_unpermute(const at::Tensor& sorted, const at::Tensor& positions,
                          const std::optional<at::Tensor>& weights) {
-  TORCH_CHECK(sorted.dim() == 2, kUnpermute, ": sorted must be [sorted rows, dim], got ", sorted.sizes());
+  TORCH_CHECK(sorted.dim() >= 2, kUnpermute, ": sorted must be [sorted rows, dim] (or [experts, capacity, dim]), got ",
+              sorted.sizes());
   element_type(kUnpermute, sorted.scalar_type());
   check_slots(kUnpermute, positions, weights, sorted.scalar_type());
-  const auto rows = sorted.contiguous();
+  const auto rows = sorted.reshape({-1, sorted.size(-1)}).contiguous();
   const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
   const auto slots = positions.contiguous();
-  auto y = at::empty({positions.size(0), sorted.size(1)}, sorted.options());
+  auto y = at::empty({positions.size(0), rows.size(1)}, sorted.options());
   const kernels::GatherSumRowsArgs args{slot_rows(kUnpermute, rows, slots, w), rows.data_ptr(), y.data_ptr()};
   launch(kernels_for<MoeKernels>(kUnpermute, sorted.device()).gather_sum_rows, args, sorted.device(),
-         positions.size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(1, sorted.size(1))));
+         positions.size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(1, rows.size(1))));
   return y;
 }
 
@@ -279,13 +286,13 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_bwd(const at::Tensor& grad, con
                                                      const at::Tensor& positions,
                                                      const std::optional<at::Tensor>& weights) {
   TORCH_CHECK(
-      grad.dim() == 2 && sorted.dim() == 2 && grad.size(0) == positions.size(0) && grad.size(1) == sorted.size(1),
+      grad.dim() == 2 && sorted.dim() >= 2 && grad.size(0) == positions.size(0) && grad.size(1) == sorted.size(-1),
       kUnpermuteBwd, ": grad ", grad.sizes(), " must be [rows of positions, dim of sorted ", sorted.sizes(), "]");
   TORCH_CHECK_TYPE(grad.scalar_type() == sorted.scalar_type(), kUnpermuteBwd, ": grad and sorted must have one dtype");
   element_type(kUnpermuteBwd, grad.scalar_type());
   check_slots(kUnpermuteBwd, positions, weights, grad.scalar_type());
   const auto g = grad.contiguous();
-  const auto rows = sorted.contiguous();
+  const auto rows = sorted.contiguous();  // its leading dims are rows (sorted may be [experts, capacity, dim])
   const auto slots = positions.contiguous();
   const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
   const auto& table = kernels_for<MoeKernels>(kUnpermuteBwd, grad.device());

@@ -38,6 +38,17 @@ int64_t axis_size(const Layout& l, const std::string& axis) {
 
 }  // namespace
 
+double expected_remote_ranks(int64_t num_experts, int64_t top_k, int64_t ep) {
+  if (ep <= 1) return 0;
+  // P(a given rank holds none of the k distinct experts) = C(E - E/ep, k) / C(E, k).
+  const int64_t elsewhere = num_experts - num_experts / ep;
+  double none_here = 1;
+  for (int64_t i = 0; i < top_k; ++i) {
+    none_here *= static_cast<double>(std::max<int64_t>(elsewhere - i, 0)) / static_cast<double>(num_experts - i);
+  }
+  return static_cast<double>(ep - 1) * (1 - none_here);
+}
+
 bool axis_intra_domain(const Layout& layout, const ClusterSpec& cluster, const std::string& axis) {
   // Groups of an axis are `size` ranks `stride` apart; with the domains being
   // consecutive blocks of gpus_per_domain ranks, every group stays inside one
@@ -142,11 +153,12 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     add("cp", m * layers_per_stage * kv * (3 * (c - 1) + 1), attention_seconds);
   }
   if (l.ep > 1) {
-    // MoE dispatch and combine, forward and backward: 4 all-to-alls of the routed tokens per MoE layer.
-    const double ep = static_cast<double>(l.ep);
+    // MoE dispatch and combine, forward and backward: 4 all-to-alls per MoE layer. A token travels once
+    // to each other rank holding one of its experts (DeepEP's rule, as tdx::moe_dispatch does), with
+    // uniform routing expected_remote_ranks of them (k (ep-1)/ep without the deduplication).
     const double moe_layers_per_stage = static_cast<double>(model.num_moe_layers()) / layers * layers_per_stage;
-    const double routed = activation * static_cast<double>(model.experts_per_token);
-    add("ep", m * moe_layers_per_stage * 4 * routed * (ep - 1) / ep, 0.0);
+    const double routed = activation * expected_remote_ranks(model.num_experts, model.experts_per_token, l.ep);
+    add("ep", m * moe_layers_per_stage * 4 * routed, 0.0);
   }
   {
     // Data parallelism over the gradients (bf16): ZeRO 0-2 all-reduce them once per step and overlap

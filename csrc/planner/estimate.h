@@ -34,6 +34,11 @@ struct Estimate {
   double tokens_per_second() const { return tokens_per_step / step_seconds; }
 };
 
+// The other ranks of an ep group a token is sent to, on average, when it picks top_k distinct experts
+// uniformly among num_experts split evenly over ep ranks and goes once to each rank holding one:
+// (ep - 1) (1 - C(E - E/ep, k) / C(E, k)). Without that deduplication it would be k (ep - 1) / ep.
+double expected_remote_ranks(int64_t num_experts, int64_t top_k, int64_t ep);
+
 // Whether every group of `axis` lies inside one NVLink domain.
 bool axis_intra_domain(const Layout& layout, const ClusterSpec& cluster, const std::string& axis);
 

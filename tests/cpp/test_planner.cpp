@@ -192,3 +192,13 @@ TEST(Estimate, MemoryBreakdownOfZero3Tp8OnH100) {
   EXPECT_GT(e.mfu, 0.2);
   EXPECT_LT(e.mfu, 0.7);
 }
+
+TEST(Estimate, MoeTokensTravelOnceToEachRankHoldingOneOfTheirExperts) {
+  // E = 8, k = 2, ep = 2: the other rank holds none of the two experts with probability C(4,2)/C(8,2) = 6/28.
+  EXPECT_DOUBLE_EQ(expected_remote_ranks(8, 2, 2), 22.0 / 28.0);
+  // One expert per rank: nothing to deduplicate, k (ep - 1) / ep.
+  EXPECT_DOUBLE_EQ(expected_remote_ranks(8, 2, 8), 2.0 * 7.0 / 8.0);
+  EXPECT_DOUBLE_EQ(expected_remote_ranks(8, 2, 1), 0.0);
+  // DeepSeek-V3's 256 experts, top-8, over 64 ranks: 63 (1 - C(252,8)/C(256,8)) = 7.556 ranks, not 7.875 copies.
+  EXPECT_NEAR(expected_remote_ranks(256, 8, 64), 7.5558, 1e-4);
+}

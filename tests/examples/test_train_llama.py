@@ -40,13 +40,19 @@ def largest_relative_difference(output: str) -> float:
         ("--steps", "3", "--dp", "1", "--cp", "2", "--cp-method", "ulysses"),
         ("--steps", "3", "--tp", "1", "--cp", "4", "--cp-method", "hybrid", "--cp-ulysses", "2"),
         ("--steps", "2", "--dp", "1", "--cp", "2", "--compile"),
+        ("--steps", "3", "--experts", "4", "--ep", "2"),
+        ("--steps", "3", "--dp", "1", "--cp", "2", "--cp-method", "ulysses", "--experts", "4", "--ep", "2",
+         "--capacity-factor", "1.0"),
+        ("--steps", "3", "--tp", "1", "--experts", "8", "--ep", "4", "--top-k", "1"),
     ],
     ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled", "cp2-ring-tp2", "cp2-ulysses-tp2", "cp4-hybrid",
-         "cp2-ring-tp2-compiled"],
+         "cp2-ring-tp2-compiled", "dp2-tp2-sp-ep2", "cp2-ulysses-tp2-ep2-capacity", "dp4-ep4-top1"],
 )
 def test_matches_single_process(flags):
     output = run_main_job(*flags)
     assert re.search(r"step +0 +loss \d+\.\d+ .* tokens/s", output), output
+    if "--experts" in flags:
+        assert re.search(r"expert load max/mean \d+\.\d+", output), output
     assert largest_relative_difference(output) < 1e-4
 
 

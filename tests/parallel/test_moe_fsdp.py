@@ -3,6 +3,7 @@
 FSDP2: 4 ranks, dp=4 with ep=2 carved out of them (ep groups {0, 1} and {2, 3}): experts
 sharded over ep and fully_shard-ed over the 2 ranks holding the same experts, everything else
 over all 4; the loss, every gradient and one optimizer step equal one process on the whole batch.
+Also ep=4, where each expert lives on one rank and FSDP has no one to reduce its gradient with.
 DCP: saved at ep=2, loaded at ep=4 and at ep=1; the outputs equal the saved model's.
 """
 
@@ -44,8 +45,8 @@ def loss_of(y):
     return (y.sin() * y).mean()
 
 
-def check_fsdp_dp4_ep2():
-    mesh = cached_mesh((2, 2), ("expert_dp", "ep"))
+def check_fsdp_dp4(ep):
+    mesh = cached_mesh((4 // ep, ep), ("expert_dp", "ep"))
     dp = mesh["expert_dp", "ep"]._flatten("dp")
     gate, w1, w3, w2, shared = full_weights(EXPERTS, 1)
     batch = torch.randn(4, TOKENS, DIM, generator=torch.Generator().manual_seed(2))
@@ -86,8 +87,9 @@ def check_fsdp_dp4_ep2():
     return True
 
 
-def test_fsdp_dp4_ep2_matches_one_process(world4):
-    assert all(world4.run(check_fsdp_dp4_ep2))
+@pytest.mark.parametrize("ep", [2, 4])
+def test_fsdp_dp4_matches_one_process(world4, ep):
+    assert all(world4.run(check_fsdp_dp4, ep))
 
 
 def moe_on(mesh_shape, seed_weights=True):

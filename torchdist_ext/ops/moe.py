@@ -42,7 +42,8 @@ def moe_dispatch(x: Tensor, expert_ids: Tensor, weights: Tensor, num_experts: in
 def moe_combine(y: Tensor, weights: Tensor | None, expert_ids: Tensor, counts: Tensor, num_experts: int,
                 rows_per_rank: int, group_name: str) -> tuple[Tensor, Tensor]:
     """``(out [T, D], out_weights [T, k])``: rows ``y [R, D]`` and slot weights back to this rank's tokens
-    (``weights`` None: ``out_weights`` is empty)."""
+    (``weights`` None: ``out_weights`` is empty). ``expert_ids`` may keep the tokens' leading dims
+    ``[..., k]``; ``out`` is then ``[..., D]``."""
     return torch.ops.tdx.moe_combine(y, weights, expert_ids, counts, num_experts, rows_per_rank, group_name)
 
 
@@ -57,7 +58,8 @@ def moe_permute(x: Tensor, expert_ids: Tensor, tokens_per_expert: Tensor, num_ex
 
 
 def moe_unpermute(sorted_rows: Tensor, positions: Tensor, weights: Tensor | None) -> Tensor:
-    """``y [R, D]``: ``y[r] = sum_j weights[r, j] * sorted_rows[positions[r, j]]`` (weights None: 1)."""
+    """``y [R, D]``: ``y[r] = sum_j weights[r, j] * sorted_rows[positions[r, j]]`` (weights None: 1);
+    ``sorted_rows`` ``[A, D]`` or ``[experts, capacity, D]`` (its rows flattened)."""
     return torch.ops.tdx.moe_unpermute(sorted_rows, positions, weights)
 
 
@@ -118,7 +120,7 @@ def _(x, expert_ids, weights, num_experts, rows_per_rank, group_name, counts=Non
 def _(y, weights, expert_ids, counts, num_experts, rows_per_rank, group_name):
     op = "moe_combine"
     _check_rows(op, y, "y")
-    torch._check(expert_ids.dim() == 2, lambda: f"{op}: expert_ids must be [tokens, top_k], got {tuple(expert_ids.shape)}")
+    torch._check(expert_ids.dim() >= 2, lambda: f"{op}: expert_ids must be [..., top_k], got {tuple(expert_ids.shape)}")
     if weights is not None:
         torch._check(
             weights.dim() == 2 and weights.shape[0] == y.shape[0] and weights.shape[1] == expert_ids.shape[1],
@@ -130,9 +132,9 @@ def _(y, weights, expert_ids, counts, num_experts, rows_per_rank, group_name):
             lambda: f"{op}: weights must be {_acc(y.dtype)} for {y.dtype} rows, got {weights.dtype}",
         )
     _check_group(op, num_experts, rows_per_rank, _get_group_size_by_name(group_name))
-    tokens = expert_ids.shape[0]
-    out_weights = y.new_empty((tokens if weights is not None else 0, expert_ids.shape[1]), dtype=_acc(y.dtype))
-    return y.new_empty(tokens, y.shape[1]), out_weights
+    out_weights = y.new_empty(expert_ids.shape if weights is not None else (0, expert_ids.shape[-1]),
+                              dtype=_acc(y.dtype))
+    return y.new_empty(*expert_ids.shape[:-1], y.shape[1]), out_weights
 
 
 @torch.library.register_fake("tdx::moe_permute")
@@ -164,9 +166,17 @@ def _check_slots(op: str, positions: Tensor, weights, dtype: torch.dtype) -> Non
 
 @torch.library.register_fake("tdx::moe_unpermute")
 def _(sorted_rows, positions, weights):
-    _check_rows("moe_unpermute", sorted_rows, "sorted")
-    _check_slots("moe_unpermute", positions, weights, sorted_rows.dtype)
-    return sorted_rows.new_empty(positions.shape[0], sorted_rows.shape[1])
+    op = "moe_unpermute"
+    torch._check(
+        sorted_rows.dim() >= 2,
+        lambda: f"{op}: sorted must be [sorted rows, dim] (or [experts, capacity, dim]), got {tuple(sorted_rows.shape)}",
+    )
+    torch._check_type(
+        sorted_rows.dtype in _FLOAT_DTYPES,
+        lambda: f"{op}: expected float32, float64, bfloat16 or float16, got {sorted_rows.dtype}",
+    )
+    _check_slots(op, positions, weights, sorted_rows.dtype)
+    return sorted_rows.new_empty(positions.shape[0], sorted_rows.shape[-1])
 
 
 @torch.library.register_fake("tdx::moe_unpermute_bwd")
@@ -224,7 +234,9 @@ def _combine_backward(ctx, grad_out, grad_weights):
         grad_out = torch.zeros(ctx.out_shape, dtype=ctx.dtype, device=expert_ids.device)
     if grad_weights is None or not ctx.has_weights:
         grad_weights = torch.zeros(expert_ids.shape, dtype=_acc(ctx.dtype), device=expert_ids.device)
-    gy, _, gw, _ = torch.ops.tdx.moe_dispatch(grad_out.contiguous(), expert_ids, grad_weights.contiguous(),
+    k = expert_ids.shape[-1]
+    gy, _, gw, _ = torch.ops.tdx.moe_dispatch(grad_out.reshape(-1, grad_out.shape[-1]).contiguous(),
+                                              expert_ids.reshape(-1, k), grad_weights.reshape(-1, k).contiguous(),
                                               *ctx.args, counts)
     return gy, gw if ctx.has_weights else None, None, None, None, None, None
 

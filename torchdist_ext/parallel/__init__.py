@@ -21,6 +21,7 @@ Context parallelism (attention tensors [batch, heads, seq_local, head_dim]; ``cp
 Expert parallelism (``ep_mesh``: its ranks see different tokens):
     MoE(dim, ffn_dim, num_experts, *, top_k=2, ep_mesh, capacity_factor=None, drop_policy="probs",
         score_func="softmax", aux_loss_coef=0.0, z_loss_coef=0.0, num_shared_experts=0, device=None, dtype=None)
+    fully_shard_moe(moe, *, dp_mesh, expert_dp_mesh, **fsdp_kwargs)
 
 Build from existing modules with the same full weights:
     ColumnParallelLinear.from_linear(linear, tp_mesh=..., **kwargs)
@@ -41,10 +42,10 @@ from torchdist_ext.parallel.sequence_sharding import shard_sequence, unshard_seq
 __all__ = [
     "ColumnParallelLinear",
     "MoE",
-    "fully_shard_moe",
     "RMSNorm",
     "RowParallelLinear",
     "VocabParallelEmbedding",
+    "fully_shard_moe",
     "hybrid_attention",
     "ring_attention",
     "shard_sequence",

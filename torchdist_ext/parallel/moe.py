@@ -70,6 +70,19 @@ class _AddAuxiliaryLoss(torch.autograd.Function):
         return grad, grad.new_ones(ctx.loss_shape, dtype=torch.float32)
 
 
+class _ScaleGradient(torch.autograd.Function):
+    """Identity in forward; scales the gradient by ``scale`` in backward."""
+
+    @staticmethod
+    def forward(ctx, x, scale):
+        ctx.scale = scale
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None
+
+
 def _positive_int(arg: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{arg} must be a positive int, got {value!r}")
@@ -81,22 +94,28 @@ class GroupedExperts(nn.Module):
     hold the same experts and gather it around its forward).
 
     ``forward(rows, offsets, per_expert, capacity)``: ``rows [A, dim]`` expert-major (``tdx::moe_permute``'s
-    order) -> ``[A, dim]``, each row through its expert's SwiGLU. Dropless (``capacity=-1``): expert e's rows
-    end at ``offsets[e]``, ``per_expert[e]`` of them (host); with a capacity, ``capacity`` rows each.
+    order) -> each row through its expert's SwiGLU. Dropless (``capacity=-1``): expert e's rows end at
+    ``offsets[e]``, ``per_expert[e]`` of them (host), out ``[A, dim]``; with a capacity, ``capacity`` rows each,
+    out ``[experts, capacity, dim]``.
+
+    ``gradient_scale`` multiplies the weights' gradients (``fully_shard_moe`` sets it).
     """
 
     def __init__(self, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter):
         super().__init__()
         self.w1, self.w3, self.w2 = w1, w3, w2
+        self.gradient_scale = 1.0
 
     def forward(self, rows: Tensor, offsets: Tensor, per_expert: Tensor, capacity: int) -> Tensor:
         w1, w3, w2 = (w.to_local() for w in (self.w1, self.w3, self.w2))
+        if self.gradient_scale != 1.0:
+            w1, w3, w2 = (_ScaleGradient.apply(w, self.gradient_scale) for w in (w1, w3, w2))
         if capacity < 0:
             hidden = F.silu(_grouped_mm(rows, w1, offsets, per_expert)) * _grouped_mm(rows, w3, offsets, per_expert)
             return _grouped_mm(hidden, w2, offsets, per_expert)
         batch = rows.view(w1.shape[0], capacity, rows.shape[1])
         hidden = F.silu(torch.bmm(batch, w1.transpose(1, 2))) * torch.bmm(batch, w3.transpose(1, 2))
-        return torch.bmm(hidden, w2.transpose(1, 2)).view(-1, rows.shape[1])
+        return torch.bmm(hidden, w2.transpose(1, 2))
 
 
 class MoE(nn.Module):
@@ -217,13 +236,10 @@ class MoE(nn.Module):
         check_features(x, "input", self.dim, "dim")
         tokens = x.reshape(-1, self.dim)
         expert_ids, weights, auxiliary = self._route(tokens)
-        out = self._experts(tokens, expert_ids, weights)
+        out = self._experts(tokens, expert_ids, weights, auxiliary, x.shape[:-1])  # [..., dim], not a view
         if self.num_shared_experts:
-            out = out + F.linear(F.silu(F.linear(tokens, self.shared_w1)) * F.linear(tokens, self.shared_w3),
-                                 self.shared_w2)
-        if auxiliary is not None:
-            out = _AddAuxiliaryLoss.apply(out, auxiliary)
-        return out.view(x.shape)
+            out = out + F.linear(F.silu(F.linear(x, self.shared_w1)) * F.linear(x, self.shared_w3), self.shared_w2)
+        return out
 
     def _route(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
         """(expert_ids [T, k] int64, -1 where dropped; weights [T, k] in the accumulator type; the weighted
@@ -281,7 +297,8 @@ class MoE(nn.Module):
         rank[order] = torch.arange(order.numel(), device=order.device) - starts[experts[order]]
         return torch.where(rank < capacity, experts, -1).view(num_tokens, k)
 
-    def _experts(self, tokens: Tensor, expert_ids: Tensor, weights: Tensor) -> Tensor:
+    def _experts(self, tokens: Tensor, expert_ids: Tensor, weights: Tensor, auxiliary: Tensor | None,
+                 token_shape: torch.Size) -> Tensor:
         n, local = self.ep.size, self.num_experts // self.ep.size
         dropless = self.capacity_factor is None
         capacity = -1 if dropless else math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.num_experts)
@@ -293,7 +310,10 @@ class MoE(nn.Module):
         sorted_rows, positions, offsets = ops.moe_permute(rows, row_ids, per_expert, local, expert_capacity)
         expert_out = self.experts(sorted_rows, offsets, per_expert, expert_capacity)
         out_rows = ops.moe_unpermute(expert_out, positions, row_weights)
-        out, _ = ops.moe_combine(out_rows, None, expert_ids, counts, self.num_experts, rows_per_rank, self.ep.name)
+        if auxiliary is not None:  # its gradient joins whenever the expert outputs' does
+            out_rows = _AddAuxiliaryLoss.apply(out_rows, auxiliary)
+        out, _ = ops.moe_combine(out_rows, None, expert_ids.view(*token_shape, self.top_k), counts, self.num_experts,
+                                 rows_per_rank, self.ep.name)
         return out
 
     def extra_repr(self) -> str:
@@ -316,15 +336,19 @@ def _grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor, per_expert: Tenso
 def fully_shard_moe(moe: MoE, *, dp_mesh: DeviceMesh, expert_dp_mesh: DeviceMesh, **fsdp_kwargs) -> MoE:
     """FSDP2 for an MoE whose ``ep_mesh`` is carved out of the data-parallel ranks (as torchtitan and
     Megatron do): ``experts`` sharded over ``expert_dp_mesh`` (the ranks holding the same experts), the
-    router and shared experts over ``dp_mesh`` (all data-parallel ranks). The experts' gradients are
-    divided by the size of ``dp_mesh``, not of ``expert_dp_mesh``: each already sums its ep group's tokens.
-    ``fsdp_kwargs`` (e.g. ``mp_policy``) go to both ``fully_shard`` calls; the caller shards the enclosing
-    modules as usual.
+    router and shared experts over ``dp_mesh`` (all data-parallel ranks). An expert's gradient on a rank
+    already sums the tokens of its whole ep group, so it is scaled by 1/ep in backward: FSDP's mean over
+    ``expert_dp_mesh`` then gives the mean over all data-parallel ranks (with no custom reduce op, which gloo
+    lacks, and also when ``expert_dp_mesh`` has one rank and FSDP reduces nothing). ``fsdp_kwargs`` (e.g.
+    ``mp_policy``) go to both ``fully_shard`` calls; the caller shards the enclosing modules as usual.
     """
     from torch.distributed.fsdp import fully_shard
 
-    experts = fully_shard(moe.experts, mesh=expert_dp_mesh, **fsdp_kwargs)
-    experts.set_gradient_divide_factor(float(dp_mesh.size()))
-    if dp_mesh.device_type != "cuda":  # a custom factor is NCCL's pre-multiplied sum; gloo sums, then scales
-        experts.set_force_sum_reduction_for_comms(True)
+    if expert_dp_mesh.size() * moe.ep.size != dp_mesh.size():
+        raise ValueError(
+            f"expert_dp_mesh ({expert_dp_mesh.size()} ranks) x ep ({moe.ep.size}) must make up dp_mesh "
+            f"({dp_mesh.size()} ranks)"
+        )
+    moe.experts.gradient_scale = 1.0 / moe.ep.size
+    fully_shard(moe.experts, mesh=expert_dp_mesh, **fsdp_kwargs)
     return fully_shard(moe, mesh=dp_mesh, **fsdp_kwargs)
