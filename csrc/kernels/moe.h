@@ -1,9 +1,19 @@
 #pragma once
-// Mixture-of-experts token permutation: the kernel table and argument layouts
-// shared by the host (csrc/ops/moe.cpp), the CPU kernels (kernels/cpu/moe.cpp)
-// and the CUDA kernels (kernels/cuda/moe.cu).
+// Mixture-of-experts token exchange and permutation: the kernel table and
+// argument layouts shared by the host (csrc/ops/moe.cpp), the CPU kernels
+// (kernels/cpu/moe.cpp) and the CUDA kernels (kernels/cuda/moe.cu).
 //
-// A rank holds `rows` received tokens, each with `top_k` slots naming a local
+// Exchange (moe_dispatch, moe_combine): a rank's `tokens` tokens each name
+// `top_k` global experts (-1: none); expert e lives on rank e / experts_per_rank.
+// A token travels once to every rank holding one of its experts, in the send
+// buffer's block of that rank, the rank's tokens in increasing token order.
+//
+// An expert id outside [-1, num_experts) (possible only with index checks off)
+// poisons what it touches: its token's sum comes back NaN (sum_rows), its slot's
+// row and weight gradient are NaN (sort_slots marks it kInvalidSlot), never a
+// plausible value.
+//
+// Permutation (moe_permute, moe_unpermute): a rank holds `rows` received tokens, each with `top_k` slots naming a local
 // expert (0 <= e < num_experts) or none (-1). The expert-major order puts the
 // slots of expert 0 first, then expert 1, ..., each expert's slots in
 // increasing slot order (slot = row * top_k + j), so the order is the same on
@@ -19,8 +29,11 @@
 
 namespace tdx::kernels {
 
+// The position of a slot whose expert id lies outside [-1, num_experts).
+inline constexpr int64_t kInvalidSlot = -2;
+
 // positions[slot] = the slot's row in expert-major order (-1 for no expert, or
-// past the expert's capacity). Work items: experts.
+// past the expert's capacity; kInvalidSlot for an id out of range). Work items: experts.
 struct SortSlotsArgs {
   const int64_t* experts;  // [rows, top_k]
   int64_t rows;
@@ -51,7 +64,8 @@ struct ScatterRowsArgs {
 };
 
 // y[r] = sum over j = 0..top_k-1 of weights[r, j] * sorted[positions[r, j]], in the
-// accumulator type, in that order (0 for a row without slots). Work items: rows.
+// accumulator type, in that order (0 for a row without slots; NaN with an invalid
+// slot). Work items: rows.
 struct GatherSumRowsArgs {
   SlotRows slots;
   const void* sorted;  // [sorted rows, dim]
@@ -59,7 +73,7 @@ struct GatherSumRowsArgs {
 };
 
 // dots[r, j] = <g[r], sorted[positions[r, j]]> in the accumulator type (0 without a
-// position): the gradient of a slot's weight. Work items: rows.
+// position, NaN for an invalid slot): the gradient of a slot's weight. Work items: rows.
 struct SlotDotsArgs {
   SlotRows slots;
   const void* g;       // [rows, dim]
@@ -67,7 +81,62 @@ struct SlotDotsArgs {
   void* dots;          // [rows, top_k] accumulator type
 };
 
+// send_rows[t, r] = the row of the send buffer carrying token t to rank r, or -1
+// (no expert of t on r, or rank r's block [starts[r], ends[r]) already full).
+// Work items: ranks.
+struct RouteTokensArgs {
+  const int64_t* experts;  // [tokens, top_k] global experts, -1: none
+  int64_t tokens;
+  int64_t top_k;
+  int64_t ranks;
+  int64_t experts_per_rank;
+  const int64_t* starts;  // [ranks] the first row of each rank's block
+  const int64_t* ends;    // [ranks] one past its last row
+  int64_t* send_rows;     // [tokens, ranks]
+};
+
+// The token rows of the exchange, and the routing of route_tokens.
+struct ExchangeRows {
+  ElementType type;
+  int64_t tokens;
+  int64_t top_k;
+  int64_t dim;
+  int64_t ranks;
+  int64_t experts_per_rank;
+  const int64_t* experts;    // [tokens, top_k] global experts, -1: none
+  const int64_t* send_rows;  // [tokens, ranks] from route_tokens
+};
+
+// For every token t and rank r with a row: rows[row] = x[t]; local_experts[row, j] =
+// the slot's expert on r (expert - r * experts_per_rank), or -1 where the slot's
+// expert is not on r; row_weights[row, j] = weights[t, j] there, else 0. Rows no
+// token is sent in are left as they are. Work items: tokens.
+struct PackRowsArgs {
+  ExchangeRows exchange;
+  const void* x;         // [tokens, dim]
+  const void* weights;   // [tokens, top_k] accumulator type
+  void* rows;            // [send rows, dim]
+  int64_t* local_experts;  // [send rows, top_k]
+  void* row_weights;     // [send rows, top_k] accumulator type
+};
+
+// out[t] = the sum over r = 0..ranks-1 of rows[send_rows[t, r]], in the accumulator
+// type, in that order (0 for a token sent nowhere; NaN for a token with an expert
+// id out of range); out_weights[t, j] = row_weights[send_rows[t, rank of the slot's
+// expert], j] (0 without one, NaN out of range; skipped when row_weights is
+// nullptr). Work items: tokens.
+struct SumRowsArgs {
+  ExchangeRows exchange;
+  const void* rows;         // [send rows, dim]
+  const void* row_weights;  // [send rows, top_k] accumulator type, or nullptr
+  void* out;                // [tokens, dim]
+  void* out_weights;        // [tokens, top_k] accumulator type
+};
+
 struct MoeKernels {
+  void (*route_tokens)(const RouteTokensArgs&, const Launch&);
+  void (*pack_rows)(const PackRowsArgs&, const Launch&);
+  void (*sum_rows)(const SumRowsArgs&, const Launch&);
   void (*sort_slots)(const SortSlotsArgs&, const Launch&);
   void (*scatter_rows)(const ScatterRowsArgs&, const Launch&);
   void (*gather_sum_rows)(const GatherSumRowsArgs&, const Launch&);

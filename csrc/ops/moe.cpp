@@ -39,16 +39,6 @@ constexpr const char* kGroupedMmWgrad = "moe_grouped_mm_wgrad";
 
 using kernels::MoeKernels;
 
-// The tokens' routing over the group: which rank each slot's expert lives on, and the
-// tokens sent to each rank (padded with the index `tokens` up to rows_per_rank).
-struct Routing {
-  int64_t ranks;
-  int64_t experts_per_rank;
-  at::Tensor destinations;          // [T, k]: the rank of the slot's expert, or -1
-  std::vector<at::Tensor> tokens;   // per rank: [rows sent] token indices, ascending
-  std::vector<int64_t> rows;        // per rank: rows sent
-};
-
 void check_expert_ids(const char* op, const at::Tensor& expert_ids, int64_t tokens, int64_t num_experts) {
   TORCH_CHECK(
       expert_ids.dim() == 2 && expert_ids.size(0) == tokens, op, ": expert_ids must be [tokens=", tokens,
@@ -75,17 +65,27 @@ int64_t group_checked(const char* op, const c10d::ProcessGroup& group, int64_t n
   return n;
 }
 
-Routing route(const at::Tensor& expert_ids, int64_t ranks, int64_t num_experts, const std::vector<int64_t>& rows) {
-  Routing routing{ranks, num_experts / ranks, {}, {}, rows};
-  routing.destinations = at::where(expert_ids >= 0, at::div(expert_ids, routing.experts_per_rank, "floor"), -1);
-  const auto rank_ids = at::arange(ranks, expert_ids.options());
-  const auto present = (routing.destinations.unsqueeze(-1) == rank_ids).any(1);  // [T, ranks]
-  const int64_t tokens = expert_ids.size(0);
-  for (int64_t r = 0; r < ranks; ++r) {
-    routing.tokens.push_back(at::nonzero_static(present.select(1, r), rows[r], tokens).reshape(-1));
+// [tokens, n]: the row of the send buffer carrying each token to each rank, or -1. Rank r's block holds
+// rows [sum of rows[:r], sum of rows[:r + 1]).
+at::Tensor route(const char* op, const at::Tensor& expert_ids, int64_t experts_per_rank,
+                 const std::vector<int64_t>& rows) {
+  const int64_t ranks = static_cast<int64_t>(rows.size());
+  std::vector<int64_t> bounds(2 * ranks);  // starts, then ends
+  for (int64_t r = 0, first = 0; r < ranks; ++r) {
+    bounds[r] = first;
+    first += rows[r];
+    bounds[ranks + r] = first;
   }
-  return routing;
+  const auto device_bounds = at::tensor(bounds, expert_ids.options().device(at::kCPU)).to(expert_ids.device());
+  auto send_rows = at::empty({expert_ids.size(0), ranks}, expert_ids.options());
+  const kernels::RouteTokensArgs args{expert_ids.data_ptr<int64_t>(), expert_ids.size(0), expert_ids.size(1), ranks,
+                                      experts_per_rank, device_bounds.data_ptr<int64_t>(),
+                                      device_bounds.data_ptr<int64_t>() + ranks, send_rows.data_ptr<int64_t>()};
+  launch(kernels_for<MoeKernels>(op, expert_ids.device()).route_tokens, args, expert_ids.device(), ranks, 1);
+  return send_rows;
 }
+
+int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, dim)); }
 
 // [n, 1 + experts_per_rank]: per rank, the rows this rank sends it and the slots per expert of it.
 at::Tensor send_counts(const at::Tensor& expert_ids, int64_t ranks, int64_t num_experts) {
@@ -133,21 +133,28 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(
   TORCH_CHECK(counts.sizes() == at::IntArrayRef({2, n, 1 + experts_per_rank}), kDispatch, ": counts must be [2, ", n,
               ", ", 1 + experts_per_rank, "], got ", counts.sizes());
 
-  const auto routing = route(expert_ids, n, num_experts, column(counts, 0));
-  const int64_t tokens = x.size(0);
-  const auto order = at::cat(routing.tokens);                    // [S] token per row sent, padded with `tokens`
-  const auto valid = order < tokens;
-  const auto safe_order = order.clamp_max(std::max<int64_t>(tokens - 1, 0));
-  std::vector<at::Tensor> owners;
-  for (int64_t r = 0; r < n; ++r) owners.push_back(at::full({routing.rows[r]}, r, order.options()));
-  const auto owner = at::cat(owners).unsqueeze(1);              // [S, 1] the rank each row goes to
-  const auto mine = (routing.destinations.index_select(0, safe_order) == owner) & valid.unsqueeze(1);
-  auto send_x = x.index_select(0, safe_order);
-  if (rows_per_rank >= 0) send_x.masked_fill_(~valid.unsqueeze(1), 0);
-  const auto send_ids = at::where(mine, expert_ids.index_select(0, safe_order) - owner * experts_per_rank, -1);
-  const auto send_weights = at::where(mine, weights.index_select(0, safe_order), 0);
-  auto received = comm::all_to_all_rows(*group, kDispatch, "tokens", {send_x, send_ids, send_weights},
-                                        routing.rows, column(counts, 1));
+  const auto sent_rows = column(counts, 0);
+  int64_t total = 0;
+  for (const int64_t rows : sent_rows) total += rows;
+  const auto ids = expert_ids.contiguous();
+  const auto send_rows = route(kDispatch, ids, experts_per_rank, sent_rows);
+  // Capacity mode pads each rank's block: zero rows with blank slots. Dropless fills every row of counts
+  // it made itself; given counts are zero-filled first, so no row goes out unwritten.
+  const bool padded = rows_per_rank >= 0 || given_counts.has_value();
+  const int64_t k = ids.size(1);
+  auto rows = padded ? at::zeros({total, x.size(1)}, x.options()) : at::empty({total, x.size(1)}, x.options());
+  auto local_experts = padded ? at::full({total, k}, -1, ids.options()) : at::empty({total, k}, ids.options());
+  auto row_weights = padded ? at::zeros({total, k}, weights.options()) : at::empty({total, k}, weights.options());
+  const auto tokens = x.contiguous();
+  const auto token_weights = weights.contiguous();
+  const kernels::PackRowsArgs pack{
+      {element_type(kDispatch, x.scalar_type()), x.size(0), k, x.size(1), n, experts_per_rank,
+       ids.data_ptr<int64_t>(), send_rows.data_ptr<int64_t>()},
+      tokens.data_ptr(), token_weights.data_ptr(), rows.data_ptr(), local_experts.data_ptr<int64_t>(),
+      row_weights.data_ptr()};
+  launch(kernels_for<MoeKernels>(kDispatch, x.device()).pack_rows, pack, x.device(), x.size(0), row_grain(x.size(1)));
+  auto received = comm::all_to_all_rows(*group, kDispatch, "tokens", {rows, local_experts, row_weights}, sent_rows,
+                                        column(counts, 1));
   return {received[0], received[1], received[2], counts};
 }
 
@@ -169,6 +176,8 @@ std::tuple<at::Tensor, at::Tensor> moe_combine(const at::Tensor& y, const std::o
         weights->scalar_type() == accumulation_dtype(y.scalar_type()), kCombine, ": weights must be ",
         accumulation_dtype(y.scalar_type()), " for ", y.scalar_type(), " rows, got ", weights->scalar_type());
   }
+  TORCH_CHECK(y.device() == expert_ids.device() && (!weights.has_value() || weights->device() == y.device()),
+              kCombine, ": y, weights and expert_ids must be on one device");
   auto group = comm::group_by_name(group_name);
   const int64_t n = group_checked(kCombine, *group, num_experts, rows_per_rank);
   TORCH_CHECK(counts.dim() == 3 && counts.size(0) == 2 && counts.size(1) == n && counts.device().is_cpu(), kCombine,
@@ -178,33 +187,22 @@ std::tuple<at::Tensor, at::Tensor> moe_combine(const at::Tensor& y, const std::o
   for (const int64_t rows : received_rows) total += rows;
   TORCH_CHECK(y.size(0) == total, kCombine, ": y has ", y.size(0), " rows; moe_dispatch delivered ", total);
 
-  const auto routing = route(ids, n, num_experts, column(counts, 0));
-  std::vector<at::Tensor> sends{y};
-  if (weights.has_value()) sends.push_back(*weights);
-  auto back = comm::all_to_all_rows(*group, kCombine, "expert outputs", sends, received_rows, routing.rows);
-  const int64_t tokens = ids.size(0);
-  const auto acc = accumulation_dtype(y.scalar_type());
-  // Each rank's block is added in rank order (unique indices within a block), so the sums are the
-  // same run to run on every device; padding rows (index `tokens`) are masked out. The outputs are
-  // allocated in their final shapes (fresh tensors, not views).
-  auto out = at::zeros(token_shape, y.options().dtype(acc));
-  auto out_weights = at::zeros(weights.has_value() ? expert_ids.sizes() : at::IntArrayRef({0, ids.size(1)}),
-                               y.options().dtype(acc));
-  auto out_rows = out.view({tokens, y.size(1)});
-  int64_t first = 0;
-  for (int64_t r = 0; r < n; ++r) {
-    const int64_t rows = routing.rows[r];
-    const auto& order = routing.tokens[r];
-    const auto valid = (order < tokens).unsqueeze(1);
-    const auto safe_order = order.clamp_max(std::max<int64_t>(tokens - 1, 0));
-    out_rows.index_add_(0, safe_order, back[0].narrow(0, first, rows).to(acc) * valid);
-    if (weights.has_value()) {
-      const auto mine = (routing.destinations.index_select(0, safe_order) == r) & valid;
-      out_weights.view({tokens, ids.size(1)}).index_add_(0, safe_order, back[1].narrow(0, first, rows) * mine);
-    }
-    first += rows;
-  }
-  return {out.to(y.scalar_type()), out_weights};
+  const auto slots = ids.contiguous();
+  const auto send_rows = route(kCombine, slots, num_experts / n, column(counts, 0));
+  std::vector<at::Tensor> sends{y.contiguous()};
+  if (weights.has_value()) sends.push_back(weights->contiguous());
+  const auto back = comm::all_to_all_rows(*group, kCombine, "expert outputs", sends, received_rows, column(counts, 0));
+  // Each token's rows are added in rank order, so the sums are the same run to run on every device.
+  // The outputs are allocated in their final shapes (fresh tensors, not views).
+  auto out = at::empty(token_shape, y.options());
+  auto out_weights = at::empty(weights.has_value() ? expert_ids.sizes() : at::IntArrayRef({0, ids.size(1)}),
+                               y.options().dtype(accumulation_dtype(y.scalar_type())));
+  const kernels::SumRowsArgs sum{
+      {element_type(kCombine, y.scalar_type()), slots.size(0), slots.size(1), y.size(1), n, num_experts / n,
+       slots.data_ptr<int64_t>(), send_rows.data_ptr<int64_t>()},
+      back[0].data_ptr(), weights.has_value() ? back[1].data_ptr() : nullptr, out.data_ptr(), out_weights.data_ptr()};
+  launch(kernels_for<MoeKernels>(kCombine, y.device()).sum_rows, sum, y.device(), slots.size(0), row_grain(y.size(1)));
+  return {out, out_weights};
 }
 
 void check_slots(const char* op, const at::Tensor& positions, const std::optional<at::Tensor>& weights,

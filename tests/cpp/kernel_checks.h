@@ -308,9 +308,12 @@ void check_moe_permutation(const kernels::MoeKernels& table, ElementType type, i
   std::uniform_int_distribution<int64_t> pick(-1, experts - 2);  // expert experts-1 stays idle
   std::vector<int64_t> ids(rows * top_k);
   for (auto& id : ids) id = pick(gen);
+  ids[7] = experts;  // out of range (index checks off): the slot is poisoned
+  ids[20] = -4;
+  const auto invalid = [](int64_t id) { return id < -1 || id >= experts; };
   std::vector<int64_t> counts(experts, 0);
   for (const int64_t id : ids) {
-    if (id >= 0) ++counts[id];
+    if (id >= 0 && !invalid(id)) ++counts[id];
   }
   const int64_t most = *std::max_element(counts.begin(), counts.end());
   for (const int64_t capacity : {int64_t{-1}, most - 2}) {
@@ -323,8 +326,8 @@ void check_moe_permutation(const kernels::MoeKernels& table, ElementType type, i
     std::vector<int64_t> taken(experts, 0);
     for (int64_t slot = 0; slot < rows * top_k; ++slot) {  // the expected order: slot order within an expert
       const int64_t e = ids[slot];
-      int64_t want = -1;
-      if (e >= 0) {
+      int64_t want = invalid(e) ? kernels::kInvalidSlot : -1;
+      if (e >= 0 && !invalid(e)) {
         const int64_t rank = taken[e]++;
         const int64_t first = capacity >= 0 ? e * capacity : starts[e];
         if (capacity < 0 || rank < capacity) want = first + rank;
@@ -368,6 +371,7 @@ void check_moe_permutation(const kernels::MoeKernels& table, ElementType type, i
       for (int64_t d = 0; d < dim; ++d) {
         double want = 0, magnitude = 0;
         for (int64_t j = 0; j < top_k; ++j) {
+          if (positions[r * top_k + j] == kernels::kInvalidSlot) want = NAN;
           if (positions[r * top_k + j] < 0) continue;
           const double term = weights[r * top_k + j] * x.get(r * dim + d);
           want += term;
@@ -386,8 +390,120 @@ void check_moe_permutation(const kernels::MoeKernels& table, ElementType type, i
             magnitude += std::abs(term);
           }
         }
+        if (positions[r * top_k + j] == kernels::kInvalidSlot) want = NAN;
         // A sum of dim products: each product and add rounds (the GPU's tree adds as many levels as the CPU's chain).
         EXPECT_TRUE(close(dots[r * top_k + j], want, 2 * (dim + 1) * u * magnitude)) << "dot, row " << r << ", slot " << j;
+      }
+    }
+  }
+}
+
+// The exchange of moe_dispatch/moe_combine: route_tokens numbers each rank's tokens in token order from
+// its block's first row (past the block's end: -1), pack_rows copies a token to its rows with the slots
+// re-addressed to the rank's experts, sum_rows adds a token's rows back in rank order and picks each
+// slot's weight from the row on its expert's rank.
+template <typename Acc>
+void check_moe_exchange(const kernels::MoeKernels& table, ElementType type, int64_t dim) {
+  SCOPED_TRACE(std::string(type_name(type)) + ", dim " + std::to_string(dim));
+  constexpr int64_t tokens = 300, top_k = 3, ranks = 3, experts_per_rank = 2;  // past one GPU block of 256
+  std::mt19937 gen(17);
+  std::uniform_int_distribution<int64_t> pick(-1, ranks * experts_per_rank - 1);
+  std::vector<int64_t> ids(tokens * top_k);
+  for (auto& id : ids) id = pick(gen);
+  ids[5 * top_k + 1] = ranks * experts_per_rank;  // out of range (index checks off): the token comes back NaN
+  ids[9 * top_k] = -3;
+  const auto invalid = [](int64_t id) { return id < -1 || id >= ranks * experts_per_rank; };
+  const auto rank_of = [](int64_t expert) { return expert >= 0 ? expert / experts_per_rank : -1; };
+  const auto goes_to = [&](int64_t t, int64_t r) {
+    for (int64_t j = 0; j < top_k; ++j) {
+      if (rank_of(ids[t * top_k + j]) == r) return true;
+    }
+    return false;
+  };
+  std::vector<int64_t> wanted(ranks, 0);
+  for (int64_t t = 0; t < tokens; ++t) {
+    for (int64_t r = 0; r < ranks; ++r) wanted[r] += goes_to(t, r);
+  }
+  for (const int64_t short_by : {int64_t{0}, int64_t{5}}) {  // every token sent; each block 5 rows short
+    SCOPED_TRACE("blocks short by " + std::to_string(short_by));
+    std::vector<int64_t> starts(ranks), ends(ranks);
+    for (int64_t r = 0, first = 0; r < ranks; ++r) {
+      starts[r] = first;
+      ends[r] = first + wanted[r] - short_by;
+      first = ends[r] + 2;  // two padding rows after each block
+    }
+    const int64_t send_rows = ends[ranks - 1] + 2;
+    std::vector<int64_t> routed(tokens * ranks, -7);
+    table.route_tokens({ids.data(), tokens, top_k, ranks, experts_per_rank, starts.data(), ends.data(),
+                        routed.data()},
+                       kernels::Launch{0, ranks, nullptr});
+    std::vector<int64_t> next = starts;
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t r = 0; r < ranks; ++r) {
+        const int64_t want = goes_to(t, r) && next[r] < ends[r] ? next[r]++ : -1;
+        EXPECT_EQ(routed[t * ranks + r], want) << "token " << t << ", rank " << r;
+      }
+    }
+    const kernels::ExchangeRows exchange{type, tokens, top_k, dim, ranks, experts_per_rank, ids.data(),
+                                         routed.data()};
+    const Elements x(type, normal_values(tokens * dim, 1.0, 31));
+    const std::vector<double> weight_values = normal_values(tokens * top_k, 1.0, 32);
+    const std::vector<Acc> weights(weight_values.begin(), weight_values.end());
+    Elements rows(type, std::vector<double>(send_rows * dim, 3.0));
+    std::vector<int64_t> local(send_rows * top_k, -7);
+    std::vector<Acc> row_weights(send_rows * top_k, Acc(-7));
+    table.pack_rows({exchange, x.data(), weights.data(), rows.data(), local.data(), row_weights.data()},
+                    kernels::Launch{0, tokens, nullptr});
+    std::vector<bool> used(send_rows, false);
+    for (int64_t t = 0; t < tokens; ++t) {
+      for (int64_t r = 0; r < ranks; ++r) {
+        const int64_t row = routed[t * ranks + r];
+        if (row < 0) continue;
+        used[row] = true;
+        for (int64_t d = 0; d < dim; ++d) EXPECT_EQ(rows.get(row * dim + d), x.get(t * dim + d)) << "row " << row;
+        for (int64_t j = 0; j < top_k; ++j) {
+          const int64_t expert = ids[t * top_k + j];
+          const bool here = rank_of(expert) == r;
+          EXPECT_EQ(local[row * top_k + j], here ? expert - r * experts_per_rank : -1) << "row " << row;
+          EXPECT_EQ(row_weights[row * top_k + j], here ? weights[t * top_k + j] : Acc(0)) << "row " << row;
+        }
+      }
+    }
+    for (int64_t row = 0; row < send_rows; ++row) {
+      if (used[row]) continue;
+      EXPECT_EQ(local[row * top_k], -7) << "row " << row << " sends no token and stays untouched";
+      for (int64_t d = 0; d < dim; ++d) EXPECT_EQ(rows.get(row * dim + d), 3.0) << "row " << row;
+    }
+    // Back: other rows (the experts' outputs) summed per token in rank order.
+    const Elements back(type, normal_values(send_rows * dim, 1.0, 33));
+    const std::vector<double> back_weight_values = normal_values(send_rows * top_k, 1.0, 34);
+    const std::vector<Acc> back_weights(back_weight_values.begin(), back_weight_values.end());
+    Elements out(type, std::vector<double>(tokens * dim, 5.0));
+    std::vector<Acc> out_weights(tokens * top_k, Acc(-9));
+    table.sum_rows({exchange, back.data(), back_weights.data(), out.data(), out_weights.data()},
+                   kernels::Launch{0, tokens, nullptr});
+    const double u = unit_roundoff<Acc>(), rounding = store_roundoff(type);
+    for (int64_t t = 0; t < tokens; ++t) {
+      bool poisoned = false;
+      for (int64_t j = 0; j < top_k; ++j) poisoned |= invalid(ids[t * top_k + j]);
+      for (int64_t d = 0; d < dim; ++d) {
+        double want = poisoned ? NAN : 0, magnitude = 0;
+        for (int64_t r = 0; r < ranks; ++r) {
+          const int64_t row = routed[t * ranks + r];
+          if (row < 0) continue;
+          want += back.get(row * dim + d);
+          magnitude += std::abs(back.get(row * dim + d));
+        }
+        // ranks - 1 additions in the accumulator, then one store.
+        EXPECT_TRUE(close(out.get(t * dim + d), want, (ranks - 1) * u * magnitude * (1 + rounding) +
+                                                        rounding * std::abs(want) + store_underflow(type)))
+            << "token " << t << ", feature " << d;
+      }
+      for (int64_t j = 0; j < top_k; ++j) {
+        const int64_t r = rank_of(ids[t * top_k + j]);
+        const int64_t row = r >= 0 && !invalid(ids[t * top_k + j]) ? routed[t * ranks + r] : -1;
+        const double want = invalid(ids[t * top_k + j]) ? NAN : row >= 0 ? back_weights[row * top_k + j] : 0;
+        EXPECT_TRUE(close(out_weights[t * top_k + j], want, 0)) << "token " << t << ", slot " << j;
       }
     }
   }

@@ -1,4 +1,4 @@
-// CPU kernels of the MoE token permutation, every ISA clone, through the checks every implementation
+// CPU kernels of the MoE token exchange and permutation, every ISA clone, through the checks every implementation
 // passes (kernel_checks.h).
 
 #include <gtest/gtest.h>
@@ -16,6 +16,24 @@ TEST_P(MoePermutation, SortsSlotsExpertMajorAndMovesRowsBothWaysInEveryElementTy
   tdx::test::for_each_type_and_size({1, 7, 300}, [&](auto acc, tdx::kernels::ElementType type, int64_t dim) {
     tdx::test::check_moe_permutation<decltype(acc)>(tdx::kernels::MoeKernels::cpu(isa()), type, dim);
   });
+}
+
+TEST_P(MoePermutation, RoutesPacksAndSumsTheExchangedRowsInEveryElementType) {
+  tdx::test::for_each_type_and_size({1, 7, 300}, [&](auto acc, tdx::kernels::ElementType type, int64_t dim) {
+    tdx::test::check_moe_exchange<decltype(acc)>(tdx::kernels::MoeKernels::cpu(isa()), type, dim);
+  });
+}
+
+TEST_P(MoePermutation, RanksRoutedByPartialLaunchesAgreeWithOneLaunch) {
+  const std::vector<int64_t> ids = {2, 0, -1, 1, 2, 3, 0, 1, -1, -1};  // 5 tokens, top 2, 2 ranks of 2 experts
+  const std::vector<int64_t> starts = {0, 10}, ends = {4, 11};  // rank 1's block holds one of its two tokens
+  std::vector<int64_t> whole(10), parts(10, -7);
+  const auto& table = tdx::kernels::MoeKernels::cpu(isa());
+  table.route_tokens({ids.data(), 5, 2, 2, 2, starts.data(), ends.data(), whole.data()}, {0, 2, nullptr});
+  table.route_tokens({ids.data(), 5, 2, 2, 2, starts.data(), ends.data(), parts.data()}, {0, 1, nullptr});
+  table.route_tokens({ids.data(), 5, 2, 2, 2, starts.data(), ends.data(), parts.data()}, {1, 2, nullptr});
+  EXPECT_EQ(parts, whole);
+  EXPECT_EQ(whole, (std::vector<int64_t>{0, 10, 1, -1, -1, -1, 2, -1, -1, -1}));
 }
 
 TEST_P(MoePermutation, ExpertsSortedByPartialLaunchesAgreeWithOneLaunch) {

@@ -8,6 +8,7 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
+from torch.distributed.tensor import DTensor
 
 import torchdist_ext  # noqa: F401
 from torchdist_ext.ops import (
@@ -16,9 +17,14 @@ from torchdist_ext.ops import (
     matmul_reduce_scatter,
     all_to_all_heads_to_seq,
     all_to_all_seq_to_heads,
+    moe_combine,
+    moe_dispatch,
+    moe_permute,
+    moe_unpermute,
     vocab_parallel_cross_entropy_fwd,
 )
-from torchdist_ext.testing import spawn_world
+from torchdist_ext.parallel import MoE
+from torchdist_ext.testing import cached_mesh, spawn_world
 
 pytestmark = [
     pytest.mark.cuda,
@@ -133,6 +139,82 @@ def check_ulysses_all_to_all(layout):
 @pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
 def test_ulysses_all_to_all(cuda_world, layout):
     assert cuda_world.run(check_ulysses_all_to_all, layout) == [True]
+
+
+def check_moe_exchange_and_permutation():
+    """The CUDA kernels of moe_dispatch / moe_combine / moe_permute / moe_unpermute give the CPU kernels'
+    results: bit for bit where they only move rows, within fp32 rounding where they sum (a sum of at most
+    top_k = 2 weighted rows: one rounding each)."""
+    gen = torch.Generator().manual_seed(6)
+    tokens, dim, experts, top_k = 300, 72, 4, 2  # past one sort block of 256 threads
+    ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+    ids[torch.rand(tokens, top_k, generator=gen) < 0.2] = -1
+    weights, x = torch.rand(tokens, top_k, generator=gen), torch.randn(tokens, dim, generator=gen)
+    for rows_per_rank in (-1, tokens):
+        cpu = moe_dispatch(x, ids, weights, experts, rows_per_rank, group_name())
+        gpu = moe_dispatch(x.cuda(), ids.cuda(), weights.cuda(), experts, rows_per_rank, group_name())
+        for a, b in zip(cpu, gpu):
+            torch.testing.assert_close(b.cpu(), a, atol=0, rtol=0)
+        back_cpu = moe_combine(cpu[0] * 2, cpu[2], ids, cpu[3], experts, rows_per_rank, group_name())
+        back_gpu = moe_combine(gpu[0] * 2, gpu[2], ids.cuda(), gpu[3], experts, rows_per_rank, group_name())
+        for a, b in zip(back_cpu, back_gpu):
+            torch.testing.assert_close(b.cpu(), a, atol=0, rtol=0)
+        local_ids = cpu[1]
+        per_expert = torch.stack([(local_ids == e).sum() for e in range(experts)])
+        capacity = -1 if rows_per_rank < 0 else int(per_expert.max()) - 3  # with a capacity, some slots drop
+        sorted_cpu, positions_cpu, offsets_cpu = moe_permute(cpu[0], local_ids, per_expert, experts, capacity)
+        sorted_gpu, positions_gpu, offsets_gpu = moe_permute(gpu[0], gpu[1], per_expert, experts, capacity)
+        torch.testing.assert_close(sorted_gpu.cpu(), sorted_cpu, atol=0, rtol=0)
+        assert torch.equal(positions_gpu.cpu(), positions_cpu) and torch.equal(offsets_gpu.cpu(), offsets_cpu)
+        y_cpu = moe_unpermute(sorted_cpu, positions_cpu, cpu[2])
+        y_gpu = moe_unpermute(sorted_gpu, positions_gpu, gpu[2])
+        torch.testing.assert_close(y_gpu.cpu(), y_cpu, atol=1e-6, rtol=2 * 2**-24)
+        for op, args in (
+            (torch.ops.tdx.moe_dispatch, (x.cuda().requires_grad_(True), ids.cuda(), weights.cuda(), experts,
+                                          rows_per_rank, group_name(), None)),
+            (torch.ops.tdx.moe_permute, (gpu[0].requires_grad_(True), gpu[1], per_expert, experts, capacity)),
+            (torch.ops.tdx.moe_unpermute, (sorted_gpu.requires_grad_(True), positions_gpu, gpu[2])),
+        ):
+            torch.library.opcheck(op, args)
+    return True
+
+
+def test_moe_exchange_and_permutation_kernels(cuda_world):
+    assert cuda_world.run(check_moe_exchange_and_permutation) == [True]
+
+
+def check_moe_layer_bf16():
+    """The MoE layer on the GPU in bf16 (its expert GEMMs through torch._grouped_mm) against the same layer
+    in fp32 on the CPU: output and every gradient within bf16's rounding of a few chained GEMMs (2e-2
+    relative to each tensor's largest entry)."""
+    gen = torch.Generator().manual_seed(0)
+    full = [(torch.randn(*shape, generator=gen) * scale).bfloat16()  # values both layers hold exactly
+            for shape, scale in (((8, 64), 0.1), ((8, 128, 64), 0.125), ((8, 128, 64), 0.125), ((8, 64, 128), 0.09))]
+    cpu_layer = MoE.from_experts(*(w.float() for w in full), top_k=2, ep_mesh=cached_mesh((1,), ("ep",)))
+    gpu_layer = MoE.from_experts(*(w.cuda() for w in full), top_k=2,
+                                 ep_mesh=cached_mesh((1,), ("ep_cuda",), "cuda"))
+    x = torch.randn(4, 96, 64, generator=torch.Generator().manual_seed(1)).bfloat16().float()
+    x_cpu, x_gpu = x.clone().requires_grad_(True), x.to("cuda", torch.bfloat16).requires_grad_(True)
+    out_cpu, out_gpu = cpu_layer(x_cpu), gpu_layer(x_gpu)
+    upstream = torch.randn_like(out_cpu)
+    out_cpu.backward(upstream)
+    out_gpu.backward(upstream.to("cuda", torch.bfloat16))
+
+    def close(gpu, cpu, what):
+        gpu, cpu = (t.full_tensor() if isinstance(t, DTensor) else t for t in (gpu, cpu))
+        scale = cpu.abs().max().item()
+        torch.testing.assert_close(gpu.float().cpu(), cpu, atol=2e-2 * scale, rtol=0,
+                                   msg=lambda detail: f"{what}: {detail}")
+
+    close(out_gpu, out_cpu.detach(), "output")
+    close(x_gpu.grad, x_cpu.grad, "input gradient")
+    for (name, p_cpu), p_gpu in zip(cpu_layer.named_parameters(), gpu_layer.parameters()):
+        close(p_gpu.grad, p_cpu.grad, name)
+    return True
+
+
+def test_moe_layer_bf16_with_grouped_mm(cuda_world):
+    assert cuda_world.run(check_moe_layer_bf16) == [True]
 
 
 def test_lse_merge_kernel_matches_cpu():

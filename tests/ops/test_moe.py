@@ -206,6 +206,43 @@ def test_bad_input(world2, fn, error, message):
     assert world2.alive
 
 
+def unchecked_expert_ids_poison_their_tokens():
+    """With index checks off, an expert id out of range makes its token's output and gradient NaN (never a
+    plausible value); the other tokens equal the checked run's."""
+    ids, weights = routing(dist.get_rank())
+    x = torch.randn(T, D, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
+    bad = ids.clone()
+    bad[3, 1] = E if dist.get_rank() == 0 else -5
+    previous = torchdist_ext.set_index_checks(False)
+    try:
+        rows, row_ids, row_weights, counts = moe_dispatch(x, bad, weights, E, -1, group())
+        out, out_weights = moe_combine(rows, row_weights, bad, counts, E, -1, group())
+        out.sum().backward()
+    finally:
+        torchdist_ext.set_index_checks(previous)
+    reference, _, reference_weights, reference_counts = moe_dispatch(x.detach(), ids, weights, E, -1, group())
+    back, _ = moe_combine(reference, reference_weights, ids, reference_counts, E, -1, group())
+    valid = torch.arange(T) != 3
+    assert out[3].isnan().all() and x.grad[3].isnan().all() and out_weights[3, 1].isnan()
+    torch.testing.assert_close(out[valid], back[valid], rtol=0, atol=0)
+    assert not x.grad[valid].isnan().any()
+
+    rows_here, ids_here, _ = permute_inputs()
+    ids_here[2, 0] = 3  # past the 3 local experts
+    per_expert = torch.stack([(ids_here == e).sum() for e in range(3)])
+    previous = torchdist_ext.set_index_checks(False)
+    try:
+        sorted_rows, positions, _ = moe_permute(rows_here, ids_here, per_expert, 3, -1)
+    finally:
+        torchdist_ext.set_index_checks(previous)
+    y = moe_unpermute(sorted_rows, positions, torch.ones(ids_here.shape))
+    assert y[2].isnan().all() and not y[torch.arange(7) != 2].isnan().any()
+
+
+def test_unchecked_expert_ids_poison_their_tokens(world2):
+    world2.run(unchecked_expert_ids_poison_their_tokens)
+
+
 def test_grouped_mm_matches_a_loop_with_an_idle_expert():
     gen = torch.Generator().manual_seed(5)
     per_expert = torch.tensor([3, 0, 4])  # expert 1 gets no rows

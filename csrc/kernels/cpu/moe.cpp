@@ -1,7 +1,9 @@
-// CPU kernels of the MoE token permutation (contracts: kernels/moe.h).
+// CPU kernels of the MoE token exchange and permutation (contracts: kernels/moe.h).
 
 #include "kernels/moe.h"
 
+#include <cstring>
+#include <limits>
 #include <type_traits>
 
 #include "kernels/cpu/element.h"
@@ -10,6 +12,94 @@
 namespace tdx::kernels {
 namespace cpu {
 namespace {
+
+// The rank holding expert e, or -1 for no expert.
+inline int64_t rank_of(int64_t expert, int64_t experts_per_rank) {
+  return expert >= 0 ? expert / experts_per_rank : -1;
+}
+
+inline bool out_of_range(int64_t expert, int64_t num_experts) { return expert < -1 || expert >= num_experts; }
+
+bool has_expert_on(const int64_t* experts, int64_t top_k, int64_t experts_per_rank, int64_t rank) {
+  for (int64_t j = 0; j < top_k; ++j) {
+    if (rank_of(experts[j], experts_per_rank) == rank) return true;
+  }
+  return false;
+}
+
+void route_tokens(const RouteTokensArgs& args, const Launch& launch) {
+  for (int64_t r = launch.begin; r < launch.end; ++r) {
+    int64_t next = args.starts[r];
+    for (int64_t t = 0; t < args.tokens; ++t) {
+      const bool sent = has_expert_on(args.experts + t * args.top_k, args.top_k, args.experts_per_rank, r);
+      args.send_rows[t * args.ranks + r] = sent && next < args.ends[r] ? next++ : -1;
+    }
+  }
+}
+
+void pack_rows(const PackRowsArgs& args, const Launch& launch) {
+  const ExchangeRows& e = args.exchange;
+  visit_element_type(e.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using Acc = accumulator_t<T>;
+    const T* x = static_cast<const T*>(args.x);
+    const Acc* weights = static_cast<const Acc*>(args.weights);
+    T* rows = static_cast<T*>(args.rows);
+    Acc* row_weights = static_cast<Acc*>(args.row_weights);
+    for (int64_t t = launch.begin; t < launch.end; ++t) {
+      for (int64_t r = 0; r < e.ranks; ++r) {
+        const int64_t row = e.send_rows[t * e.ranks + r];
+        if (row < 0) continue;
+        std::memcpy(rows + row * e.dim, x + t * e.dim, e.dim * sizeof(T));
+        for (int64_t j = 0; j < e.top_k; ++j) {
+          const int64_t expert = e.experts[t * e.top_k + j];
+          const bool here = rank_of(expert, e.experts_per_rank) == r;
+          args.local_experts[row * e.top_k + j] = here ? expert - r * e.experts_per_rank : -1;
+          row_weights[row * e.top_k + j] = here ? weights[t * e.top_k + j] : Acc(0);
+        }
+      }
+    }
+  });
+}
+
+void sum_rows(const SumRowsArgs& args, const Launch& launch) {
+  const ExchangeRows& e = args.exchange;
+  visit_element_type(e.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    using Acc = accumulator_t<T>;
+    const T* rows = static_cast<const T*>(args.rows);
+    const Acc* row_weights = static_cast<const Acc*>(args.row_weights);
+    T* out = static_cast<T*>(args.out);
+    Acc* out_weights = static_cast<Acc*>(args.out_weights);
+    constexpr int64_t kChunk = 256;  // features summed at a time, in an Acc buffer
+    constexpr Acc kNaN = std::numeric_limits<Acc>::quiet_NaN();
+    const int64_t num_experts = e.ranks * e.experts_per_rank;
+    Acc sum[kChunk];
+    for (int64_t t = launch.begin; t < launch.end; ++t) {
+      const int64_t* send_rows = e.send_rows + t * e.ranks;
+      bool poisoned = false;
+      for (int64_t j = 0; j < e.top_k; ++j) poisoned |= out_of_range(e.experts[t * e.top_k + j], num_experts);
+      for (int64_t begin = 0; begin < e.dim; begin += kChunk) {
+        const int64_t n = e.dim - begin < kChunk ? e.dim - begin : kChunk;
+        for (int64_t d = 0; d < n; ++d) sum[d] = poisoned ? kNaN : Acc(0);
+        for (int64_t r = 0; r < e.ranks; ++r) {
+          if (send_rows[r] < 0) continue;
+          const T* from = rows + send_rows[r] * e.dim + begin;
+          for (int64_t d = 0; d < n; ++d) sum[d] += static_cast<Acc>(load(from[d]));
+        }
+        for (int64_t d = 0; d < n; ++d) store(out[t * e.dim + begin + d], sum[d]);
+      }
+      if (row_weights == nullptr) continue;
+      for (int64_t j = 0; j < e.top_k; ++j) {
+        const int64_t expert = e.experts[t * e.top_k + j];
+        const int64_t r = rank_of(expert, e.experts_per_rank);
+        const int64_t row = out_of_range(expert, num_experts) || r < 0 ? -1 : send_rows[r];
+        out_weights[t * e.top_k + j] =
+            out_of_range(expert, num_experts) ? kNaN : row >= 0 ? row_weights[row * e.top_k + j] : Acc(0);
+      }
+    }
+  });
+}
 
 void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
   const int64_t slots = args.rows * args.top_k;
@@ -25,7 +115,11 @@ void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
   if (launch.begin == 0) {
     for (int64_t slot = 0; slot < slots; ++slot) {
       const int64_t e = args.experts[slot];
-      if (e < 0 || e >= args.num_experts) args.positions[slot] = -1;
+      if (out_of_range(e, args.num_experts)) {
+        args.positions[slot] = kInvalidSlot;
+      } else if (e < 0) {
+        args.positions[slot] = -1;
+      }
     }
   }
 }
@@ -70,6 +164,9 @@ void gather_sum_rows(const GatherSumRowsArgs& args, const Launch& launch) {
         for (int64_t d = 0; d < n; ++d) sum[d] = 0;
         for (int64_t j = 0; j < s.top_k; ++j) {
           const int64_t position = s.positions[r * s.top_k + j];
+          if (position == kInvalidSlot) {
+            for (int64_t d = 0; d < n; ++d) sum[d] = std::numeric_limits<Acc>::quiet_NaN();
+          }
           if (position < 0) continue;
           const Acc w = slot_weight<Acc>(s, r * s.top_k + j);
           const T* from = sorted + position * s.dim + begin;
@@ -98,7 +195,7 @@ void slot_dots(const SlotDotsArgs& args, const Launch& launch) {
           const T* b = sorted + position * s.dim;
           for (int64_t d = 0; d < s.dim; ++d) dot += static_cast<Acc>(load(a[d])) * static_cast<Acc>(load(b[d]));
         }
-        dots[r * s.top_k + j] = dot;
+        dots[r * s.top_k + j] = position == kInvalidSlot ? std::numeric_limits<Acc>::quiet_NaN() : dot;
       }
     }
   });
@@ -108,7 +205,7 @@ void slot_dots(const SlotDotsArgs& args, const Launch& launch) {
 }  // namespace cpu
 
 const MoeKernels& MoeKernels::cpu(CpuIsa isa) {
-  return cpu_kernel_table<MoeKernels, &cpu::sort_slots, &cpu::scatter_rows, &cpu::gather_sum_rows,
+  return cpu_kernel_table<MoeKernels, &cpu::route_tokens, &cpu::pack_rows, &cpu::sum_rows, &cpu::sort_slots, &cpu::scatter_rows, &cpu::gather_sum_rows,
                           &cpu::slot_dots>(isa);
 }
 

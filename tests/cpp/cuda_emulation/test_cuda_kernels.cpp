@@ -103,3 +103,9 @@ TEST(CudaMoePermutation, SortsSlotsExpertMajorAndMovesRowsBothWaysInEveryElement
     tdx::test::check_moe_permutation<decltype(acc)>(MoeKernels::cuda(), type, dim);
   });
 }
+
+TEST(CudaMoeExchange, RoutesPacksAndSumsTheExchangedRowsInEveryElementType) {
+  tdx::test::for_each_type_and_size({1, 7, 300}, [](auto acc, ElementType type, int64_t dim) {
+    tdx::test::check_moe_exchange<decltype(acc)>(MoeKernels::cuda(), type, dim);
+  });
+}

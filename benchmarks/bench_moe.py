@@ -1,0 +1,218 @@
+"""Forward + backward of an expert-parallel MoE layer: ours against the torch-native composition.
+
+    python benchmarks/bench_moe.py [--worlds 2 4] [--repeats 10] [--quick]
+
+Layer: top-k softmax router, SwiGLU experts split over the gloo CPU ranks (each rank
+routes its own tokens), fp32. Variants, on the same weights and tokens in the same world:
+  ours_dropless   torchdist_ext.parallel.MoE, capacity_factor=None (tdx::moe_dispatch sends a token
+                  once to each rank holding one of its experts; one count copy to the host)
+  ours_capacity   the same layer with capacity_factor=1.25 (static shapes, nothing on the host)
+  torch           the composition torchtitan and Megatron's all-to-all dispatcher build from torch
+                  ops: a token copied once per chosen expert, argsort by expert, a count exchange and
+                  its .tolist(), all_to_all_single_autograd there and back, one matmul per local
+                  expert, weighted sum of the k outputs (same router, dropless: same output as ours)
+  compute_only    the expert GEMMs a rank runs under perfectly balanced routing (T*k rows split
+                  equally over its experts, batched), with no routing and no communication: the floor
+Reported per case: the median over repeats of the slowest rank's step time; the ratios
+dropless/torch, capacity/torch and compute_only/dropless; the rows each rank sends to
+other ranks per token (ours deduplicates the experts of a token that live on the same rank;
+torch sends one row per remote slot); the peak resident memory of one step above the
+rank's baseline (the largest rank). One JSON line per case, then a table.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._functional_collectives import all_to_all_single_autograd
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from peak_memory import PeakMemory  # noqa: E402
+
+import torchdist_ext  # noqa: E402,F401
+from torchdist_ext.parallel import MoE  # noqa: E402
+from torchdist_ext.testing import cached_mesh, spawn_world  # noqa: E402
+
+SIZES = [  # (tokens per rank, dim, ffn, experts, top_k)
+    (1024, 256, 512, 8, 2),
+    (2048, 256, 512, 16, 2),
+    (1024, 256, 256, 64, 6),  # fine-grained experts (DeepSeek-style): several experts per token per rank
+]
+CAPACITY_FACTOR = 1.25
+
+
+class TorchNativeMoE(nn.Module):
+    """Expert parallelism from torch ops alone, on the weights of ``moe`` (its router, its local experts)."""
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.moe = moe
+        self.group = moe.ep.mesh.get_group()
+
+    def forward(self, x):
+        moe, n = self.moe, self.moe.ep.size
+        local = moe.num_experts // n
+        tokens = x.reshape(-1, moe.dim)
+        expert_ids, weights, _ = moe._route(tokens)  # the layer's own router: only the dispatch differs
+        num_tokens, k = expert_ids.shape
+        slots = expert_ids.flatten()
+        order = torch.argsort(slots, stable=True)  # expert-major, hence destination-rank-major
+        send = tokens.index_select(0, order // k)  # one row per slot
+        send_counts = torch.bincount(slots, minlength=moe.num_experts)
+        recv_counts = torch.empty_like(send_counts)
+        dist.all_to_all_single(recv_counts, send_counts, group=self.group)
+        recv_matrix = recv_counts.view(n, local)  # [source rank, local expert]
+        send_splits = send_counts.view(n, local).sum(1).tolist()
+        recv_splits = recv_matrix.sum(1).tolist()
+        received = all_to_all_single_autograd(send, recv_splits, send_splits, self.group)
+        local_ids = torch.repeat_interleave(torch.arange(local).repeat(n), recv_matrix.flatten())
+        by_expert = torch.argsort(local_ids, stable=True)
+        w1, w3, w2 = (w.to_local() for w in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+        outputs = []
+        for e, rows in enumerate(received[by_expert].split(recv_matrix.sum(0).tolist())):
+            outputs.append(F.linear(F.silu(F.linear(rows, w1[e])) * F.linear(rows, w3[e]), w2[e]))
+        expert_out = torch.empty_like(received).index_copy(0, by_expert, torch.cat(outputs))
+        returned = all_to_all_single_autograd(expert_out, send_splits, recv_splits, self.group)
+        per_slot = torch.empty_like(returned).index_copy(0, order, returned).view(num_tokens, k, moe.dim)
+        out = (per_slot * weights.unsqueeze(-1).to(per_slot.dtype)).sum(1)
+        return out.view_as(x)
+
+
+class ComputeOnly(nn.Module):
+    """A rank's expert GEMMs under perfectly balanced routing, batched over its experts."""
+
+    def __init__(self, moe: MoE, rows_per_expert: int):
+        super().__init__()
+        self.w1, self.w3, self.w2 = (nn.Parameter(w.to_local().detach().clone())
+                                     for w in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+        self.rows_per_expert = rows_per_expert
+
+    def forward(self, x):
+        rows = x.view(self.w1.shape[0], self.rows_per_expert, -1)
+        hidden = F.silu(torch.bmm(rows, self.w1.transpose(1, 2))) * torch.bmm(rows, self.w3.transpose(1, 2))
+        return torch.bmm(hidden, self.w2.transpose(1, 2))
+
+
+def step(model, x, upstream):
+    (model(x) * upstream).sum().backward()
+    for p in model.parameters():
+        p.grad = None
+    x.grad = None
+
+
+def median_step_seconds(cases: dict, repeats: int, warmup: int) -> dict[str, float]:
+    """Variants interleaved within a repeat, in alternating order, so that drift hits them alike."""
+    for case in cases.values():
+        for _ in range(warmup):
+            step(*case)
+    times = {name: [] for name in cases}
+    for repeat in range(repeats):
+        order = list(cases.items())
+        for name, case in order if repeat % 2 == 0 else reversed(order):
+            dist.barrier()
+            start = time.perf_counter()
+            step(*case)
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def remote_rows_per_token(moe: MoE, x: torch.Tensor) -> dict[str, float]:
+    """Rows this rank sends to other ranks per token: ours (distinct remote ranks of a token's experts)
+    and torch's (remote slots)."""
+    with torch.no_grad():
+        expert_ids, _, _ = moe._route(x.reshape(-1, moe.dim))
+    owner = expert_ids // (moe.num_experts // moe.ep.size)
+    remote = owner != moe.ep.rank
+    distinct = torch.stack([(remote & (owner == r)).any(-1) for r in range(moe.ep.size)], -1)
+    return {"ours_rows_per_token": distinct.sum(-1).float().mean().item(),
+            "torch_rows_per_token": remote.sum(-1).float().mean().item()}
+
+
+def run_case(tokens: int, dim: int, ffn: int, experts: int, top_k: int, repeats: int, warmup: int) -> dict:
+    """Runs on every rank; returns this rank's median step time per variant, rows sent and peak memory."""
+    n = dist.get_world_size()
+    mesh = cached_mesh((n,), ("ep",))
+    torch.manual_seed(0)
+    dropless = MoE(dim, ffn, experts, top_k=top_k, ep_mesh=mesh)
+    capacity = MoE(dim, ffn, experts, top_k=top_k, ep_mesh=mesh, capacity_factor=CAPACITY_FACTOR)
+    capacity.load_state_dict(dropless.state_dict())
+    native = TorchNativeMoE(dropless)
+    gen = torch.Generator().manual_seed(1 + dist.get_rank())
+    x = torch.randn(tokens, dim, generator=gen, requires_grad=True)  # a layer inside a model: x needs its gradient
+    upstream = torch.randn(tokens, dim, generator=gen)
+    with torch.no_grad():
+        torch.testing.assert_close(native(x), dropless(x), atol=1e-5, rtol=1e-5, msg="torch disagrees with ours")
+    local = experts // n
+    rows_per_expert = -(-tokens * top_k // local)  # a rank receives T*k rows when the load is balanced
+    floor_x = torch.randn(local * rows_per_expert, dim, generator=gen, requires_grad=True)
+    cases = {
+        "ours_dropless": (dropless, x, upstream),
+        "ours_capacity": (capacity, x, upstream),
+        "torch": (native, x, upstream),
+        "compute_only": (ComputeOnly(dropless, rows_per_expert), floor_x,
+                         torch.randn(local, rows_per_expert, dim, generator=gen)),
+    }
+    result = {f"{name}_s": seconds for name, seconds in median_step_seconds(cases, repeats, warmup).items()}
+    for name in ("ours_dropless", "ours_capacity", "torch"):
+        dist.barrier()
+        with PeakMemory() as memory:
+            step(*cases[name])
+        result[f"{name}_peak_mb"] = memory.peak_mb
+    return result | remote_rows_per_token(dropless, x)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--warmup", type=int, default=2)
+    parser.add_argument("--sizes", type=int, nargs="+", default=list(range(len(SIZES))),
+                        help=f"indices into SIZES {SIZES}")
+    parser.add_argument("--quick", action="store_true", help="only the smallest size, 3 repeats")
+    args = parser.parse_args()
+    sizes = SIZES[:1] if args.quick else [SIZES[i] for i in args.sizes]
+    repeats = min(3, args.repeats) if args.quick else args.repeats
+    rows = []
+    for world_size in args.worlds:
+        with spawn_world(world_size, timeout=1800.0) as world:
+            for tokens, dim, ffn, experts, top_k in sizes:
+                per_rank = world.run(run_case, tokens, dim, ffn, experts, top_k, repeats, args.warmup)
+                worst = {key: max(r[key] for r in per_rank) for key in per_rank[0]}
+                mean = {key: statistics.mean(r[key] for r in per_rank) for key in per_rank[0]}
+                row = {
+                    "bench": "moe_fwd_bwd", "world": world_size,
+                    "tokens": tokens, "dim": dim, "ffn": ffn, "experts": experts, "top_k": top_k,
+                    **{key[:-2] + "_ms": round(worst[key] * 1e3, 2) for key in worst if key.endswith("_s")},
+                    "dropless_over_torch": round(worst["ours_dropless_s"] / worst["torch_s"], 3),
+                    "capacity_over_torch": round(worst["ours_capacity_s"] / worst["torch_s"], 3),
+                    "floor_fraction": round(worst["compute_only_s"] / worst["ours_dropless_s"], 3),
+                    "ours_rows_per_token": round(mean["ours_rows_per_token"], 3),
+                    "torch_rows_per_token": round(mean["torch_rows_per_token"], 3),
+                    **{key: round(worst[key], 1) for key in worst if key.endswith("_peak_mb")},
+                }
+                print(json.dumps(row), flush=True)
+                rows.append(row)
+    print()
+    header = (f"{'world':>5} {'T x d x f, E, k':>20} {'dropless':>9} {'capacity':>9} {'torch':>9} {'floor':>8} "
+              f"{'drl/torch':>9} {'cap/torch':>9} {'floor/drl':>9} {'rows/tok ours':>13} {'torch':>6} "
+              f"{'peak MiB ours':>13} {'torch':>6}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        shape = f"{r['tokens']}x{r['dim']}x{r['ffn']}, {r['experts']}, {r['top_k']}"
+        print(f"{r['world']:>5} {shape:>20} {r['ours_dropless_ms']:9.2f} {r['ours_capacity_ms']:9.2f} "
+              f"{r['torch_ms']:9.2f} {r['compute_only_ms']:8.2f} {r['dropless_over_torch']:9.3f} "
+              f"{r['capacity_over_torch']:9.3f} {r['floor_fraction']:9.3f} {r['ours_rows_per_token']:13.3f} "
+              f"{r['torch_rows_per_token']:6.3f} {r['ours_dropless_peak_mb']:13.1f} {r['torch_peak_mb']:6.1f}")
+
+
+if __name__ == "__main__":
+    main()
