@@ -11,11 +11,14 @@ routes its own tokens), fp32. Variants, on the same weights and tokens in the sa
                   ops: a token copied once per chosen expert, argsort by expert, a count exchange and
                   its .tolist(), all_to_all_single_autograd there and back, one matmul per local
                   expert, weighted sum of the k outputs (same router, dropless: same output as ours)
+  single_process  the single-process reference a model file writes (Hugging Face's Mixtral): every
+                  expert held locally, a Python loop over all E experts gathering their tokens and
+                  index_add-ing the weighted outputs, on this rank's tokens (same router, no communication)
   compute_only    the expert GEMMs a rank runs under perfectly balanced routing (T*k rows split
                   equally over its experts, batched), with no routing and no communication: the floor
 Reported per case: the median over repeats of the slowest rank's step time; the ratios
-dropless/torch, capacity/torch and compute_only/dropless; the rows each rank sends to
-other ranks per token (ours deduplicates the experts of a token that live on the same rank;
+dropless/torch, capacity/torch, dropless/single_process and compute_only/dropless; ours'
+tokens/s over the world; the rows each rank sends to other ranks per token (ours deduplicates the experts of a token that live on the same rank;
 torch sends one row per remote slot); the peak resident memory of one step above the
 rank's baseline (the largest rank). One JSON line per case, then a table.
 """
@@ -86,6 +89,27 @@ class TorchNativeMoE(nn.Module):
         return out.view_as(x)
 
 
+class SingleProcessLoop(nn.Module):
+    """The reference MoE of a single-process model file: all E experts here, one loop iteration per expert."""
+
+    def __init__(self, moe: MoE):
+        super().__init__()
+        self.route = moe._route  # the same router (its gate stays moe's parameter)
+        self.w1, self.w3, self.w2 = (nn.Parameter(w.full_tensor().detach().clone())
+                                     for w in (moe.experts.w1, moe.experts.w3, moe.experts.w2))
+
+    def forward(self, x):
+        tokens = x.reshape(-1, x.shape[-1])
+        expert_ids, weights, _ = self.route(tokens)
+        out = torch.zeros_like(tokens)
+        for e in range(self.w1.shape[0]):
+            token, slot = (expert_ids == e).nonzero(as_tuple=True)
+            rows = tokens[token]
+            expert_out = F.linear(F.silu(F.linear(rows, self.w1[e])) * F.linear(rows, self.w3[e]), self.w2[e])
+            out = out.index_add(0, token, expert_out * weights[token, slot, None])
+        return out.view_as(x)
+
+
 class ComputeOnly(nn.Module):
     """A rank's expert GEMMs under perfectly balanced routing, batched over its experts."""
 
@@ -144,12 +168,15 @@ def run_case(tokens: int, dim: int, ffn: int, experts: int, top_k: int, repeats:
     dropless = MoE(dim, ffn, experts, top_k=top_k, ep_mesh=mesh)
     capacity = MoE(dim, ffn, experts, top_k=top_k, ep_mesh=mesh, capacity_factor=CAPACITY_FACTOR)
     capacity.load_state_dict(dropless.state_dict())
-    native = TorchNativeMoE(dropless)
+    native, single_process = TorchNativeMoE(dropless), SingleProcessLoop(dropless)
     gen = torch.Generator().manual_seed(1 + dist.get_rank())
     x = torch.randn(tokens, dim, generator=gen, requires_grad=True)  # a layer inside a model: x needs its gradient
     upstream = torch.randn(tokens, dim, generator=gen)
     with torch.no_grad():
-        torch.testing.assert_close(native(x), dropless(x), atol=1e-5, rtol=1e-5, msg="torch disagrees with ours")
+        ours = dropless(x)
+        torch.testing.assert_close(native(x), ours, atol=1e-5, rtol=1e-5, msg="torch disagrees with ours")
+        torch.testing.assert_close(single_process(x), ours, atol=1e-5, rtol=1e-5,
+                                   msg="the single-process loop disagrees with ours")
     local = experts // n
     rows_per_expert = -(-tokens * top_k // local)  # a rank receives T*k rows when the load is balanced
     floor_x = torch.randn(local * rows_per_expert, dim, generator=gen, requires_grad=True)
@@ -157,6 +184,7 @@ def run_case(tokens: int, dim: int, ffn: int, experts: int, top_k: int, repeats:
         "ours_dropless": (dropless, x, upstream),
         "ours_capacity": (capacity, x, upstream),
         "torch": (native, x, upstream),
+        "single_process": (single_process, x, upstream),
         "compute_only": (ComputeOnly(dropless, rows_per_expert), floor_x,
                          torch.randn(local, rows_per_expert, dim, generator=gen)),
     }
@@ -193,7 +221,9 @@ def main() -> None:
                     **{key[:-2] + "_ms": round(worst[key] * 1e3, 2) for key in worst if key.endswith("_s")},
                     "dropless_over_torch": round(worst["ours_dropless_s"] / worst["torch_s"], 3),
                     "capacity_over_torch": round(worst["ours_capacity_s"] / worst["torch_s"], 3),
+                    "dropless_over_single_process": round(worst["ours_dropless_s"] / worst["single_process_s"], 3),
                     "floor_fraction": round(worst["compute_only_s"] / worst["ours_dropless_s"], 3),
+                    "ours_tokens_per_s": round(tokens * world_size / worst["ours_dropless_s"]),
                     "ours_rows_per_token": round(mean["ours_rows_per_token"], 3),
                     "torch_rows_per_token": round(mean["torch_rows_per_token"], 3),
                     **{key: round(worst[key], 1) for key in worst if key.endswith("_peak_mb")},
@@ -201,17 +231,19 @@ def main() -> None:
                 print(json.dumps(row), flush=True)
                 rows.append(row)
     print()
-    header = (f"{'world':>5} {'T x d x f, E, k':>20} {'dropless':>9} {'capacity':>9} {'torch':>9} {'floor':>8} "
-              f"{'drl/torch':>9} {'cap/torch':>9} {'floor/drl':>9} {'rows/tok ours':>13} {'torch':>6} "
-              f"{'peak MiB ours':>13} {'torch':>6}")
+    header = (f"{'world':>5} {'T x d x f, E, k':>20} {'dropless':>9} {'capacity':>9} {'torch':>9} {'1-proc':>8} "
+              f"{'floor':>8} {'drl/torch':>9} {'cap/torch':>9} {'drl/1-proc':>10} {'floor/drl':>9} {'tok/s':>7} "
+              f"{'rows/tok ours':>13} {'torch':>6} {'peak MiB ours':>13} {'torch':>6}")
     print(header)
     print("-" * len(header))
     for r in rows:
         shape = f"{r['tokens']}x{r['dim']}x{r['ffn']}, {r['experts']}, {r['top_k']}"
         print(f"{r['world']:>5} {shape:>20} {r['ours_dropless_ms']:9.2f} {r['ours_capacity_ms']:9.2f} "
-              f"{r['torch_ms']:9.2f} {r['compute_only_ms']:8.2f} {r['dropless_over_torch']:9.3f} "
-              f"{r['capacity_over_torch']:9.3f} {r['floor_fraction']:9.3f} {r['ours_rows_per_token']:13.3f} "
-              f"{r['torch_rows_per_token']:6.3f} {r['ours_dropless_peak_mb']:13.1f} {r['torch_peak_mb']:6.1f}")
+              f"{r['torch_ms']:9.2f} {r['single_process_ms']:8.2f} {r['compute_only_ms']:8.2f} "
+              f"{r['dropless_over_torch']:9.3f} {r['capacity_over_torch']:9.3f} "
+              f"{r['dropless_over_single_process']:10.3f} {r['floor_fraction']:9.3f} {r['ours_tokens_per_s']:7d} "
+              f"{r['ours_rows_per_token']:13.3f} {r['torch_rows_per_token']:6.3f} "
+              f"{r['ours_dropless_peak_mb']:13.1f} {r['torch_peak_mb']:6.1f}")
 
 
 if __name__ == "__main__":

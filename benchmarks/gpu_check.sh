@@ -10,8 +10,10 @@
 # (tests/ops/test_cuda.py: every CUDA kernel and CUDA dispatch against torch on
 # the same device, and against our CPU kernels; the main job on one GPU) and the
 # single-GPU kernel benchmarks (cross-entropy and the log-sum-exp merge against
-# the unfused torch expressions, with the fraction of the measured copy
-# bandwidth reached). Exits non-zero when the build, a test or a benchmark fails.
+# the unfused torch expressions, the MoE permute / unpermute against torch's
+# index ops, each with the fraction of the measured copy bandwidth reached, and
+# torch._grouped_mm against a loop of per-expert matmuls). Exits non-zero when
+# the build, a test or a benchmark fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_check_out}
@@ -42,7 +44,7 @@ python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" examples/
   --tp "$tp" --steps 30 --batch $((8 * gpus / tp)) --check 2>&1 | tee "$out/main_job.log" || status=1
 python3 -m pytest -q -p no:cacheprovider tests/ops/test_cuda.py tests/examples/test_train_llama.py -m cuda 2>&1 \
   | tee "$out/test_cuda.log" || status=1
-for bench in bench_cross_entropy bench_lse_merge; do
+for bench in bench_cross_entropy bench_lse_merge bench_moe_kernels; do
   python3 "benchmarks/$bench.py" --device cuda 2>&1 | tee "$out/$bench.log" || status=1
 done
 exit $status

@@ -101,4 +101,11 @@ TORCH_LIBRARY(tdx, m) {
   m.def("moe_grouped_mm(Tensor x, Tensor weight, Tensor tokens_per_expert) -> Tensor");
   // Its weight gradient: [E, N, K], per expert grad_e.T @ x_e (zero without rows).
   m.def("moe_grouped_mm_wgrad(Tensor grad, Tensor x, Tensor tokens_per_expert) -> Tensor");
+
+  // ---- fp8: scaled casts for fp8 GEMMs ----
+  // x (fp32, bf16 or fp16, any shape) -> x_fp8 = cast(x * scale) in fp8_dtype (float8_e4m3fn or
+  // float8_e5m2; contiguous, x's shape): finite values saturate to the format's largest value, inf and
+  // NaN become NaN, rounding to nearest even; amax = max |x| (fp32, 0-d; NaN if x holds a NaN, inf if
+  // it holds an inf). scale: fp32 with one element, on x's device. One read of x. Not differentiable.
+  m.def("fp8_cast_amax(Tensor x, Tensor scale, ScalarType fp8_dtype) -> (Tensor x_fp8, Tensor amax)");
 }

@@ -33,7 +33,9 @@ namespace tdx::kernels {
 inline constexpr int64_t kInvalidSlot = -2;
 
 // positions[slot] = the slot's row in expert-major order (-1 for no expert, or
-// past the expert's capacity; kInvalidSlot for an id out of range). Work items: experts.
+// past the expert's segment; kInvalidSlot for an id out of range). Each expert's
+// rows its slots leave empty (capacity padding) are zeroed in `sorted`, so the
+// caller need not clear it. Work items: experts.
 struct SortSlotsArgs {
   const int64_t* experts;  // [rows, top_k]
   int64_t rows;
@@ -41,7 +43,10 @@ struct SortSlotsArgs {
   int64_t num_experts;
   int64_t capacity;       // rows reserved per expert; -1: dropless (segments packed by `starts`)
   const int64_t* starts;  // [num_experts] each segment's first row (dropless; unused with a capacity)
+  const int64_t* ends;    // [num_experts] one past its last row (dropless): slots past it get -1
   int64_t* positions;     // [rows, top_k]
+  void* sorted;           // [sorted rows, row_bytes / element size]: the padding rows are zeroed
+  int64_t row_bytes;
 };
 
 // Rows of `rows` x `dim` elements of `type`. Weights (nullptr: all 1) are in the
@@ -55,8 +60,8 @@ struct SlotRows {
   const void* weights;       // [rows, top_k] or nullptr
 };
 
-// sorted[positions[r, j]] = weights[r, j] * x[r] for every slot with a position;
-// the caller zeroes `sorted` first (padding rows stay 0). Work items: rows.
+// sorted[positions[r, j]] = weights[r, j] * x[r] for every slot with a position
+// (rows without a slot are left as they are). Work items: rows.
 struct ScatterRowsArgs {
   SlotRows slots;
   const void* x;  // [rows, dim]

@@ -234,7 +234,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
   TORCH_CHECK_VALUE(capacity >= -1, kPermute, ": capacity must be -1 (dropless) or >= 0, got ", capacity);
   const auto device_longs = expert_ids.options();
   int64_t sorted_rows;
-  at::Tensor starts, offsets;
+  at::Tensor segments, offsets;  // dropless: [2, E] each expert's first row and one past its last, on x's device
   if (capacity >= 0) {
     sorted_rows = num_experts * capacity;
     offsets = (at::arange(1, num_experts + 1, device_longs) * capacity).to(at::kInt);
@@ -244,23 +244,35 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
             tokens_per_expert.scalar_type() == at::kLong,
         kPermute, ": dropless, tokens_per_expert must be a host int64 [num_experts=", num_experts, "], got ",
         tokens_per_expert.sizes(), " ", tokens_per_expert.scalar_type(), " on ", tokens_per_expert.device());
+    TORCH_CHECK_VALUE((tokens_per_expert >= 0).all().item<bool>(), kPermute,
+                      ": tokens_per_expert must be >= 0, got ", tokens_per_expert);
     const auto ends = tokens_per_expert.cumsum(0);
-    sorted_rows = num_experts > 0 ? ends[-1].item<int64_t>() : 0;
-    starts = (ends - tokens_per_expert).to(x.device());
+    sorted_rows = ends[-1].item<int64_t>();
+    segments = at::stack({ends - tokens_per_expert, ends}).to(x.device());
     offsets = ends.to(at::kInt).to(x.device());
   }
   const auto ids = expert_ids.contiguous();
   auto positions = at::empty(ids.sizes(), device_longs);
   const auto& table = kernels_for<MoeKernels>(kPermute, x.device());
-  const kernels::SortSlotsArgs sort{ids.data_ptr<int64_t>(), ids.size(0), ids.size(1), num_experts, capacity,
-                                    starts.defined() ? starts.data_ptr<int64_t>() : nullptr,
-                                    positions.data_ptr<int64_t>()};
-  launch(table.sort_slots, sort, x.device(), num_experts, 1);
+  // A slot past its expert's segment (tokens_per_expert short of the ids' counts) is dropped, never written
+  // out of bounds; sort_slots zeroes the rows no slot fills (capacity padding, or counts too large).
   const auto rows = x.contiguous();
-  auto sorted = at::zeros({sorted_rows, x.size(1)}, x.options());
+  auto sorted = at::empty({sorted_rows, x.size(1)}, x.options());
+  const int64_t* first_rows = segments.defined() ? segments.data_ptr<int64_t>() : nullptr;
+  const kernels::SortSlotsArgs sort{ids.data_ptr<int64_t>(),
+                                    ids.size(0),
+                                    ids.size(1),
+                                    num_experts,
+                                    capacity,
+                                    first_rows,
+                                    first_rows == nullptr ? nullptr : first_rows + num_experts,
+                                    positions.data_ptr<int64_t>(),
+                                    sorted.data_ptr(),
+                                    x.size(1) * static_cast<int64_t>(x.element_size())};
+  launch(table.sort_slots, sort, x.device(), num_experts, 1);
   const kernels::ScatterRowsArgs scatter{slot_rows(kPermute, rows, positions, at::Tensor()), rows.data_ptr(),
                                          sorted.data_ptr()};
-  launch(table.scatter_rows, scatter, x.device(), x.size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(1, x.size(1))));
+  launch(table.scatter_rows, scatter, x.device(), x.size(0), row_grain(x.size(1)));
   return {sorted, positions, offsets};
 }
 
@@ -276,7 +288,7 @@ at::Tensor moe_unpermute(const at::Tensor& sorted, const at::Tensor& positions,
   auto y = at::empty({positions.size(0), rows.size(1)}, sorted.options());
   const kernels::GatherSumRowsArgs args{slot_rows(kUnpermute, rows, slots, w), rows.data_ptr(), y.data_ptr()};
   launch(kernels_for<MoeKernels>(kUnpermute, sorted.device()).gather_sum_rows, args, sorted.device(),
-         positions.size(0), std::max<int64_t>(1, 4096 / std::max<int64_t>(1, rows.size(1))));
+         positions.size(0), row_grain(rows.size(1)));
   return y;
 }
 
@@ -294,7 +306,7 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_bwd(const at::Tensor& grad, con
   const auto slots = positions.contiguous();
   const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
   const auto& table = kernels_for<MoeKernels>(kUnpermuteBwd, grad.device());
-  const int64_t grain = std::max<int64_t>(1, 4096 / std::max<int64_t>(1, grad.size(1)));
+  const int64_t grain = row_grain(grad.size(1));
   auto grad_sorted = at::zeros_like(rows);
   const kernels::ScatterRowsArgs scatter{slot_rows(kUnpermuteBwd, g, slots, w), g.data_ptr(), grad_sorted.data_ptr()};
   launch(table.scatter_rows, scatter, grad.device(), positions.size(0), grain);

@@ -19,6 +19,7 @@
 #include "error_bounds.h"
 #include "kernels/attention.h"
 #include "kernels/cross_entropy.h"
+#include "kernels/fp8.h"
 #include "kernels/moe.h"
 
 namespace tdx::test {
@@ -48,6 +49,7 @@ class Elements {
   void* data() { return bytes_.data(); }
   const void* data() const { return bytes_.data(); }
   size_t count() const { return bytes_.size() / size(); }
+  size_t element_size() const { return size(); }
   bool operator==(const Elements& other) const { return bytes_ == other.bytes_; }
 
   double get(size_t i) const {
@@ -318,11 +320,21 @@ void check_moe_permutation(const kernels::MoeKernels& table, ElementType type, i
   const int64_t most = *std::max_element(counts.begin(), counts.end());
   for (const int64_t capacity : {int64_t{-1}, most - 2}) {
     SCOPED_TRACE("capacity " + std::to_string(capacity));
-    std::vector<int64_t> starts(experts, 0);
-    for (int64_t e = 1; e < experts; ++e) starts[e] = starts[e - 1] + counts[e - 1];
+    std::vector<int64_t> starts(experts, 0), ends(experts, 0);  // dropless: expert 1's segment one row short
+    for (int64_t e = 0; e < experts; ++e) {
+      ends[e] = starts[e] + counts[e] - (e == 1);
+      if (e + 1 < experts) starts[e + 1] = ends[e];
+    }
+    const int64_t sorted_rows = capacity >= 0 ? experts * capacity : ends[experts - 1];
+    const Elements x(type, normal_values(rows * dim, 1.0, 21));
+    const std::vector<double> stale(sorted_rows * dim, 9.0);  // what sort_slots must zero where no slot lands
+    Elements sorted(type, stale), scaled(type, stale);
     std::vector<int64_t> positions(rows * top_k, -7);
-    table.sort_slots({ids.data(), rows, top_k, experts, capacity, starts.data(), positions.data()},
-                     kernels::Launch{0, experts, nullptr});
+    for (Elements* buffer : {&sorted, &scaled}) {
+      table.sort_slots({ids.data(), rows, top_k, experts, capacity, starts.data(), ends.data(), positions.data(),
+                        buffer->data(), static_cast<int64_t>(x.element_size()) * dim},
+                       kernels::Launch{0, experts, nullptr});
+    }
     std::vector<int64_t> taken(experts, 0);
     for (int64_t slot = 0; slot < rows * top_k; ++slot) {  // the expected order: slot order within an expert
       const int64_t e = ids[slot];
@@ -330,19 +342,16 @@ void check_moe_permutation(const kernels::MoeKernels& table, ElementType type, i
       if (e >= 0 && !invalid(e)) {
         const int64_t rank = taken[e]++;
         const int64_t first = capacity >= 0 ? e * capacity : starts[e];
-        if (capacity < 0 || rank < capacity) want = first + rank;
+        const int64_t end = capacity >= 0 ? first + capacity : ends[e];
+        if (first + rank < end) want = first + rank;
       }
       EXPECT_EQ(positions[slot], want) << "slot " << slot;
     }
-    const int64_t sorted_rows = capacity >= 0 ? experts * capacity : starts[experts - 1] + counts[experts - 1];
-    const Elements x(type, normal_values(rows * dim, 1.0, 21));
     const Elements g(type, normal_values(rows * dim, 1.0, 22));
     std::vector<double> weight_values = normal_values(rows * top_k, 1.0, 23);
     std::vector<Acc> weights(weight_values.begin(), weight_values.end());
     const kernels::SlotRows plain{type, rows, top_k, dim, positions.data(), nullptr};
     const kernels::SlotRows weighted{type, rows, top_k, dim, positions.data(), weights.data()};
-    const std::vector<double> zeros(sorted_rows * dim, 0.0);
-    Elements sorted(type, zeros), scaled(type, zeros);
     table.scatter_rows({plain, x.data(), sorted.data()}, kernels::Launch{0, rows, nullptr});
     table.scatter_rows({weighted, x.data(), scaled.data()}, kernels::Launch{0, rows, nullptr});
     const double u = unit_roundoff<Acc>(), rounding = store_roundoff(type);
@@ -504,6 +513,84 @@ void check_moe_exchange(const kernels::MoeKernels& table, ElementType type, int6
         const int64_t row = r >= 0 && !invalid(ids[t * top_k + j]) ? routed[t * ranks + r] : -1;
         const double want = invalid(ids[t * top_k + j]) ? NAN : row >= 0 ? back_weights[row * top_k + j] : 0;
         EXPECT_TRUE(close(out_weights[t * top_k + j], want, 0)) << "token " << t << ", slot " << j;
+      }
+    }
+  }
+}
+
+// The value of an fp8 byte (NaN for NaN codes), decoded from the format's definition.
+inline double fp8_value(uint8_t byte, kernels::Fp8Format format) {
+  const bool e4m3 = format == kernels::Fp8Format::kE4M3;
+  const int mantissa_bits = e4m3 ? 3 : 2, bias = e4m3 ? 7 : 15;
+  const int exponent = (byte & 0x7f) >> mantissa_bits, mantissa = byte & ((1 << mantissa_bits) - 1);
+  const double sign = byte & 0x80 ? -1.0 : 1.0;
+  if (e4m3 && (byte & 0x7f) == 0x7f) return NAN;
+  if (!e4m3 && exponent == 31) return mantissa ? NAN : sign * INFINITY;
+  if (exponent == 0) return sign * std::ldexp(mantissa, 1 - bias - mantissa_bits);
+  return sign * std::ldexp((1 << mantissa_bits) + mantissa, exponent - bias - mantissa_bits);
+}
+
+// The fp8 value a scaled fp32 value must become: NaN for inf and NaN, else the nearest finite value
+// after saturating to the largest one, ties to the code with an even mantissa (found by trying all 256).
+inline double expected_fp8(float scaled, kernels::Fp8Format format) {
+  if (!std::isfinite(scaled)) return NAN;
+  const double limit = format == kernels::Fp8Format::kE4M3 ? 448.0 : 57344.0;
+  const double v = std::min(std::max(static_cast<double>(scaled), -limit), limit);
+  int best = -1;
+  for (int code = 0; code < 256; ++code) {
+    const double candidate = fp8_value(static_cast<uint8_t>(code), format);
+    if (!std::isfinite(candidate)) continue;
+    if (best < 0) {
+      best = code;
+      continue;
+    }
+    const double gap = std::abs(candidate - v), best_gap = std::abs(fp8_value(static_cast<uint8_t>(best), format) - v);
+    if (gap < best_gap || (gap == best_gap && (code & 1) == 0 && (best & 1) == 1)) best = code;
+  }
+  return fp8_value(static_cast<uint8_t>(best), format);
+}
+
+// cast_amax: every byte the nearest fp8 value of x * scale (saturated; inf and NaN to NaN), and each
+// chunk's amax the largest |x| (NaN with a NaN). Inputs: normal values at several magnitudes, values in
+// the fp8 subnormal range, halfway cases, overflow, +-0, +-inf, NaN.
+inline void check_fp8_cast_amax(const kernels::Fp8Kernels& table, ElementType type) {
+  for (const auto format : {kernels::Fp8Format::kE4M3, kernels::Fp8Format::kE5M2}) {
+    SCOPED_TRACE(std::string(type_name(type)) + (format == kernels::Fp8Format::kE4M3 ? ", e4m3" : ", e5m2"));
+    std::vector<double> values = normal_values(1000, 1.0, 41);
+    for (size_t i = 0; i < values.size(); ++i) values[i] *= std::ldexp(1.0, static_cast<int>(i % 40) - 24);
+    for (int code = 0; code < 256; ++code) {  // every fp8 value and the points halfway to its neighbour
+      const double v = fp8_value(static_cast<uint8_t>(code), format);
+      const double next = fp8_value(static_cast<uint8_t>(code + 1), format);
+      if (!std::isfinite(v)) continue;
+      values.push_back(v);
+      if (std::isfinite(next) && (code & 0x7f) != 0x7f) values.push_back((v + next) / 2);
+    }
+    for (const double special : {0.0, -0.0, 1e6, -1e6, double(INFINITY), double(-INFINITY)}) values.push_back(special);
+    const Elements x(type, values);
+    const int64_t count = static_cast<int64_t>(values.size()), chunk = 256;
+    const int64_t items = (count + chunk - 1) / chunk;
+    for (const float scale : {1.0f, 0.75f, 3.0e3f}) {
+      SCOPED_TRACE("scale " + std::to_string(scale));
+      for (const bool with_nan : {false, true}) {
+        Elements input = x;
+        if (with_nan) input = Elements(type, [&] { auto v = values; v[300] = NAN; return v; }());
+        std::vector<uint8_t> out(count, 0xAA);
+        std::vector<float> amax(items, -1.0f);
+        table.cast_amax({type, format, count, chunk, input.data(), &scale, out.data(), amax.data()},
+                        kernels::Launch{0, items, nullptr});
+        for (int64_t i = 0; i < count; ++i) {
+          const float stored = static_cast<float>(input.get(i));
+          EXPECT_TRUE(close(fp8_value(out[i], format), expected_fp8(stored * scale, format), 0))
+              << "element " << i << " = " << stored;
+        }
+        for (int64_t item = 0; item < items; ++item) {
+          double want = 0;
+          for (int64_t i = item * chunk; i < std::min(count, (item + 1) * chunk); ++i) {
+            const double v = input.get(i);
+            want = std::isnan(v) || std::isnan(want) ? NAN : std::max(want, std::abs(v));
+          }
+          EXPECT_TRUE(close(amax[item], want, 0)) << "chunk " << item;
+        }
       }
     }
   }

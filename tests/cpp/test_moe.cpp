@@ -38,14 +38,15 @@ TEST_P(MoePermutation, RanksRoutedByPartialLaunchesAgreeWithOneLaunch) {
 
 TEST_P(MoePermutation, ExpertsSortedByPartialLaunchesAgreeWithOneLaunch) {
   const std::vector<int64_t> ids = {2, 0, -1, 1, 2, 0, 0, 1, -1, 2};  // 5 rows, top 2, 3 experts
-  const std::vector<int64_t> starts = {0, 3, 5};
+  const std::vector<int64_t> starts = {0, 3, 5}, ends = {3, 4, 8};  // expert 1's segment holds one of its two slots
   std::vector<int64_t> whole(ids.size()), parts(ids.size(), -7);
+  std::vector<float> sorted(8, 9.0f);  // one feature per row
   const auto& table = tdx::kernels::MoeKernels::cpu(isa());
-  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), whole.data()}, {0, 3, nullptr});
-  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), parts.data()}, {0, 1, nullptr});
-  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), parts.data()}, {1, 3, nullptr});
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), whole.data(), sorted.data(), 4}, {0, 3, nullptr});
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), parts.data(), sorted.data(), 4}, {0, 1, nullptr});
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), parts.data(), sorted.data(), 4}, {1, 3, nullptr});
   EXPECT_EQ(parts, whole);
-  EXPECT_EQ(whole, (std::vector<int64_t>{5, 0, -1, 3, 6, 1, 2, 4, -1, 7}));
+  EXPECT_EQ(whole, (std::vector<int64_t>{5, 0, -1, 3, 6, 1, 2, -1, -1, 7}));
 }
 
 }  // namespace

@@ -151,6 +151,19 @@ def test_permute_sorts_slots_expert_major_and_unpermute_weights_them_back(cpu_is
             torch.testing.assert_close(y, expected)
 
 
+def test_permute_with_too_few_rows_for_an_expert_drops_its_last_slots_and_refuses_negative_counts():
+    x, ids, per_expert = permute_inputs()
+    short = per_expert.clone()
+    short[1] -= 1  # the caller's counts disagree with the ids: expert 1's last slot finds no row
+    sorted_rows, positions, _ = moe_permute(x, ids, short, 3, -1)
+    last = [(r, j) for r in range(ids.shape[0]) for j in range(K) if ids[r, j] == 1][-1]
+    assert sorted_rows.shape[0] == int(short.sum()) and positions[last] == -1
+    assert positions.max() < sorted_rows.shape[0]
+    short[0] = -1
+    with pytest.raises(ValueError, match="tokens_per_expert must be >= 0"):
+        moe_permute(x, ids, short, 3, -1)
+
+
 def test_permute_gradcheck_fp64_and_opcheck():
     x, ids, per_expert = permute_inputs(dtype=torch.float64)
     weights = torch.rand(ids.shape, dtype=torch.float64)

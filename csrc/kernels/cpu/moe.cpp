@@ -105,11 +105,12 @@ void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
   const int64_t slots = args.rows * args.top_k;
   for (int64_t e = launch.begin; e < launch.end; ++e) {
     int64_t next = args.capacity >= 0 ? e * args.capacity : args.starts[e];
-    const int64_t end = args.capacity >= 0 ? next + args.capacity : INT64_MAX;
+    const int64_t end = args.capacity >= 0 ? next + args.capacity : args.ends[e];
     for (int64_t slot = 0; slot < slots; ++slot) {
       if (args.experts[slot] != e) continue;
       args.positions[slot] = next < end ? next++ : -1;
     }
+    if (end > next) std::memset(static_cast<char*>(args.sorted) + next * args.row_bytes, 0, (end - next) * args.row_bytes);
   }
   // Slots without a local expert belong to no work item: the item of expert 0 marks them.
   if (launch.begin == 0) {
@@ -140,9 +141,13 @@ void scatter_rows(const ScatterRowsArgs& args, const Launch& launch) {
       for (int64_t j = 0; j < s.top_k; ++j) {
         const int64_t position = s.positions[r * s.top_k + j];
         if (position < 0) continue;
-        const Acc w = slot_weight<Acc>(s, r * s.top_k + j);
         const T* from = x + r * s.dim;
         T* to = sorted + position * s.dim;
+        if (s.weights == nullptr) {
+          std::memcpy(to, from, s.dim * sizeof(T));
+          continue;
+        }
+        const Acc w = slot_weight<Acc>(s, r * s.top_k + j);
         for (int64_t d = 0; d < s.dim; ++d) store(to[d], w * static_cast<Acc>(load(from[d])));
       }
     }

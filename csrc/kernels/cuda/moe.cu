@@ -20,7 +20,7 @@ int row_threads(int64_t dim) { return dim >= kMoeThreads ? kMoeThreads : std::ma
 // prefix sum over chunks of kMoeThreads items: number(i, n) for the n-th flagged item (from 0),
 // unflagged(i) for the others.
 template <typename Flagged, typename Number, typename Unflagged>
-__device__ void number_in_order(int64_t items, Flagged flagged, Number number, Unflagged unflagged) {
+__device__ int64_t number_in_order(int64_t items, Flagged flagged, Number number, Unflagged unflagged) {
   __shared__ int64_t scan[kMoeThreads];
   int64_t taken = 0;  // flagged items before this chunk
   for (int64_t chunk = 0; chunk < items; chunk += kMoeThreads) {
@@ -42,6 +42,7 @@ __device__ void number_in_order(int64_t items, Flagged flagged, Number number, U
     taken += scan[kMoeThreads - 1];
     __syncthreads();  // every thread has read the scan before the next chunk overwrites it
   }
+  return taken;  // the flagged items, the same in every thread
 }
 
 __device__ __forceinline__ bool out_of_range(int64_t expert, int64_t num_experts) {
@@ -121,16 +122,18 @@ __global__ void sum_rows_kernel(const T* __restrict__ rows, const Acc* __restric
   }
 }
 
-// One block per expert: its slots numbered in slot order from the segment's first row. Block 0 also
-// marks the slots without a local expert.
+// One block per expert: its slots numbered in slot order from the segment's first row, then the rows
+// they leave empty zeroed. Block 0 also marks the slots without a local expert.
 __global__ void sort_slots_kernel(const int64_t* __restrict__ experts, int64_t slots, int64_t num_experts,
                                   int64_t capacity, const int64_t* __restrict__ starts,
-                                  int64_t* __restrict__ positions, int64_t expert_begin) {
+                                  const int64_t* __restrict__ ends, int64_t* __restrict__ positions,
+                                  char* __restrict__ sorted, int64_t row_bytes, int64_t expert_begin) {
   const int64_t e = expert_begin + blockIdx.x;
   const int64_t first = capacity >= 0 ? e * capacity : starts[e];
-  number_in_order(
+  const int64_t end = capacity >= 0 ? first + capacity : ends[e];
+  const int64_t numbered = number_in_order(
       slots, [&](int64_t slot) { return experts[slot] == e; },
-      [&](int64_t slot, int64_t n) { positions[slot] = capacity >= 0 && n >= capacity ? -1 : first + n; },
+      [&](int64_t slot, int64_t n) { positions[slot] = first + n < end ? first + n : -1; },
       [&](int64_t slot) {
         const int64_t expert = experts[slot];
         if (e == 0 && out_of_range(expert, num_experts)) {
@@ -139,6 +142,8 @@ __global__ void sort_slots_kernel(const int64_t* __restrict__ experts, int64_t s
           positions[slot] = -1;
         }
       });
+  const int64_t filled = first + numbered < end ? first + numbered : end;
+  for (int64_t byte = filled * row_bytes + threadIdx.x; byte < end * row_bytes; byte += blockDim.x) sorted[byte] = 0;
 }
 
 template <typename Acc>
@@ -248,8 +253,8 @@ void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
   const int64_t blocks = launch.end - launch.begin;
   if (blocks == 0) return;
   TDX_LAUNCH(blocks, kMoeThreads, static_cast<cudaStream_t>(launch.stream), sort_slots_kernel)(
-      args.experts, args.rows * args.top_k, args.num_experts, args.capacity, args.starts, args.positions,
-      launch.begin);
+      args.experts, args.rows * args.top_k, args.num_experts, args.capacity, args.starts, args.ends,
+      args.positions, static_cast<char*>(args.sorted), args.row_bytes, launch.begin);
   check_launch("moe sort_slots");
 }
 

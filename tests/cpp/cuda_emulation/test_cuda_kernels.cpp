@@ -17,10 +17,12 @@
 // The kernels under test, as one translation unit with this test.
 #include "kernels/cuda/attention.cu"
 #include "kernels/cuda/cross_entropy.cu"
+#include "kernels/cuda/fp8.cu"
 #include "kernels/cuda/moe.cu"
 
 using tdx::kernels::AttentionKernels;
 using tdx::kernels::CrossEntropyKernels;
+using tdx::kernels::Fp8Kernels;
 using tdx::kernels::MoeKernels;
 using tdx::kernels::ElementType;
 namespace gpu = tdx::kernels::cuda;
@@ -108,4 +110,10 @@ TEST(CudaMoeExchange, RoutesPacksAndSumsTheExchangedRowsInEveryElementType) {
   tdx::test::for_each_type_and_size({1, 7, 300}, [](auto acc, ElementType type, int64_t dim) {
     tdx::test::check_moe_exchange<decltype(acc)>(MoeKernels::cuda(), type, dim);
   });
+}
+
+TEST(CudaFp8Cast, RoundsToTheNearestFp8ValueAndFindsTheAmaxOfEveryChunk) {
+  for (const auto type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
+    tdx::test::check_fp8_cast_amax(Fp8Kernels::cuda(), type);
+  }
 }

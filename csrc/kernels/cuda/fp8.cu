@@ -1,0 +1,66 @@
+// CUDA kernels of the FP8 casts (contracts: kernels/fp8.h).
+
+#include "kernels/fp8.h"
+
+#include <type_traits>
+
+#include "kernels/cuda/element.cuh"
+
+namespace tdx::kernels {
+namespace cuda {
+namespace {
+
+constexpr int kCastThreads = 256;
+
+// One block per chunk: threads stride over its elements, then a block-wide max (NaN wins).
+template <typename T>
+__global__ void cast_amax_kernel(const T* __restrict__ x, const float* __restrict__ scale, Fp8Format format,
+                                 int64_t count, int64_t chunk, uint8_t* __restrict__ out,
+                                 float* __restrict__ partial_amax, int64_t item_begin) {
+  const int64_t item = item_begin + blockIdx.x;
+  const int64_t begin = item * chunk;
+  const int64_t end = begin + chunk < count ? begin + chunk : count;
+  const float s = *scale;
+  float amax = 0;
+  bool nan = false;
+  for (int64_t i = begin + threadIdx.x; i < end; i += blockDim.x) {
+    const float v = static_cast<float>(load(x[i]));
+    const float magnitude = fabsf(v);
+    amax = magnitude > amax ? magnitude : amax;
+    nan |= v != v;
+    out[i] = to_fp8(v * s, format);
+  }
+  __shared__ float block_amax[kCastThreads];
+  block_amax[threadIdx.x] = nan ? NAN : amax;
+  __syncthreads();
+  for (int half = kCastThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) {
+      const float a = block_amax[threadIdx.x], b = block_amax[threadIdx.x + half];
+      block_amax[threadIdx.x] = (a != a || b != b) ? NAN : (a > b ? a : b);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial_amax[item] = block_amax[0];
+}
+
+void cast_amax(const CastAmaxArgs& args, const Launch& launch) {
+  const int64_t blocks = launch.end - launch.begin;
+  if (blocks == 0) return;
+  visit_element_type(args.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    TDX_LAUNCH(blocks, kCastThreads, static_cast<cudaStream_t>(launch.stream), cast_amax_kernel<T>)(
+        static_cast<const T*>(args.x), args.scale, args.format, args.count, args.chunk, args.out, args.partial_amax,
+        launch.begin);
+  });
+  check_launch("fp8 cast_amax");
+}
+
+}  // namespace
+}  // namespace cuda
+
+const Fp8Kernels& Fp8Kernels::cuda() {
+  static const Fp8Kernels table{&cuda::cast_amax};
+  return table;
+}
+
+}  // namespace tdx::kernels

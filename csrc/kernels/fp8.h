@@ -1,0 +1,124 @@
+#pragma once
+// FP8 casting: the kernel table and argument layouts shared by the host
+// (csrc/ops/fp8.cpp), the CPU kernels (kernels/cpu/fp8.cpp) and the CUDA kernels
+// (kernels/cuda/fp8.cu), and the one float -> fp8 conversion both devices use.
+//
+// A cast scales each element by `scale` in fp32, saturates finite values to the
+// format's largest finite value (+-448 for e4m3, +-57344 for e5m2), turns inf and
+// NaN into NaN (so a non-finite input always reaches the loss), and rounds to
+// nearest even. The amax is the largest |x| before scaling, NaN if any element is
+// NaN and inf if any is infinite: it ignores nothing.
+
+#include <cstdint>
+#include <cstring>
+
+#include "kernels/cpu/isa.h"
+#include "kernels/dtype.h"
+#include "kernels/launch.h"
+
+#if defined(__CUDACC__)
+#define TDX_HOST_DEVICE __host__ __device__ __forceinline__
+#else
+#define TDX_HOST_DEVICE inline
+#endif
+
+namespace tdx::kernels {
+
+enum class Fp8Format { kE4M3, kE5M2 };  // torch.float8_e4m3fn, torch.float8_e5m2
+
+TDX_HOST_DEVICE uint32_t float_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t bits;
+  std::memcpy(&bits, &v, sizeof(bits));
+  return bits;
+#endif
+}
+
+TDX_HOST_DEVICE float bits_float(uint32_t bits) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(bits);
+#else
+  float v;
+  std::memcpy(&v, &bits, sizeof(v));
+  return v;
+#endif
+}
+
+// Round to nearest even from a value already saturated to [-448, 448] or NaN (c10's
+// fp8e4m3fn_from_fp32_value on that range, so the bytes equal torch's .to(float8_e4m3fn)).
+TDX_HOST_DEVICE uint8_t e4m3_from_saturated(float v) {
+  uint32_t bits = float_bits(v);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t result;
+  if (bits > 0x7F800000u) {
+    result = 0x7f;  // NaN
+  } else if (bits < (121u << 23)) {  // below 2^-6, the smallest normal: subnormal by an fp32 add
+    constexpr uint32_t denorm_mask = 141u << 23;
+    result = static_cast<uint8_t>(float_bits(bits_float(bits) + bits_float(denorm_mask)) - denorm_mask);
+  } else {
+    const uint32_t odd = (bits >> 20) & 1u;
+    bits += (static_cast<uint32_t>(7 - 127) << 23) + 0x7FFFFu + odd;
+    result = static_cast<uint8_t>(bits >> 20);
+  }
+  return result | static_cast<uint8_t>(sign >> 24);
+}
+
+// Round to nearest even from a value saturated to [-57344, 57344] or NaN (c10's
+// fp8e5m2_from_fp32_value on that range).
+TDX_HOST_DEVICE uint8_t e5m2_from_saturated(float v) {
+  uint32_t bits = float_bits(v);
+  const uint32_t sign = bits & 0x80000000u;
+  bits ^= sign;
+  uint8_t result;
+  if (bits > 0x7F800000u) {
+    result = 0x7f;  // NaN
+  } else if (bits < (113u << 23)) {  // below 2^-14
+    constexpr uint32_t denorm_mask = 134u << 23;
+    result = static_cast<uint8_t>(float_bits(bits_float(bits) + bits_float(denorm_mask)) - denorm_mask);
+  } else {
+    const uint32_t odd = (bits >> 21) & 1u;
+    bits += (static_cast<uint32_t>(15 - 127) << 23) + 0xFFFFFu + odd;
+    result = static_cast<uint8_t>(bits >> 21);
+  }
+  return result | static_cast<uint8_t>(sign >> 24);
+}
+
+TDX_HOST_DEVICE float fp8_max(Fp8Format format) { return format == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
+
+// The cast of one scaled value: finite values saturate, inf and NaN become NaN.
+TDX_HOST_DEVICE uint8_t to_fp8(float scaled, Fp8Format format) {
+  const float limit = fp8_max(format);
+  const float magnitude = scaled < 0 ? -scaled : scaled;
+  const bool finite = magnitude <= 3.402823466e38f;  // false for inf and NaN
+  float v = scaled > limit ? limit : scaled < -limit ? -limit : scaled;
+  if (!finite) v = bits_float(0x7FC00000u);
+  return format == Fp8Format::kE4M3 ? e4m3_from_saturated(v) : e5m2_from_saturated(v);
+}
+
+// out[i] = to_fp8(x[i] * *scale); partial_amax[item] = max |x[i]| over the item's
+// elements (NaN if one is NaN). Work items: chunks of `chunk` elements (the last
+// may be shorter).
+struct CastAmaxArgs {
+  ElementType type;  // of x: fp32, bf16 or fp16
+  Fp8Format format;
+  int64_t count;
+  int64_t chunk;
+  const void* x;
+  const float* scale;    // one value, on the device
+  uint8_t* out;          // [count]
+  float* partial_amax;   // [ceil(count / chunk)]
+};
+
+struct Fp8Kernels {
+  void (*cast_amax)(const CastAmaxArgs&, const Launch&);
+
+  static const Fp8Kernels& cpu(CpuIsa isa);  // kernels/cpu/fp8.cpp
+  static const Fp8Kernels& cuda();           // kernels/cuda/fp8.cu (CUDA builds)
+};
+
+}  // namespace tdx::kernels
+
+#undef TDX_HOST_DEVICE

@@ -1,0 +1,56 @@
+// FP8 scaled casts, host side for every device: argument checks and the cast
+// kernel of kernels/fp8.h, whose per-chunk amaxes are reduced here.
+
+#include <ATen/ATen.h>
+
+#include "kernels/fp8.h"
+#include "ops/device.h"
+
+namespace tdx::ops {
+namespace {
+
+constexpr const char* kCastAmax = "fp8_cast_amax";
+constexpr int64_t kChunk = 8192;  // elements per work item (a CPU task's share, a GPU block's)
+
+kernels::Fp8Format fp8_format(const char* op, c10::ScalarType type) {
+  switch (type) {
+    case c10::ScalarType::Float8_e4m3fn: return kernels::Fp8Format::kE4M3;
+    case c10::ScalarType::Float8_e5m2: return kernels::Fp8Format::kE5M2;
+    default: TORCH_CHECK_VALUE(false, op, ": fp8_dtype must be float8_e4m3fn or float8_e5m2, got ", type);
+  }
+}
+
+std::tuple<at::Tensor, at::Tensor> fp8_cast_amax(const at::Tensor& x, const at::Tensor& scale,
+                                                 c10::ScalarType fp8_dtype) {
+  const auto format = fp8_format(kCastAmax, fp8_dtype);
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                   kCastAmax, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, kCastAmax, ": scale must be float32, got ", scale.scalar_type());
+  TORCH_CHECK(scale.numel() == 1, kCastAmax, ": scale must hold one value, got shape ", scale.sizes());
+  TORCH_CHECK(scale.device() == x.device(), kCastAmax, ": scale must be on x's device ", x.device(), ", got ",
+              scale.device());
+  const auto input = x.contiguous();
+  const auto scale_value = scale.contiguous();
+  auto out = at::empty(x.sizes(), x.options().dtype(fp8_dtype));
+  const int64_t count = x.numel();
+  const int64_t items = (count + kChunk - 1) / kChunk;
+  auto partial_amax = at::empty({items}, x.options().dtype(at::kFloat));
+  const kernels::CastAmaxArgs args{element_type(kCastAmax, x.scalar_type()),
+                                   format,
+                                   count,
+                                   kChunk,
+                                   input.data_ptr(),
+                                   scale_value.data_ptr<float>(),
+                                   static_cast<uint8_t*>(out.data_ptr()),
+                                   partial_amax.data_ptr<float>()};
+  launch(kernels_for<kernels::Fp8Kernels>(kCastAmax, x.device()).cast_amax, args, x.device(), items, 1);
+  // at::amax propagates NaN, so one NaN chunk makes the whole amax NaN.
+  auto amax = items > 0 ? at::amax(partial_amax) : at::zeros({}, partial_amax.options());
+  return {out, amax};
+}
+
+}  // namespace
+
+TDX_IMPL_ON_EVERY_DEVICE(register_fp8) { m.impl("fp8_cast_amax", &fp8_cast_amax); }
+
+}  // namespace tdx::ops

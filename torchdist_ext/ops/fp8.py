@@ -1,0 +1,40 @@
+"""FP8 scaled casts (``tdx::fp8_cast_amax``), the building block of the fp8 linears.
+
+    fp8_cast_amax   x (fp32 / bf16 / fp16) and a scale -> (cast(x * scale) in e4m3 or e5m2, max |x|)
+
+One read of x: the cast and the amax that delayed scaling records come out of the
+same pass (the unfused torch expression reads x twice and writes the scaled copy).
+Finite values saturate to the format's largest value (448 for e4m3, 57344 for
+e5m2), inf and NaN become NaN so that a non-finite input always reaches the loss,
+and rounding is to nearest even (the bytes equal
+``torch.where(s.isfinite(), s.clamp(-max, max), nan).to(fp8_dtype)`` for
+``s = x.float() * scale``). The amax ignores nothing: NaN if x holds a NaN, inf if it
+holds an inf. Not differentiable (the fp8 linears define the gradients).
+"""
+
+import torch
+from torch import Tensor
+
+__all__ = ["FP8_DTYPES", "fp8_cast_amax"]
+
+FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
+_INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def fp8_cast_amax(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(x_fp8, amax)``: ``x_fp8`` contiguous, x's shape, in ``fp8_dtype``; ``amax`` a 0-d fp32 tensor.
+    ``scale``: fp32, one element, on x's device."""
+    return torch.ops.tdx.fp8_cast_amax(x, scale, fp8_dtype)
+
+
+@torch.library.register_fake("tdx::fp8_cast_amax")
+def _(x, scale, fp8_dtype):
+    op = "fp8_cast_amax"
+    torch._check_value(fp8_dtype in FP8_DTYPES,
+                       lambda: f"{op}: fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
+    torch._check_type(x.dtype in _INPUT_DTYPES, lambda: f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
+    torch._check_type(scale.dtype == torch.float32, lambda: f"{op}: scale must be float32, got {scale.dtype}")
+    torch._check(scale.numel() == 1, lambda: f"{op}: scale must hold one value, got shape {tuple(scale.shape)}")
+    torch._check(scale.device == x.device,
+                 lambda: f"{op}: scale must be on x's device {x.device}, got {scale.device}")
+    return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x.new_empty((), dtype=torch.float32)
