@@ -11,9 +11,10 @@
 # the same device, and against our CPU kernels; the main job on one GPU) and the
 # single-GPU kernel benchmarks (cross-entropy and the log-sum-exp merge against
 # the unfused torch expressions, the MoE permute / unpermute against torch's
-# index ops, each with the fraction of the measured copy bandwidth reached, and
-# torch._grouped_mm against a loop of per-expert matmuls). Exits non-zero when
-# the build, a test or a benchmark fails.
+# index ops, the fp8 cast + amax, each with the fraction of the measured copy
+# bandwidth reached, torch._grouped_mm against a loop of per-expert matmuls, the
+# fp8 linear against bf16), and the main job again with fp8 GEMMs (--fp8
+# delayed). Exits non-zero when the build, a test or a benchmark fails.
 set -uo pipefail
 cd "$(dirname "$0")/.."
 out=${OUT:-gpu_check_out}
@@ -42,9 +43,11 @@ gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 tp=$([ $((gpus % 2)) -eq 0 ] && echo 2 || echo 1)
 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" examples/train_llama.py --device cuda \
   --tp "$tp" --steps 30 --batch $((8 * gpus / tp)) --check 2>&1 | tee "$out/main_job.log" || status=1
+python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" examples/train_llama.py --device cuda \
+  --tp "$tp" --steps 30 --batch $((8 * gpus / tp)) --fp8 delayed --check 2>&1 | tee "$out/main_job_fp8.log" || status=1
 python3 -m pytest -q -p no:cacheprovider tests/ops/test_cuda.py tests/examples/test_train_llama.py -m cuda 2>&1 \
   | tee "$out/test_cuda.log" || status=1
-for bench in bench_cross_entropy bench_lse_merge bench_moe_kernels; do
+for bench in bench_cross_entropy bench_lse_merge bench_moe_kernels bench_fp8; do
   python3 "benchmarks/$bench.py" --device cuda 2>&1 | tee "$out/$bench.log" || status=1
 done
 exit $status

@@ -22,6 +22,9 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+from torchdist_ext.fp8 import convert_to_fp8
+from torchdist_ext.fp8.recipe import Recipe
+
 from torchdist_ext.parallel import (
     ColumnParallelLinear,
     MoE,
@@ -236,13 +239,16 @@ class ExpertParallelFeedForward(nn.Module):
 def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool,
                       attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
                       compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                      ep_mesh: DeviceMesh | None = None, expert_dp_mesh: DeviceMesh | None = None) -> Llama:
+                      ep_mesh: DeviceMesh | None = None, expert_dp_mesh: DeviceMesh | None = None,
+                      fp8: Recipe | None = None) -> Llama:
     """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
     attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh`` (with its
     mixed-precision policy ``mp_policy``, e.g. bf16 parameters with fp32 gradient reduction).
     With experts, each block's ``MixtureOfExperts`` becomes the expert-parallel ``MoE`` over
     ``ep_mesh`` (ranks of ``dp_mesh`` that see different tokens), its experts sharded by FSDP2 over
-    ``expert_dp_mesh`` (the ranks holding the same experts).
+    ``expert_dp_mesh`` (the ranks holding the same experts). With an fp8 ``Recipe`` every linear but the
+    output head runs its GEMMs in fp8 (``convert_to_fp8``, before FSDP2 so that the shapes it checks
+    are the tensor-parallel shards); call ``fp8_step(model)`` after each optimizer step.
 
     With sequence parallelism the residual stream between blocks is sharded
     along the sequence over tp; the embedding reduce-scatters into it and the
@@ -276,6 +282,8 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
     model.output = ColumnParallelLinear.from_linear(model.output, **kw)
     # The logits feed nothing but the loss: their gradient can take their memory.
     model.loss_fn = partial(vocab_parallel_cross_entropy, tp_mesh=tp_mesh, inplace_backward=True)
+    if fp8 is not None:  # the output head stays in the activation dtype, as TransformerEngine recipes keep it
+        convert_to_fp8(model, fp8, filter_fn=lambda name, module: name != "output")
     for index, block in enumerate(model.layers):
         if compile:
             block = torch.compile(block, fullgraph=True)

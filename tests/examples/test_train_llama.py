@@ -1,6 +1,7 @@
 """The main job under torchrun: trains, and --check matches one process to 1e-4 relative loss
-(2e-2 with --bf16 mixed precision against the fp32 process)."""
+(2e-2 with --bf16 mixed precision or --fp8 GEMMs against the fp32 process)."""
 
+import json
 import os
 import re
 import subprocess
@@ -60,6 +61,30 @@ def test_bf16_mixed_precision_with_ring_attention_matches_fp32_process():
     output = run_main_job("--steps", "4", "--bf16", "--dp", "1", "--cp", "2", "--cp-method", "ring")
     assert "bf16 on cpu" in output, output
     assert largest_relative_difference(output) < 2e-2
+
+
+@pytest.mark.parametrize("flags", [
+    ("--fp8", "delayed"),
+    ("--fp8", "current", "--dp", "1", "--cp", "2", "--cp-method", "ulysses"),
+    ("--fp8", "delayed", "--bf16", "--compile"),
+    ("--fp8", "delayed", "--experts", "4", "--ep", "2"),
+], ids=["dp2-tp2-sp-delayed", "cp2-ulysses-tp2-current", "bf16-compiled-delayed", "ep2-delayed"])
+def test_fp8_matches_the_fp32_process_within_the_fp8_tolerance(flags, tmp_path):
+    losses = tmp_path / "losses.json"
+    output = run_main_job("--steps", "3", *flags, "--losses", str(losses))
+    assert f"with fp8 GEMMs ({flags[1]})" in output, output
+    assert largest_relative_difference(output) < 2e-2
+    assert len(json.loads(losses.read_text())["losses"]) == 3
+
+
+def test_compile_with_experts_is_refused_with_the_reason():
+    """FSDP2's hooks on the experts run eagerly (dynamo skips them), which a fullgraph block cannot hold."""
+    torchrun = Path(sys.executable).with_name("torchrun")
+    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "1",
+                             str(ROOT / "examples" / "train_llama.py"), "--tp", "1", "--experts", "2", "--compile"],
+                            capture_output=True, text=True, timeout=300, cwd=ROOT)
+    assert result.returncode != 0
+    assert "--compile with --experts" in result.stdout + result.stderr
 
 
 def test_device_cuda_without_a_gpu_says_so():

@@ -12,6 +12,10 @@ along ``seq_dim`` and the gather / scatter is fused into the GEMM as a ring
 
 Parameters are DTensors on ``tp_mesh``, so ``fully_shard(module, mesh=dp_mesh)``
 makes them 2-D and distributed checkpoints reshard them.
+
+In fp8 (``torchdist_ext.fp8.convert_to_fp8``) the local GEMM runs through
+``fp8_linear`` and the sequence-parallel gather / scatter become bulk collectives
+around it (the ring-fused ops run in the activation dtype).
 """
 
 import math
@@ -23,6 +27,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from torchdist_ext import ops
+from torchdist_ext.fp8.linear import fp8_linear
+from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.parallel.input_checks import (
     check_divisible,
     check_features,
@@ -35,7 +41,9 @@ from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import (
     copy_to_region,
     gather_from_region,
+    gather_from_sequence_region,
     reduce_from_region,
+    reduce_scatter_to_sequence_region,
     scatter_to_region,
 )
 
@@ -55,8 +63,9 @@ def _linear_init(out_features: int, in_features: int, bias: bool, device, dtype)
     return weight, full_bias
 
 
-class _ParallelLinear(nn.Module):
-    """Shared parameter handling: full tensors in, DTensor parameters out."""
+class _ParallelLinear(Fp8State, nn.Module):
+    """Shared parameter handling (full tensors in, DTensor parameters out) and the local GEMM, in the
+    parameters' dtype or, once ``enable_fp8`` ran, in fp8."""
 
     weight_placement: Shard
     bias_placement: Shard | Replicate
@@ -101,9 +110,15 @@ class _ParallelLinear(nn.Module):
         layer._set_full_parameters(linear.weight.detach(), bias, src_data_rank=None)
         return layer
 
+    def _local_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
+        if self.fp8_recipe is None:
+            return F.linear(x, weight, bias)
+        return fp8_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe)
+
     def extra_repr(self) -> str:
+        fp8 = "" if self.fp8_recipe is None else f", fp8={self.fp8_recipe}"
         return (f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, "
-                f"tp={self.tp.size}, sequence_parallel={self.sequence_parallel}, seq_dim={self.seq_dim}")
+                f"tp={self.tp.size}, sequence_parallel={self.sequence_parallel}, seq_dim={self.seq_dim}{fp8}")
 
 
 class ColumnParallelLinear(_ParallelLinear):
@@ -139,13 +154,16 @@ class ColumnParallelLinear(_ParallelLinear):
         check_floating_input(x, "input", weight.dtype)
         check_features(x, "input", self.in_features, "in_features")
         bias = None if self.bias is None else self.bias.to_local()
-        if self.sequence_parallel:
+        if self.sequence_parallel and self.fp8_recipe is not None:
+            out = self._local_linear(gather_from_sequence_region(x, self.tp, sequence_dim(x, self.seq_dim)),
+                                     weight, bias)
+        elif self.sequence_parallel:
             dim = sequence_dim(x, self.seq_dim)
             out, _ = ops.all_gather_matmul(x, weight, self.tp.name, dim)
             if bias is not None:
                 out = out + bias
         else:
-            out = F.linear(copy_to_region(x, self.tp), weight, bias)
+            out = self._local_linear(copy_to_region(x, self.tp), weight, bias)
         if self.gather_output:
             out = gather_from_region(out, self.tp, -1)
         return out
@@ -194,9 +212,12 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             dim = sequence_dim(x, self.seq_dim)
             check_divisible(f"input.size({dim})", x.shape[dim], self.tp)
-            out = ops.matmul_reduce_scatter(x, weight, self.tp.name, dim)
+            if self.fp8_recipe is None:
+                out = ops.matmul_reduce_scatter(x, weight, self.tp.name, dim)
+            else:
+                out = reduce_scatter_to_sequence_region(self._local_linear(x, weight, None), self.tp, dim)
         else:
-            out = reduce_from_region(F.linear(x, weight), self.tp)
+            out = reduce_from_region(self._local_linear(x, weight, None), self.tp)
         if self.bias is not None:
             bias = self.bias.to_local()
             if self.sequence_parallel:

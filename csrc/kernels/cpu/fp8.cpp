@@ -12,6 +12,21 @@ namespace tdx::kernels {
 namespace cpu {
 namespace {
 
+// The amax as the largest bit pattern of |x|: for non-negative floats the patterns order as the values,
+// and every NaN's pattern lies above inf's, so a NaN wins. An integer max reduction vectorizes; a float
+// one does not without fast-math.
+template <typename T, Fp8Format kFormat>
+void cast_chunk(const T* x, float scale, int64_t begin, int64_t end, uint8_t* out, float* partial_amax) {
+  uint32_t amax_bits = 0;
+  for (int64_t i = begin; i < end; ++i) {
+    const float v = static_cast<float>(load(x[i]));
+    const uint32_t magnitude_bits = float_bits(v) & 0x7FFFFFFFu;
+    amax_bits = magnitude_bits > amax_bits ? magnitude_bits : amax_bits;
+    out[i] = to_fp8(v * scale, kFormat);
+  }
+  *partial_amax = bits_float(amax_bits);
+}
+
 void cast_amax(const CastAmaxArgs& args, const Launch& launch) {
   visit_element_type(args.type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
@@ -20,16 +35,11 @@ void cast_amax(const CastAmaxArgs& args, const Launch& launch) {
     for (int64_t item = launch.begin; item < launch.end; ++item) {
       const int64_t begin = item * args.chunk;
       const int64_t end = begin + args.chunk < args.count ? begin + args.chunk : args.count;
-      float amax = 0;
-      bool nan = false;
-      for (int64_t i = begin; i < end; ++i) {
-        const float v = static_cast<float>(load(x[i]));
-        const float magnitude = std::fabs(v);
-        amax = magnitude > amax ? magnitude : amax;
-        nan |= v != v;
-        args.out[i] = to_fp8(v * scale, args.format);
+      if (args.format == Fp8Format::kE4M3) {
+        cast_chunk<T, Fp8Format::kE4M3>(x, scale, begin, end, args.out, args.partial_amax + item);
+      } else {
+        cast_chunk<T, Fp8Format::kE5M2>(x, scale, begin, end, args.out, args.partial_amax + item);
       }
-      args.partial_amax[item] = nan ? NAN : amax;
     }
   });
 }

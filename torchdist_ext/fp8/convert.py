@@ -1,0 +1,102 @@
+"""Turning a model's linears (``nn.Linear`` and our tensor-parallel ones) into fp8 ones, and the
+once-per-step scale update.
+
+    convert_to_fp8(model, recipe, *, amax_reduction_mesh=None, filter_fn=None) -> model   (in place)
+    fp8_step(model)   after optimizer.step(): reduce the step's amaxes, update every scale, roll the histories
+
+``fp8_step`` reduces the amaxes of all fp8 modules of the model with ONE all-reduce(MAX): their history rows
+0 (input, weight and grad_output of every module) are stacked into one buffer. A NaN amax is sent as +inf
+(collectives' MAX may drop NaN), so every rank sees a non-finite amax and keeps its scale, as the rule says;
+ranks then agree on every scale exactly. Under tensor parallelism with sequence parallelism a rank casts only
+its part of the input, so without this reduction the ranks' scales would differ.
+"""
+
+from collections.abc import Callable
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchdist_ext.fp8.linear import Fp8Linear
+from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
+from torchdist_ext.fp8.scaling import update_delayed_scales_
+from torchdist_ext.fp8.state import Fp8State
+
+__all__ = ["convert_to_fp8", "fp8_modules", "fp8_step"]
+
+
+def _local_features(module: nn.Module) -> tuple[int, int] | None:
+    """The (out, in) features of the GEMM a convertible module runs on this rank, or None. Convertible: an
+    ``nn.Linear``, or a module with fp8 state not yet enabled (our tensor-parallel linears, whose weight is
+    a DTensor: its local shard counts)."""
+    if type(module) is nn.Linear:
+        return module.out_features, module.in_features
+    if isinstance(module, Fp8State) and module.fp8_recipe is None:
+        weight = module.weight
+        return tuple((weight.to_local() if isinstance(weight, DTensor) else weight).shape)
+    return None
+
+
+def convert_to_fp8(model: nn.Module, recipe: Recipe, *, amax_reduction_mesh=None,
+                   filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+    """Turns, in place, the linears of ``model`` that ``filter_fn(fully_qualified_name, module)`` accepts
+    (default: all) and whose GEMM's features (this rank's shard under tensor parallelism) are multiples of
+    16 into fp8 ones: every ``nn.Linear`` is replaced by an ``Fp8Linear`` holding the same parameters;
+    ``ColumnParallelLinear`` and ``RowParallelLinear`` stay themselves, gaining the fp8 state (so names,
+    DTensor placements and FSDP2 / DCP see the same model). ``amax_reduction_mesh``: the DeviceMesh whose
+    ranks reduce their amaxes in ``fp8_step`` (None: the default process group; under tensor parallelism
+    it must include the tp ranks). Returns ``model`` (an ``nn.Linear`` passed as the model is returned
+    converted)."""
+    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        raise TypeError(f"recipe must be a DelayedScaling or a CurrentScaling, got {type(recipe).__name__}")
+    if filter_fn is not None and not callable(filter_fn):
+        raise TypeError(f"filter_fn must be callable(name, module) -> bool, got {type(filter_fn).__name__}")
+
+    def converted(name: str, module: nn.Module) -> nn.Module | None:
+        features = _local_features(module)
+        if features is None or any(f % 16 for f in features) or (filter_fn is not None and not filter_fn(name, module)):
+            return None
+        if type(module) is nn.Linear:
+            return Fp8Linear.from_linear(module, recipe, amax_reduction_mesh=amax_reduction_mesh)
+        module.enable_fp8(recipe, amax_reduction_mesh=amax_reduction_mesh, device=module.weight.device)
+        return module
+
+    root = converted("", model)
+    if root is not None:
+        return root
+    for name, module in list(model.named_modules()):
+        for child_name, child in list(module.named_children()):
+            replacement = converted(f"{name}.{child_name}" if name else child_name, child)
+            if replacement is not None and replacement is not child:
+                setattr(module, child_name, replacement)
+    return model
+
+
+def fp8_modules(model: nn.Module) -> list[nn.Module]:
+    """The modules of ``model`` with fp8 GEMMs, in module order."""
+    return [m for m in model.modules() if isinstance(m, Fp8State) and m.fp8_recipe is not None]
+
+
+@torch.no_grad()
+def fp8_step(model: nn.Module) -> None:
+    """Once per optimizer step, on every rank: reduce this step's amaxes (one all-reduce over the modules'
+    ``amax_reduction_mesh`` when the recipe says ``reduce_amax`` and a process group exists), then update
+    every delayed scale and roll every history (``torchdist_ext.fp8.scaling``). No host sync."""
+    modules = [m for m in fp8_modules(model) if isinstance(m.fp8_recipe, DelayedScaling)]
+    if not modules:
+        return
+    meshes = {id(m.amax_reduction_mesh): m.amax_reduction_mesh for m in modules}
+    if len(meshes) > 1:
+        raise ValueError("fp8_step: the model's fp8 modules name different amax_reduction_mesh; "
+                         "convert the model with one")
+    if modules[0].fp8_recipe.reduce_amax and dist.is_available() and dist.is_initialized():
+        mesh = modules[0].amax_reduction_mesh
+        current = torch.stack([m.amax_history[0] for m in modules])  # [modules, roles]: one buffer
+        current = torch.where(current.isnan(), float("inf"), current)
+        dist.all_reduce(current, op=dist.ReduceOp.MAX, group=None if mesh is None else mesh.get_group())
+        for m, row in zip(modules, current):
+            m.amax_history[0].copy_(row)
+    for m in modules:
+        recipe = m.fp8_recipe
+        update_delayed_scales_(m.amax_history, m.scale, m.fp8_max, recipe.margin, recipe.amax_compute_algo)

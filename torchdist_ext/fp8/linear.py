@@ -1,0 +1,120 @@
+"""``Fp8Linear``: ``nn.Linear`` whose three GEMMs run in fp8 (``torch._scaled_mm``).
+
+Forward: the input and the weight are cast to e4m3 (``tdx::fp8_cast_amax``: one read each, their amaxes
+recorded), ``y = (x_fp8 @ w_fp8.T) / (scale_x * scale_w) + bias`` in the input's dtype. Backward: the output
+gradient is cast to e5m2 (``"hybrid"``) or e4m3, then ``grad_x = g_fp8 @ w_fp8`` and
+``grad_w = g_fp8.T @ x_fp8``, each in fp8 with the product of the inverse scales; the bias gradient is the
+sum of the output gradient in its own dtype.
+
+State (buffers, in the state_dict): ``amax_history [L, 3]`` and ``scale [3]`` (fp32), for the roles input,
+weight and grad_output in that order. Under ``DelayedScaling`` every cast uses ``scale`` as it stands and
+folds its amax into row 0 of the history (a running max over the step's casts, micro-batches included);
+``fp8_step`` turns the history into new scales once per optimizer step. Under ``CurrentScaling`` each cast
+computes its scale from its own amax and the buffers record nothing.
+"""
+
+import torch
+from torch import Tensor, nn
+
+from torchdist_ext.fp8.recipe import CurrentScaling, Recipe
+from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
+from torchdist_ext.fp8.state import Fp8State
+from torchdist_ext.ops import fp8_cast_amax
+
+__all__ = ["Fp8Linear", "fp8_linear"]
+
+_INPUT, _WEIGHT, _GRAD = range(3)
+
+
+def _cast(x: Tensor, role: int, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Tensor,
+          recipe: Recipe) -> tuple[Tensor, Tensor]:
+    """(x_fp8, 1 / scale as a 1-element fp32 tensor): the cast of one tensor role under the recipe."""
+    if isinstance(recipe, CurrentScaling):
+        role_scale = current_scale(x.abs().amax().float(), FP8_MAX[fp8_dtype], recipe.eps).reshape(1)
+        x_fp8, _ = fp8_cast_amax(x, role_scale, fp8_dtype)
+        return x_fp8, role_scale.reciprocal()
+    role_scale = scale[role:role + 1]
+    x_fp8, amax = fp8_cast_amax(x, role_scale, fp8_dtype)
+    amax_history[0, role] = torch.maximum(amax_history[0, role], amax)
+    return x_fp8, role_scale.reciprocal()
+
+
+def _column_major(x_fp8: Tensor) -> Tensor:
+    """The same matrix stored column-major (what torch._scaled_mm takes as its second operand)."""
+    return x_fp8.t().contiguous().t()
+
+
+class _Fp8LinearFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, amax_history, recipe):
+        rows = x.reshape(-1, x.shape[-1])
+        x_fp8, x_inverse = _cast(rows, _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
+        w_fp8, w_inverse = _cast(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe)
+        out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype)
+        if bias is not None:
+            out = out + bias.to(x.dtype)
+        # The gradient's scale as it stands now, and the history by reference (not saved: several forwards may
+        # run before their backwards, and each cast updates the history in place).
+        ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, scale.clone())
+        ctx.amax_history = amax_history
+        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        return out.view(*x.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_fp8, w_fp8, x_inverse, w_inverse, scale = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        g_fp8, g_inverse = _cast(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history, ctx.recipe)
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            grad_x = torch._scaled_mm(g_fp8, _column_major(w_fp8), scale_a=g_inverse, scale_b=w_inverse,
+                                      out_dtype=ctx.x_dtype).view(ctx.x_shape)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._scaled_mm(g_fp8.t().contiguous(), _column_major(x_fp8), scale_a=g_inverse,
+                                      scale_b=x_inverse, out_dtype=ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0)
+        return grad_x, grad_w, grad_bias, None, None, None
+
+
+def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, amax_history: Tensor,
+               recipe: Recipe) -> Tensor:
+    """``F.linear(x, weight, bias)`` with fp8 GEMMs (see the module docstring); ``x [..., in]``,
+    ``weight [out, in]`` (plain tensors: the local shard under tensor parallelism)."""
+    return _Fp8LinearFunction.apply(x, weight, bias, scale, amax_history, recipe)
+
+
+class Fp8Linear(Fp8State, nn.Linear):
+    """``nn.Linear`` in fp8 with the state of ``recipe`` (see the module docstring).
+
+    Shapes as ``nn.Linear``: ``[..., in_features] -> [..., out_features]``; both features divisible by 16
+    (the fp8 GEMMs' alignment). ``amax_reduction_mesh``: the ranks whose amaxes ``fp8_step`` reduces
+    (None: the default process group).
+    """
+
+    def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Recipe,
+                 amax_reduction_mesh=None, device=None, dtype=None):
+        for arg, value in (("in_features", in_features), ("out_features", out_features)):
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0 or value % 16:
+                raise ValueError(f"{arg} must be a positive multiple of 16 (fp8 GEMMs), got {value!r}")
+        super().__init__(in_features, out_features, bias, device=device, dtype=dtype)
+        self.enable_fp8(recipe, amax_reduction_mesh=amax_reduction_mesh, device=device)
+
+    @classmethod
+    def from_linear(cls, linear: nn.Linear, recipe: Recipe, *, amax_reduction_mesh=None) -> "Fp8Linear":
+        """The fp8 layer holding ``linear``'s own parameters (the same Parameter objects, so optimizers and
+        FSDP2 see the same model)."""
+        layer = cls(linear.in_features, linear.out_features, linear.bias is not None, recipe=recipe,
+                    amax_reduction_mesh=amax_reduction_mesh, device="meta")
+        layer.weight, layer.bias = linear.weight, linear.bias
+        layer.enable_fp8(recipe, amax_reduction_mesh=amax_reduction_mesh, device=linear.weight.device)
+        return layer
+
+    def forward(self, x: Tensor) -> Tensor:
+        if x.shape[-1] != self.in_features:
+            raise ValueError(f"x's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
+        return fp8_linear(x, self.weight, self.bias, self.scale, self.amax_history, self.fp8_recipe)
+
+    def extra_repr(self) -> str:
+        return f"{super().extra_repr()}, recipe={self.fp8_recipe}"
