@@ -104,8 +104,8 @@ TORCH_LIBRARY(tdx, m) {
 
   // ---- fp8: scaled casts for fp8 GEMMs ----
   // x (fp32, bf16 or fp16, any shape) -> x_fp8 = cast(x * scale) in fp8_dtype (float8_e4m3fn or
-  // float8_e5m2; contiguous, x's shape): finite values saturate to the format's largest value, inf and
-  // NaN become NaN, rounding to nearest even; amax = max |x| (fp32, 0-d; NaN if x holds a NaN, inf if
+  // float8_e5m2; contiguous, x's shape): finite elements saturate to the format's largest value (also
+  // where x * scale overflows fp32), inf and NaN become NaN, rounding to nearest even; amax = max |x| (fp32, 0-d; NaN if x holds a NaN, inf if
   // it holds an inf). scale: fp32 with one element, on x's device. One read of x. Not differentiable.
   m.def("fp8_cast_amax(Tensor x, Tensor scale, ScalarType fp8_dtype) -> (Tensor x_fp8, Tensor amax)");
 }

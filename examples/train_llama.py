@@ -49,7 +49,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import Llama, LlamaConfig, MixtureOfExperts, parallelize_llama  # noqa: E402
 
 import torchdist_ext  # noqa: E402,F401
-from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_step  # noqa: E402
+from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_modules, fp8_step  # noqa: E402
 from torchdist_ext.parallel import (  # noqa: E402
     MoE,
     hybrid_attention,
@@ -269,7 +269,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     if rank == 0:
         print(f"world {world_size}: dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
               f"ring {ring} x ulysses {ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
-              f"compile={args.compile}, {precision(args)}{f' with fp8 GEMMs ({args.fp8})' if args.fp8 else ''} "
+              f"compile={args.compile}, {precision(args)}"
+              f"{f' with fp8 GEMMs ({args.fp8}) in {len(fp8_modules(model))} linears' if args.fp8 else ''} "
               f"on {args.device}"
               f"{f', {args.experts} experts (top {args.top_k}) over ep={args.ep}' if args.experts else ''}; "
               f"{sum(p.numel() for p in model.parameters()):,} parameters", flush=True)

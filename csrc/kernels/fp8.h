@@ -3,10 +3,10 @@
 // (csrc/ops/fp8.cpp), the CPU kernels (kernels/cpu/fp8.cpp) and the CUDA kernels
 // (kernels/cuda/fp8.cu), and the one float -> fp8 conversion both devices use.
 //
-// A cast scales each element by `scale` in fp32, saturates finite values to the
-// format's largest finite value (+-448 for e4m3, +-57344 for e5m2), turns inf and
-// NaN into NaN (so a non-finite input always reaches the loss), and rounds to
-// nearest even. The amax is the largest |x| before scaling, NaN if any element is
+// A cast scales each element by `scale` in fp32 and saturates every finite
+// element to the format's largest finite value (+-448 for e4m3, +-57344 for e5m2),
+// also where the product overflows fp32; an inf or NaN element becomes NaN (so a
+// non-finite input always reaches the loss). Rounding is to nearest even. The amax is the largest |x| before scaling, NaN if any element is
 // NaN and inf if any is infinite: it ignores nothing.
 
 #include <cstdint>
@@ -69,17 +69,18 @@ TDX_HOST_DEVICE uint8_t fp8_from_saturated(float v) {
 
 TDX_HOST_DEVICE float fp8_max(Fp8Format format) { return format == Fp8Format::kE4M3 ? 448.0f : 57344.0f; }
 
-// The cast of one scaled value: finite values saturate, inf and NaN become NaN.
-TDX_HOST_DEVICE uint8_t to_fp8(float scaled, Fp8Format format) {
+// The cast of one element x: x * scale saturated when x is finite (an overflowing product saturates
+// too), NaN when x is inf or NaN.
+TDX_HOST_DEVICE uint8_t to_fp8(float x, float scale, Fp8Format format) {
   const float limit = fp8_max(format);
-  const float magnitude = scaled < 0 ? -scaled : scaled;
-  const bool finite = magnitude <= 3.402823466e38f;  // false for inf and NaN
+  const bool finite = (float_bits(x) & 0x7FFFFFFFu) < 0x7F800000u;  // false for inf and NaN
+  const float scaled = x * scale;
   float v = scaled > limit ? limit : scaled < -limit ? -limit : scaled;
   if (!finite) v = bits_float(0x7FC00000u);
   return format == Fp8Format::kE4M3 ? fp8_from_saturated<3, 7>(v) : fp8_from_saturated<2, 15>(v);
 }
 
-// out[i] = to_fp8(x[i] * *scale); partial_amax[item] = max |x[i]| over the item's
+// out[i] = to_fp8(x[i], *scale); partial_amax[item] = max |x[i]| over the item's
 // elements (NaN if one is NaN). Work items: chunks of `chunk` elements (the last
 // may be shorter).
 struct CastAmaxArgs {

@@ -26,9 +26,9 @@ std::tuple<at::Tensor, at::Tensor> fp8_cast_amax(const at::Tensor& x, const at::
   TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
                    kCastAmax, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
   TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, kCastAmax, ": scale must be float32, got ", scale.scalar_type());
-  TORCH_CHECK(scale.numel() == 1, kCastAmax, ": scale must hold one value, got shape ", scale.sizes());
-  TORCH_CHECK(scale.device() == x.device(), kCastAmax, ": scale must be on x's device ", x.device(), ", got ",
-              scale.device());
+  TORCH_CHECK_VALUE(scale.numel() == 1, kCastAmax, ": scale must hold one value, got shape ", scale.sizes());
+  TORCH_CHECK_VALUE(scale.device() == x.device(), kCastAmax, ": scale must be on x's device ", x.device(), ", got ",
+                    scale.device());
   const auto input = x.contiguous();
   const auto scale_value = scale.contiguous();
   auto out = at::empty(x.sizes(), x.options().dtype(fp8_dtype));

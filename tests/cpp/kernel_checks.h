@@ -530,12 +530,13 @@ inline double fp8_value(uint8_t byte, kernels::Fp8Format format) {
   return sign * std::ldexp((1 << mantissa_bits) + mantissa, exponent - bias - mantissa_bits);
 }
 
-// The fp8 value a scaled fp32 value must become: NaN for inf and NaN, else the nearest finite value
-// after saturating to the largest one, ties to the code with an even mantissa (found by trying all 256).
-inline double expected_fp8(float scaled, kernels::Fp8Format format) {
-  if (!std::isfinite(scaled)) return NAN;
+// The fp8 value an element x must become: NaN for inf and NaN, else the nearest finite value to the fp32
+// product x * scale after saturating it (an overflowing product too) to the largest one, ties to the code
+// with an even mantissa (found by trying all 256).
+inline double expected_fp8(float x, float scale, kernels::Fp8Format format) {
+  if (!std::isfinite(x)) return NAN;
   const double limit = format == kernels::Fp8Format::kE4M3 ? 448.0 : 57344.0;
-  const double v = std::min(std::max(static_cast<double>(scaled), -limit), limit);
+  const double v = std::min(std::max(static_cast<double>(x * scale), -limit), limit);
   int best = -1;
   for (int code = 0; code < 256; ++code) {
     const double candidate = fp8_value(static_cast<uint8_t>(code), format);
@@ -569,7 +570,7 @@ inline void check_fp8_cast_amax(const kernels::Fp8Kernels& table, ElementType ty
     const Elements x(type, values);
     const int64_t count = static_cast<int64_t>(values.size()), chunk = 256;
     const int64_t items = (count + chunk - 1) / chunk;
-    for (const float scale : {1.0f, 0.75f, 3.0e3f}) {
+    for (const float scale : {1.0f, 0.75f, 3.0e3f, 3.0e38f}) {  // the last overflows fp32 for |x| > 1
       SCOPED_TRACE("scale " + std::to_string(scale));
       for (const bool with_nan : {false, true}) {
         Elements input = x;
@@ -580,7 +581,7 @@ inline void check_fp8_cast_amax(const kernels::Fp8Kernels& table, ElementType ty
                         kernels::Launch{0, items, nullptr});
         for (int64_t i = 0; i < count; ++i) {
           const float stored = static_cast<float>(input.get(i));
-          EXPECT_TRUE(close(fp8_value(out[i], format), expected_fp8(stored * scale, format), 0))
+          EXPECT_TRUE(close(fp8_value(out[i], format), expected_fp8(stored, scale, format), 0))
               << "element " << i << " = " << stored;
         }
         for (int64_t item = 0; item < items; ++item) {

@@ -13,12 +13,14 @@ FLOAT32_MAX = torch.finfo(torch.float32).max
 
 def reference_update(history: list[float], scale: float, fp8_max: float, margin: int, algo: str):
     """TE: amax from the history (max, NaN winning, or the newest row), scale = (fp8_max / amax) / 2**margin,
-    kept when amax is 0 or not finite, FLT_MAX when it overflows; then roll by one, row 0 zeroed."""
+    kept when amax is 0 or not finite, FLT_MAX when it overflows; then non-finite amaxes stored as 0 (ours),
+    roll by one, row 0 zeroed."""
     amax = (math.nan if any(math.isnan(a) for a in history) else max(history)) if algo == "max" else history[0]
     if amax > 0 and math.isfinite(amax):
         new = float(torch.tensor(fp8_max, dtype=torch.float32) / torch.tensor(amax, dtype=torch.float32)
                     / 2.0**margin)
         scale = FLOAT32_MAX if math.isinf(new) else new
+    history = [a if math.isfinite(a) else 0.0 for a in history]
     return [0.0] + history[2:] + history[:1] if len(history) > 1 else [0.0], scale
 
 
@@ -65,7 +67,8 @@ def test_current_scale():
 
 @pytest.mark.parametrize("kwargs, error, message", [
     (dict(margin=-1), ValueError, "margin must be an int >= 0, got -1"),
-    (dict(margin=1.5), ValueError, "margin must be an int >= 0, got 1.5"),
+    (dict(margin=1.5), TypeError, "margin must be an int >= 0, got 1.5"),
+    (dict(amax_history_len="4"), TypeError, "amax_history_len must be an int >= 1, got '4'"),
     (dict(amax_history_len=0), ValueError, "amax_history_len must be an int >= 1, got 0"),
     (dict(amax_compute_algo="mean"), ValueError, r"amax_compute_algo must be one of \('max', 'most_recent'\)"),
     (dict(fp8_format="e5m2"), ValueError, r"fp8_format must be one of \('hybrid', 'e4m3'\), got 'e5m2'"),

@@ -86,12 +86,14 @@ def fp8_step(model: nn.Module) -> None:
     modules = [m for m in fp8_modules(model) if isinstance(m.fp8_recipe, DelayedScaling)]
     if not modules:
         return
-    meshes = {id(m.amax_reduction_mesh): m.amax_reduction_mesh for m in modules}
-    if len(meshes) > 1:
-        raise ValueError("fp8_step: the model's fp8 modules name different amax_reduction_mesh; "
-                         "convert the model with one")
-    if modules[0].fp8_recipe.reduce_amax and dist.is_available() and dist.is_initialized():
-        mesh = modules[0].amax_reduction_mesh
+    mesh, reduce_amax = modules[0].amax_reduction_mesh, modules[0].fp8_recipe.reduce_amax
+    for m in modules[1:]:
+        if m.amax_reduction_mesh != mesh or m.fp8_recipe.reduce_amax != reduce_amax:
+            raise ValueError(
+                f"fp8_step: every fp8 module of the model must have one amax_reduction_mesh and one reduce_amax "
+                f"(one collective for all); got {mesh} / reduce_amax={reduce_amax} and {m.amax_reduction_mesh} / "
+                f"reduce_amax={m.fp8_recipe.reduce_amax}")
+    if reduce_amax and dist.is_available() and dist.is_initialized():
         current = torch.stack([m.amax_history[0] for m in modules])  # [modules, roles]: one buffer
         current = torch.where(current.isnan(), float("inf"), current)
         dist.all_reduce(current, op=dist.ReduceOp.MAX, group=None if mesh is None else mesh.get_group())

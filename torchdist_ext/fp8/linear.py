@@ -30,7 +30,8 @@ def _cast(x: Tensor, role: int, fp8_dtype: torch.dtype, scale: Tensor, amax_hist
           recipe: Recipe) -> tuple[Tensor, Tensor]:
     """(x_fp8, 1 / scale as a 1-element fp32 tensor): the cast of one tensor role under the recipe."""
     if isinstance(recipe, CurrentScaling):
-        role_scale = current_scale(x.abs().amax().float(), FP8_MAX[fp8_dtype], recipe.eps).reshape(1)
+        amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
+        role_scale = current_scale(amax, FP8_MAX[fp8_dtype], recipe.eps).reshape(1)
         x_fp8, _ = fp8_cast_amax(x, role_scale, fp8_dtype)
         return x_fp8, role_scale.reciprocal()
     role_scale = scale[role:role + 1]
@@ -42,6 +43,17 @@ def _cast(x: Tensor, role: int, fp8_dtype: torch.dtype, scale: Tensor, amax_hist
 def _column_major(x_fp8: Tensor) -> Tensor:
     """The same matrix stored column-major (what torch._scaled_mm takes as its second operand)."""
     return x_fp8.t().contiguous().t()
+
+
+def _rows_padded_to_16(x_fp8: Tensor) -> Tensor:
+    """x_fp8 [rows, n] with zero rows appended up to a multiple of 16 rows: the weight gradient's GEMM
+    contracts over the rows, and torch._scaled_mm on a GPU takes only multiples of 16 there (zero rows add
+    exact zeros to every sum)."""
+    missing = -x_fp8.shape[0] % 16
+    if missing == 0:
+        return x_fp8
+    return torch.cat([x_fp8.view(torch.uint8), x_fp8.new_zeros(missing, x_fp8.shape[1], dtype=torch.uint8)]).view(
+        x_fp8.dtype)
 
 
 class _Fp8LinearFunction(torch.autograd.Function):
@@ -71,7 +83,8 @@ class _Fp8LinearFunction(torch.autograd.Function):
             grad_x = torch._scaled_mm(g_fp8, _column_major(w_fp8), scale_a=g_inverse, scale_b=w_inverse,
                                       out_dtype=ctx.x_dtype).view(ctx.x_shape)
         if ctx.needs_input_grad[1]:
-            grad_w = torch._scaled_mm(g_fp8.t().contiguous(), _column_major(x_fp8), scale_a=g_inverse,
+            grad_w = torch._scaled_mm(_rows_padded_to_16(g_fp8).t().contiguous(),
+                                      _column_major(_rows_padded_to_16(x_fp8)), scale_a=g_inverse,
                                       scale_b=x_inverse, out_dtype=ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.sum(0)

@@ -45,11 +45,11 @@ class DelayedScaling:
     reduce_amax: bool = True
 
     def __post_init__(self):
-        if isinstance(self.margin, bool) or not isinstance(self.margin, int) or self.margin < 0:
-            raise ValueError(f"margin must be an int >= 0, got {self.margin!r}")
-        if (isinstance(self.amax_history_len, bool) or not isinstance(self.amax_history_len, int)
-                or self.amax_history_len < 1):
-            raise ValueError(f"amax_history_len must be an int >= 1, got {self.amax_history_len!r}")
+        for name, value, least in (("margin", self.margin, 0), ("amax_history_len", self.amax_history_len, 1)):
+            if isinstance(value, bool) or not isinstance(value, int):
+                raise TypeError(f"{name} must be an int >= {least}, got {value!r}")
+            if value < least:
+                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, got {self.amax_compute_algo!r}")
         _check_format(self.fp8_format)
@@ -75,8 +75,9 @@ class CurrentScaling:
 
     def __post_init__(self):
         _check_format(self.fp8_format)
-        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)) or not (
-                self.eps > 0 and math.isfinite(self.eps)):
+        if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float)):
+            raise TypeError(f"eps must be a positive finite number, got {self.eps!r}")
+        if not (self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"eps must be a positive finite number, got {self.eps!r}")
 
     @property

@@ -11,6 +11,10 @@ and its ``delayed_scaling.cu`` kernel), side by side with ours:
     scale == inf (a tiny amax): FLT_MAX                  the same
     history rolls by one, the new row 0 zeroed           the same: row 0 collects this step's amaxes
                                                          (the max over every cast of the step)
+    NaN never enters the history (its amax              a NaN or inf amax is recorded (the step keeps its
+    kernels' fmaxf skips NaN elements)                   scales; the cast made the loss NaN), then stored as
+                                                         0, so one bad step does not freeze a scale for the
+                                                         history's length
 
 fp8_max is 448 for e4m3 and 57344 for e5m2. The amax of every cast since the last update sits in row 0
 of the history [L, roles]; the update reads it, then rolls: row i moves to row i - 1 (row 0 to row L - 1,
@@ -34,7 +38,7 @@ def update_delayed_scales_(amax_history: Tensor, scale: Tensor, fp8_max: Tensor,
     new_scale = (fp8_max / amax) / (2.0**margin)
     new_scale = torch.where(new_scale.isinf(), _FLOAT32_MAX, new_scale)
     scale.copy_(torch.where((amax > 0) & amax.isfinite(), new_scale, scale))
-    amax_history.copy_(torch.roll(amax_history, -1, 0))
+    amax_history.copy_(torch.roll(torch.where(amax_history.isfinite(), amax_history, 0.0), -1, 0))
     amax_history[0].zero_()
 
 

@@ -4,11 +4,10 @@
 
 One read of x: the cast and the amax that delayed scaling records come out of the
 same pass (the unfused torch expression reads x twice and writes the scaled copy).
-Finite values saturate to the format's largest value (448 for e4m3, 57344 for
-e5m2), inf and NaN become NaN so that a non-finite input always reaches the loss,
-and rounding is to nearest even (the bytes equal
-``torch.where(s.isfinite(), s.clamp(-max, max), nan).to(fp8_dtype)`` for
-``s = x.float() * scale``). The amax ignores nothing: NaN if x holds a NaN, inf if it
+Every finite element saturates to the format's largest value (448 for e4m3, 57344
+for e5m2), also where ``x * scale`` overflows fp32; inf and NaN become NaN so that
+a non-finite input always reaches the loss; rounding is to nearest even (the bytes
+equal ``torch.where(x.isfinite(), (x.float() * scale).clamp(-max, max), nan).to(fp8_dtype)``). The amax ignores nothing: NaN if x holds a NaN, inf if it
 holds an inf. Not differentiable (the fp8 linears define the gradients).
 """
 
@@ -34,7 +33,7 @@ def _(x, scale, fp8_dtype):
                        lambda: f"{op}: fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
     torch._check_type(x.dtype in _INPUT_DTYPES, lambda: f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
     torch._check_type(scale.dtype == torch.float32, lambda: f"{op}: scale must be float32, got {scale.dtype}")
-    torch._check(scale.numel() == 1, lambda: f"{op}: scale must hold one value, got shape {tuple(scale.shape)}")
-    torch._check(scale.device == x.device,
-                 lambda: f"{op}: scale must be on x's device {x.device}, got {scale.device}")
+    torch._check_value(scale.numel() == 1, lambda: f"{op}: scale must hold one value, got shape {tuple(scale.shape)}")
+    torch._check_value(scale.device == x.device,
+                       lambda: f"{op}: scale must be on x's device {x.device}, got {scale.device}")
     return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x.new_empty((), dtype=torch.float32)

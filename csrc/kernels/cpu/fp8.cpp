@@ -2,7 +2,6 @@
 
 #include "kernels/fp8.h"
 
-#include <cmath>
 #include <type_traits>
 
 #include "kernels/cpu/element.h"
@@ -22,7 +21,7 @@ void cast_chunk(const T* x, float scale, int64_t begin, int64_t end, uint8_t* ou
     const float v = static_cast<float>(load(x[i]));
     const uint32_t magnitude_bits = float_bits(v) & 0x7FFFFFFFu;
     amax_bits = magnitude_bits > amax_bits ? magnitude_bits : amax_bits;
-    out[i] = to_fp8(v * scale, kFormat);
+    out[i] = to_fp8(v, scale, kFormat);
   }
   *partial_amax = bits_float(amax_bits);
 }

@@ -28,7 +28,7 @@ __global__ void cast_amax_kernel(const T* __restrict__ x, const float* __restric
     const float magnitude = fabsf(v);
     amax = magnitude > amax ? magnitude : amax;
     nan |= v != v;
-    out[i] = to_fp8(v * s, format);
+    out[i] = to_fp8(v, s, format);
   }
   __shared__ float block_amax[kCastThreads];
   block_amax[threadIdx.x] = nan ? NAN : amax;
