@@ -8,7 +8,9 @@ cast_amax   ours: tdx::fp8_cast_amax (one read of x, one byte written per elemen
             (counting one read of x and one write of the fp8 bytes)
 linear      forward + backward of Fp8Linear (delayed scaling, "hybrid") against nn.Linear in bf16 on
             the same shapes: on a CPU torch._scaled_mm has no fp8 hardware and may well be slower;
-            the GPU figure is the one that matters
+            the GPU figure is the one that matters. Also the signal-to-quantisation-noise ratio of the
+            fp8 output and gradients against the same linear in fp32 (after the timed steps, so the
+            delayed scales are set): 20 log10(|reference| / |fp8 - reference|) dB
 """
 
 import argparse
@@ -53,6 +55,25 @@ def cast_rows(device: str, repeats: int) -> list[dict]:
     return rows
 
 
+def fp8_sqnr_db(fp8: Fp8Linear, x, upstream) -> dict[str, float]:
+    """SQNR of the fp8 layer's output, input gradient and weight gradient against its weights in fp32."""
+    reference = nn.Linear(fp8.in_features, fp8.out_features, bias=False, device=x.device)
+    with torch.no_grad():
+        reference.weight.copy_(fp8.weight)
+    results = {}
+    for name, layer, dtype in (("fp8", fp8, x.dtype), ("fp32", reference, torch.float32)):
+        inputs = x.to(dtype).clone().requires_grad_(True)
+        out = layer(inputs)
+        out.backward(upstream.to(dtype))
+        results[name] = (out.detach().float(), inputs.grad.float(), layer.weight.grad.float())
+        layer.weight.grad = None
+
+    def db(actual, expected):
+        return (20 * torch.log10(expected.norm() / (actual - expected).norm())).item()
+
+    return {role: db(a, b) for role, a, b in zip(("out", "grad_x", "grad_w"), results["fp8"], results["fp32"])}
+
+
 def linear_rows(device: str, repeats: int) -> list[dict]:
     rows = []
     for tokens, in_features, out_features in LINEAR_SHAPES[device]:
@@ -73,12 +94,14 @@ def linear_rows(device: str, repeats: int) -> list[dict]:
 
         seconds = {"bf16": median_seconds(lambda: step(bf16), device, repeats),
                    "fp8": median_seconds(fp8_train_step, device, repeats)}
+        sqnr = fp8_sqnr_db(fp8, x.detach(), upstream)
         flops = 6 * tokens * in_features * out_features
         rows.append({"bench": "fp8_linear_fwd_bwd", "device": device, "tokens": tokens, "in": in_features,
                      "out": out_features, "bf16_ms": round(seconds["bf16"] * 1e3, 3),
                      "fp8_ms": round(seconds["fp8"] * 1e3, 3), "fp8_over_bf16": round(seconds["fp8"] / seconds["bf16"], 3),
                      "fp8_tflops": round(flops / seconds["fp8"] / 1e12, 3),
-                     "bf16_tflops": round(flops / seconds["bf16"] / 1e12, 3)})
+                     "bf16_tflops": round(flops / seconds["bf16"] / 1e12, 3),
+                     **{f"sqnr_{name}_db": round(value, 1) for name, value in sqnr.items()}})
     return rows
 
 
@@ -96,11 +119,13 @@ def main() -> None:
         print(f"{r['device']:>6} {'x'.join(map(str, r['shape'])):>12} {r['dtype']:>9} {r['ours_ms']:9.3f} "
               f"{r['unfused_ms']:10.3f} {r['ours_over_unfused']:12.3f} {r['bandwidth_fraction']:6.3f}")
     print()
-    print(f"{'device':>6} {'tokens x in x out':>20} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9} {'fp8 TFLOP/s':>11}")
+    print(f"{'device':>6} {'tokens x in x out':>20} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9} {'fp8 TFLOP/s':>11} "
+          f"{'SQNR dB out / dx / dw':>22}")
     for r in linears:
         shape = f"{r['tokens']}x{r['in']}x{r['out']}"
+        sqnr = f"{r['sqnr_out_db']:.1f} / {r['sqnr_grad_x_db']:.1f} / {r['sqnr_grad_w_db']:.1f}"
         print(f"{r['device']:>6} {shape:>20} {r['bf16_ms']:9.3f} {r['fp8_ms']:9.3f} {r['fp8_over_bf16']:9.3f} "
-              f"{r['fp8_tflops']:11.3f}")
+              f"{r['fp8_tflops']:11.3f} {sqnr:>22}")
 
 
 if __name__ == "__main__":
