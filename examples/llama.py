@@ -285,7 +285,13 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
     if fp8 is not None:  # the output head stays in the activation dtype, as TransformerEngine recipes keep it
         convert_to_fp8(model, fp8, filter_fn=lambda name, module: name != "output")
     for index, block in enumerate(model.layers):
-        if compile:
+        if compile and isinstance(block.feed_forward, ExpertParallelFeedForward):
+            # The experts carry FSDP2 hooks of their own, which dynamo runs eagerly: a fullgraph graph cannot
+            # hold them. Compile everything around the MoE instead, in place (names unchanged); the MoE's
+            # own work is native ops.
+            for part in (block.attention_norm, block.attention, block.ffn_norm):
+                part.compile(fullgraph=True)
+        elif compile:
             block = torch.compile(block, fullgraph=True)
             model.layers[index] = block
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)

@@ -111,10 +111,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{CHECK_TOLERANCE['fp32']:.0e}, with --bf16 {CHECK_TOLERANCE['bf16']:.0e}, "
                              f"with --fp8 {CHECK_TOLERANCE['fp8']:.0e})")
     args = parser.parse_args(argv)
-    if args.compile and args.experts:
-        parser.error("--compile with --experts: FSDP2's hooks on the experts' parameters run eagerly (dynamo skips "
-                     "them), which a fullgraph-compiled block cannot hold; the MoE layer itself compiles "
-                     "(fullgraph) outside FSDP2")
     if args.check_tolerance is None:
         args.check_tolerance = CHECK_TOLERANCE["fp8" if args.fp8 else precision(args)]
     return args
