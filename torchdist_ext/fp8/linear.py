@@ -16,12 +16,13 @@ computes its scale from its own amax and the buffers record nothing.
 import torch
 from torch import Tensor, nn
 
-from torchdist_ext.fp8.recipe import CurrentScaling, Recipe
+from torchdist_ext import collectives
+from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.ops import fp8_cast_amax
 
-__all__ = ["Fp8Linear", "fp8_linear"]
+__all__ = ["Fp8Linear", "fp8_all_gather_linear", "fp8_linear", "gathers_fp8"]
 
 _INPUT, _WEIGHT, _GRAD = range(3)
 
@@ -89,6 +90,61 @@ class _Fp8LinearFunction(torch.autograd.Function):
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_bias = g.sum(0)
         return grad_x, grad_w, grad_bias, None, None, None
+
+
+class _Fp8AllGatherLinearFunction(torch.autograd.Function):
+    """Sequence-parallel column GEMM in fp8: this rank's sequence block is cast, the fp8 bytes are
+    all-gathered (a quarter of fp32's traffic, half of bf16's), and the GEMM runs on the gathered fp8
+    sequence; backward reduce-scatters the input gradient back to the blocks."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, scale, amax_history, recipe, group_name, group_size, dim):
+        x_fp8_block, x_inverse = _cast(x.contiguous(), _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
+        gathered = collectives.all_gather(x_fp8_block.view(torch.uint8), group_name, group_size, dim)
+        x_fp8 = gathered.view(torch.float8_e4m3fn).reshape(-1, x.shape[-1])
+        w_fp8, w_inverse = _cast(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe)
+        out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype)
+        if bias is not None:
+            out = out + bias.to(x.dtype)
+        ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, scale.clone())
+        ctx.amax_history = amax_history
+        ctx.recipe, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = recipe, x.dtype, weight.dtype, bias is not None
+        ctx.gathered_shape, ctx.group = gathered.shape, (group_name, group_size, dim)
+        return out.view(*gathered.shape[:-1], weight.shape[0])
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_fp8, w_fp8, x_inverse, w_inverse, scale = ctx.saved_tensors
+        g = grad_out.reshape(-1, grad_out.shape[-1])
+        g_fp8, g_inverse = _cast(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history, ctx.recipe)
+        grad_x = grad_w = grad_bias = None
+        if ctx.needs_input_grad[0]:
+            full = torch._scaled_mm(g_fp8, _column_major(w_fp8), scale_a=g_inverse, scale_b=w_inverse,
+                                    out_dtype=ctx.x_dtype).view(ctx.gathered_shape)
+            grad_x = collectives.reduce_scatter(full, *ctx.group)
+        if ctx.needs_input_grad[1]:
+            grad_w = torch._scaled_mm(_rows_padded_to_16(g_fp8).t().contiguous(),
+                                      _column_major(_rows_padded_to_16(x_fp8)), scale_a=g_inverse,
+                                      scale_b=x_inverse, out_dtype=ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_bias = g.sum(0)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None
+
+
+def gathers_fp8(recipe: Recipe) -> bool:
+    """Whether a sequence-parallel gather may carry fp8 bytes: only when every rank casts with the same
+    scale, i.e. delayed scales reduced over the ranks (``reduce_amax``; the reduction mesh must include
+    the tensor-parallel ranks)."""
+    return isinstance(recipe, DelayedScaling) and recipe.reduce_amax
+
+
+def fp8_all_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, amax_history: Tensor,
+                          recipe: Recipe, group_name: str, group_size: int, dim: int) -> Tensor:
+    """``F.linear(all_gather(x, dim), weight, bias)`` with x cast to fp8 before the gather (see
+    ``_Fp8AllGatherLinearFunction``): ``x [.., S/n, .., in]`` this rank's block along ``dim``,
+    ``weight [out, in]``; returns ``[.., S, .., out]``. Needs ``gathers_fp8(recipe)``."""
+    return _Fp8AllGatherLinearFunction.apply(x, weight, bias, scale, amax_history, recipe, group_name, group_size,
+                                             dim)
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, amax_history: Tensor,

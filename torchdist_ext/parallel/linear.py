@@ -14,8 +14,10 @@ Parameters are DTensors on ``tp_mesh``, so ``fully_shard(module, mesh=dp_mesh)``
 makes them 2-D and distributed checkpoints reshard them.
 
 In fp8 (``torchdist_ext.fp8.convert_to_fp8``) the local GEMM runs through
-``fp8_linear`` and the sequence-parallel gather / scatter become bulk collectives
-around it (the ring-fused ops run in the activation dtype).
+``fp8_linear``; under sequence parallelism the column layer all-gathers the fp8
+bytes of its input (delayed scales reduced over the ranks; otherwise the
+activations) and the row layer reduce-scatters its output, as bulk collectives
+(the ring-fused ops run in the activation dtype).
 """
 
 import math
@@ -27,7 +29,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from torchdist_ext import ops
-from torchdist_ext.fp8.linear import fp8_linear
+from torchdist_ext.fp8.linear import fp8_all_gather_linear, fp8_linear, gathers_fp8
 from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.parallel.input_checks import (
     check_divisible,
@@ -154,7 +156,10 @@ class ColumnParallelLinear(_ParallelLinear):
         check_floating_input(x, "input", weight.dtype)
         check_features(x, "input", self.in_features, "in_features")
         bias = None if self.bias is None else self.bias.to_local()
-        if self.sequence_parallel and self.fp8_recipe is not None:
+        if self.sequence_parallel and self.fp8_recipe is not None and gathers_fp8(self.fp8_recipe):
+            out = fp8_all_gather_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe, self.tp.name,
+                                        self.tp.size, sequence_dim(x, self.seq_dim))
+        elif self.sequence_parallel and self.fp8_recipe is not None:
             out = self._local_linear(gather_from_sequence_region(x, self.tp, sequence_dim(x, self.seq_dim)),
                                      weight, bias)
         elif self.sequence_parallel:
