@@ -57,39 +57,51 @@ def _rows_padded_to_16(x_fp8: Tensor) -> Tensor:
         x_fp8.dtype)
 
 
+def _forward_gemm(ctx, x_fp8: Tensor, x_inverse: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor,
+                  amax_history: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> Tensor:
+    """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx."""
+    w_fp8, w_inverse = _cast(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe)
+    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=out_dtype)
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    # The gradient's scale as it stands now, and the history by reference (not saved: several forwards may
+    # run before their backwards, and each cast updates the history in place).
+    ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, scale.clone())
+    ctx.amax_history, ctx.recipe = amax_history, recipe
+    ctx.x_dtype, ctx.w_dtype, ctx.has_bias = out_dtype, weight.dtype, bias is not None
+    return out
+
+
+def _backward_gemms(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
+    """(grad_x [rows, in], grad_w, grad_bias), each None where autograd needs none: the output gradient cast
+    to the recipe's gradient format, both GEMMs in fp8."""
+    x_fp8, w_fp8, x_inverse, w_inverse, scale = ctx.saved_tensors
+    g = grad_out.reshape(-1, grad_out.shape[-1])
+    g_fp8, g_inverse = _cast(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history, ctx.recipe)
+    grad_x = grad_w = grad_bias = None
+    if ctx.needs_input_grad[0]:
+        grad_x = torch._scaled_mm(g_fp8, _column_major(w_fp8), scale_a=g_inverse, scale_b=w_inverse,
+                                  out_dtype=ctx.x_dtype)
+    if ctx.needs_input_grad[1]:
+        grad_w = torch._scaled_mm(_rows_padded_to_16(g_fp8).t().contiguous(), _column_major(_rows_padded_to_16(x_fp8)),
+                                  scale_a=g_inverse, scale_b=x_inverse, out_dtype=ctx.w_dtype)
+    if ctx.has_bias and ctx.needs_input_grad[2]:
+        grad_bias = g.sum(0)
+    return grad_x, grad_w, grad_bias
+
+
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scale, amax_history, recipe):
-        rows = x.reshape(-1, x.shape[-1])
-        x_fp8, x_inverse = _cast(rows, _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
-        w_fp8, w_inverse = _cast(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe)
-        out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype)
-        if bias is not None:
-            out = out + bias.to(x.dtype)
-        # The gradient's scale as it stands now, and the history by reference (not saved: several forwards may
-        # run before their backwards, and each cast updates the history in place).
-        ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, scale.clone())
-        ctx.amax_history = amax_history
-        ctx.recipe, ctx.x_shape, ctx.x_dtype, ctx.w_dtype = recipe, x.shape, x.dtype, weight.dtype
-        ctx.has_bias = bias is not None
+        x_fp8, x_inverse = _cast(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
+        out = _forward_gemm(ctx, x_fp8, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
+        ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_fp8, w_fp8, x_inverse, w_inverse, scale = ctx.saved_tensors
-        g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_fp8, g_inverse = _cast(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history, ctx.recipe)
-        grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            grad_x = torch._scaled_mm(g_fp8, _column_major(w_fp8), scale_a=g_inverse, scale_b=w_inverse,
-                                      out_dtype=ctx.x_dtype).view(ctx.x_shape)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch._scaled_mm(_rows_padded_to_16(g_fp8).t().contiguous(),
-                                      _column_major(_rows_padded_to_16(x_fp8)), scale_a=g_inverse,
-                                      scale_b=x_inverse, out_dtype=ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = g.sum(0)
-        return grad_x, grad_w, grad_bias, None, None, None
+        grad_x, grad_w, grad_bias = _backward_gemms(ctx, grad_out)
+        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_bias, None, None, None
 
 
 class _Fp8AllGatherLinearFunction(torch.autograd.Function):
@@ -102,32 +114,15 @@ class _Fp8AllGatherLinearFunction(torch.autograd.Function):
         x_fp8_block, x_inverse = _cast(x.contiguous(), _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
         gathered = collectives.all_gather(x_fp8_block.view(torch.uint8), group_name, group_size, dim)
         x_fp8 = gathered.view(torch.float8_e4m3fn).reshape(-1, x.shape[-1])
-        w_fp8, w_inverse = _cast(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe)
-        out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=x.dtype)
-        if bias is not None:
-            out = out + bias.to(x.dtype)
-        ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, scale.clone())
-        ctx.amax_history = amax_history
-        ctx.recipe, ctx.x_dtype, ctx.w_dtype, ctx.has_bias = recipe, x.dtype, weight.dtype, bias is not None
+        out = _forward_gemm(ctx, x_fp8, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
         ctx.gathered_shape, ctx.group = gathered.shape, (group_name, group_size, dim)
         return out.view(*gathered.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
-        x_fp8, w_fp8, x_inverse, w_inverse, scale = ctx.saved_tensors
-        g = grad_out.reshape(-1, grad_out.shape[-1])
-        g_fp8, g_inverse = _cast(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history, ctx.recipe)
-        grad_x = grad_w = grad_bias = None
-        if ctx.needs_input_grad[0]:
-            full = torch._scaled_mm(g_fp8, _column_major(w_fp8), scale_a=g_inverse, scale_b=w_inverse,
-                                    out_dtype=ctx.x_dtype).view(ctx.gathered_shape)
-            grad_x = collectives.reduce_scatter(full, *ctx.group)
-        if ctx.needs_input_grad[1]:
-            grad_w = torch._scaled_mm(_rows_padded_to_16(g_fp8).t().contiguous(),
-                                      _column_major(_rows_padded_to_16(x_fp8)), scale_a=g_inverse,
-                                      scale_b=x_inverse, out_dtype=ctx.w_dtype)
-        if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_bias = g.sum(0)
+        grad_x, grad_w, grad_bias = _backward_gemms(ctx, grad_out)
+        if grad_x is not None:
+            grad_x = collectives.reduce_scatter(grad_x.view(ctx.gathered_shape), *ctx.group)
         return grad_x, grad_w, grad_bias, None, None, None, None, None, None
 
 
