@@ -11,10 +11,19 @@ linear      forward + backward of Fp8Linear (delayed scaling, "hybrid") against 
             the GPU figure is the one that matters. Also the signal-to-quantisation-noise ratio of the
             fp8 output and gradients against the same linear in fp32 (after the timed steps, so the
             delayed scales are set): 20 log10(|reference| / |fp8 - reference|) dB
+step        one training step of a sequence-parallel MLP block (column 256 -> 1024, row back) under
+            tensor parallelism and FSDP2 on 4 CPU ranks (dp=2 x tp=2), input gradient included: the
+            collectives one rank issues and the bytes it sends into them, by kind: FSDP2's parameter
+            all-gathers and gradient reduce-scatters, the sequence-parallel collectives (the ring-fused
+            ops' point-to-point blocks, from the profiler; the bulk ones of the fp8 path) and the
+            all-reduces (bias gradient, fp8_step's amaxes); in fp32, in bf16 (FSDP2 mixed precision),
+            and in fp8 on bf16 parameters (delayed scaling, fp8_step included)
 """
 
 import argparse
+import collections
 import json
+import math
 import sys
 from pathlib import Path
 
@@ -105,13 +114,107 @@ def linear_rows(device: str, repeats: int) -> list[dict]:
     return rows
 
 
+def count_collectives(fn, activation_bytes: int) -> dict[str, tuple[int, int]]:
+    """{kind: (calls, bytes sent)} of the collectives fn() issues on this rank, as a ring algorithm sends
+    them (all-gather: n-1 input blocks; reduce-scatter: (n-1)/n of the input; all-reduce: twice that):
+    FSDP2's through torch.distributed and the bulk ones through torchdist_ext.collectives (patched to
+    count them), and the ring-fused ops' point-to-point blocks from C++ (profiler events, in the
+    activation dtype they exchange)."""
+    import torch.distributed as dist
+    from torch.distributed.distributed_c10d import _get_group_size_by_name
+
+    from torchdist_ext import collectives
+
+    share = {"all-gather": lambda n: n - 1, "reduce-scatter": lambda n: (n - 1) / n,
+             "all-reduce": lambda n: 2 * (n - 1) / n}
+    seen = collections.defaultdict(lambda: [0, 0.0])
+
+    def group_size(args, kwargs, position):
+        if position is not None:
+            return args[position]  # torchdist_ext.collectives: (x, group_name, group_size, ...)
+        if len(args) > 1 and isinstance(args[1], str):  # torchdist_ext.collectives.all_reduce(x, group_name)
+            return _get_group_size_by_name(args[1])
+        return dist.get_world_size(kwargs.get("group"))
+
+    patches = [  # module, function, kind, where the input tensor is, where the group size is (None: group=)
+        (dist, "all_gather_single", "fsdp all-gather", 1, None),
+        (dist, "reduce_scatter_single", "fsdp reduce-scatter", "input", None),
+        (dist, "all_reduce", "all-reduce", 0, None),
+        (collectives, "all_gather", "sp all-gather", 0, 2),
+        (collectives, "reduce_scatter", "sp reduce-scatter", 0, 2),
+        (collectives, "all_reduce", "all-reduce", 0, None),
+    ]
+    originals = [(module, name, getattr(module, name)) for module, name, *_ in patches]
+    for (module, name, kind, where, size_at), (_, _, original) in zip(patches, originals):
+        def counted(*args, _original=original, _kind=kind, _where=where, _size_at=size_at, **kwargs):
+            tensor = kwargs[_where] if isinstance(_where, str) else args[_where]
+            n = group_size(args, kwargs, _size_at)
+            seen[_kind][0] += 1
+            seen[_kind][1] += tensor.numel() * tensor.element_size() * share[_kind.split(" ", 1)[-1]](n)
+            return _original(*args, **kwargs)
+
+        setattr(module, name, counted)
+    try:
+        with torch.profiler.profile(record_shapes=True) as profile:
+            fn()
+    finally:
+        for module, name, original in originals:
+            setattr(module, name, original)
+    for event in profile.events():
+        if event.name.endswith(":send") and event.input_shapes and event.input_shapes[0]:
+            seen["sp ring sends"][0] += 1
+            seen["sp ring sends"][1] += math.prod(event.input_shapes[0]) * activation_bytes
+    return {kind: (calls, int(sent)) for kind, (calls, sent) in seen.items()}
+
+
+def block_step_collectives(precision: str) -> dict[str, tuple[int, int]]:
+    """Runs on every rank of a 4-rank world: one step's collectives of the TP + SP + FSDP2 block."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    from torchdist_ext.fp8 import convert_to_fp8
+    from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear
+    from torchdist_ext.testing import cached_mesh
+
+    mesh = cached_mesh((2, 2), ("dp", "tp"))
+    torch.manual_seed(0)
+    model = nn.Sequential(
+        ColumnParallelLinear.from_linear(nn.Linear(256, 1024), tp_mesh=mesh["tp"], sequence_parallel=True),
+        nn.ReLU(),
+        RowParallelLinear.from_linear(nn.Linear(1024, 256), tp_mesh=mesh["tp"], sequence_parallel=True))
+    if precision == "fp8":
+        convert_to_fp8(model, DelayedScaling())
+    bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
+    fully_shard(model, mesh=mesh["dp"], mp_policy=bf16 if precision != "fp32" else MixedPrecisionPolicy())
+    x = torch.randn(4, 256, 256, dtype=torch.float32 if precision == "fp32" else torch.bfloat16, requires_grad=True)
+
+    def step():
+        model(x).float().sum().backward()
+        fp8_step(model)
+
+    step()  # FSDP2's lazy initialisation
+    return count_collectives(step, x.element_size())
+
+
+def step_rows() -> list[dict]:
+    from torchdist_ext.testing import spawn_world
+
+    rows = []
+    with spawn_world(4, timeout=600.0) as world:
+        for precision in ("fp32", "bf16", "fp8"):
+            counts = world.run(block_step_collectives, precision)[0]
+            rows.append({"bench": "fp8_block_step_collectives", "precision": precision,
+                         "collectives": {kind: {"calls": calls, "kib": round(sent / 1024, 1)}
+                                         for kind, (calls, sent) in sorted(counts.items())}})
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    casts, linears = cast_rows(args.device, args.repeats), linear_rows(args.device, args.repeats)
-    for row in casts + linears:
+    casts, linears, steps = cast_rows(args.device, args.repeats), linear_rows(args.device, args.repeats), step_rows()
+    for row in casts + linears + steps:
         print(json.dumps(row), flush=True)
     print()
     print(f"{'device':>6} {'shape':>12} {'dtype':>9} {'ours ms':>9} {'unfused ms':>10} {'ours/unfused':>12} {'of bw':>6}")
@@ -126,6 +229,12 @@ def main() -> None:
         sqnr = f"{r['sqnr_out_db']:.1f} / {r['sqnr_grad_x_db']:.1f} / {r['sqnr_grad_w_db']:.1f}"
         print(f"{r['device']:>6} {shape:>20} {r['bf16_ms']:9.3f} {r['fp8_ms']:9.3f} {r['fp8_over_bf16']:9.3f} "
               f"{r['fp8_tflops']:11.3f} {sqnr:>22}")
+    print()
+    kinds = sorted({kind for r in steps for kind in r["collectives"]})
+    print(f"{'precision':>9} " + " ".join(f"{kind + ' (calls, KiB)':>27}" for kind in kinds))
+    for r in steps:
+        cells = [r["collectives"].get(kind, {"calls": 0, "kib": 0.0}) for kind in kinds]
+        print(f"{r['precision']:>9} " + " ".join(f"{cell['calls']:>18}, {cell['kib']:>7}" for cell in cells))
 
 
 if __name__ == "__main__":
