@@ -27,7 +27,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -39,6 +38,7 @@ from torch.distributed._functional_collectives import all_to_all_single_autograd
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peak_memory import PeakMemory  # noqa: E402
+from world_timing import median_step_seconds, step  # noqa: E402
 
 import torchdist_ext  # noqa: E402,F401
 from torchdist_ext.parallel import MoE  # noqa: E402
@@ -123,29 +123,6 @@ class ComputeOnly(nn.Module):
         rows = x.view(self.w1.shape[0], self.rows_per_expert, -1)
         hidden = F.silu(torch.bmm(rows, self.w1.transpose(1, 2))) * torch.bmm(rows, self.w3.transpose(1, 2))
         return torch.bmm(hidden, self.w2.transpose(1, 2))
-
-
-def step(model, x, upstream):
-    (model(x) * upstream).sum().backward()
-    for p in model.parameters():
-        p.grad = None
-    x.grad = None
-
-
-def median_step_seconds(cases: dict, repeats: int, warmup: int) -> dict[str, float]:
-    """Variants interleaved within a repeat, in alternating order, so that drift hits them alike."""
-    for case in cases.values():
-        for _ in range(warmup):
-            step(*case)
-    times = {name: [] for name in cases}
-    for repeat in range(repeats):
-        order = list(cases.items())
-        for name, case in order if repeat % 2 == 0 else reversed(order):
-            dist.barrier()
-            start = time.perf_counter()
-            step(*case)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def remote_rows_per_token(moe: MoE, x: torch.Tensor) -> dict[str, float]:

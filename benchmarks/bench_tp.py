@@ -18,9 +18,7 @@ the physical floor reached). One JSON line per case, then a table.
 
 import argparse
 import json
-import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -29,6 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from world_timing import median_step_seconds  # noqa: E402
+
 import torchdist_ext  # noqa: E402,F401
 from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
 from torchdist_ext.parallel.regions import (  # noqa: E402
@@ -80,30 +81,6 @@ def torch_tp_block(reference: nn.Sequential, tp_mesh, sequence_parallel: bool) -
     else:
         plan = {"0": ColwiseParallel(), "2": RowwiseParallel()}
     return parallelize_module(reference, tp_mesh, plan)
-
-
-def median_step_seconds(cases: dict, repeats: int, warmup: int) -> dict[str, float]:
-    """Median forward + backward time of each (model, x, upstream). Variants are interleaved within a
-    repeat, in alternating order, so that the machine's drift hits them alike."""
-
-    def step(model, x, upstream):
-        # Reading the output makes torch's DTensor wait for its last (asynchronous) collective.
-        (model(x) * upstream).sum().backward()
-        for p in model.parameters():
-            p.grad = None
-
-    for case in cases.values():
-        for _ in range(warmup):
-            step(*case)
-    times = {name: [] for name in cases}
-    for repeat in range(repeats):
-        order = list(cases.items())
-        for name, case in order if repeat % 2 == 0 else reversed(order):
-            dist.barrier()
-            start = time.perf_counter()
-            step(*case)
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
 
 
 def run_case(batch: int, seq: int, hidden: int, ffn: int, sequence_parallel: bool, repeats: int, warmup: int):
