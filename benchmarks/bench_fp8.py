@@ -17,7 +17,8 @@ step        one training step of a sequence-parallel MLP block (column 256 -> 10
             all-gathers and gradient reduce-scatters, the sequence-parallel collectives (the ring-fused
             ops' point-to-point blocks, from the profiler; the bulk ones of the fp8 path) and the
             all-reduces (bias gradient, fp8_step's amaxes); in fp32, in bf16 (FSDP2 mixed precision),
-            and in fp8 on bf16 parameters (delayed scaling, fp8_step included)
+            in fp8 on bf16 parameters (delayed scaling, fp8_step included), and the same with FSDP2
+            all-gathering the weights in fp8 (``fp8_all_gather=True``; the biases stay bf16)
 """
 
 import argparse
@@ -181,8 +182,8 @@ def block_step_collectives(precision: str) -> dict[str, tuple[int, int]]:
         ColumnParallelLinear.from_linear(nn.Linear(256, 1024), tp_mesh=mesh["tp"], sequence_parallel=True),
         nn.ReLU(),
         RowParallelLinear.from_linear(nn.Linear(1024, 256), tp_mesh=mesh["tp"], sequence_parallel=True))
-    if precision == "fp8":
-        convert_to_fp8(model, DelayedScaling())
+    if precision.startswith("fp8"):
+        convert_to_fp8(model, DelayedScaling(), fp8_all_gather=precision == "fp8+fp8 all-gather")
     bf16 = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)
     fully_shard(model, mesh=mesh["dp"], mp_policy=bf16 if precision != "fp32" else MixedPrecisionPolicy())
     x = torch.randn(4, 256, 256, dtype=torch.float32 if precision == "fp32" else torch.bfloat16, requires_grad=True)
@@ -200,7 +201,7 @@ def step_rows() -> list[dict]:
 
     rows = []
     with spawn_world(4, timeout=600.0) as world:
-        for precision in ("fp32", "bf16", "fp8"):
+        for precision in ("fp32", "bf16", "fp8", "fp8+fp8 all-gather"):
             counts = world.run(block_step_collectives, precision)[0]
             rows.append({"bench": "fp8_block_step_collectives", "precision": precision,
                          "collectives": {kind: {"calls": calls, "kib": round(sent / 1024, 1)}
@@ -231,10 +232,10 @@ def main() -> None:
               f"{r['fp8_tflops']:11.3f} {sqnr:>22}")
     print()
     kinds = sorted({kind for r in steps for kind in r["collectives"]})
-    print(f"{'precision':>9} " + " ".join(f"{kind + ' (calls, KiB)':>27}" for kind in kinds))
+    print(f"{'precision':>18} " + " ".join(f"{kind + ' (calls, KiB)':>27}" for kind in kinds))
     for r in steps:
         cells = [r["collectives"].get(kind, {"calls": 0, "kib": 0.0}) for kind in kinds]
-        print(f"{r['precision']:>9} " + " ".join(f"{cell['calls']:>18}, {cell['kib']:>7}" for cell in cells))
+        print(f"{r['precision']:>18} " + " ".join(f"{cell['calls']:>18}, {cell['kib']:>7}" for cell in cells))
 
 
 if __name__ == "__main__":

@@ -240,7 +240,7 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
                       attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
                       compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                       ep_mesh: DeviceMesh | None = None, expert_dp_mesh: DeviceMesh | None = None,
-                      fp8: Recipe | None = None) -> Llama:
+                      fp8: Recipe | None = None, fp8_all_gather: bool = False) -> Llama:
     """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
     attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh`` (with its
     mixed-precision policy ``mp_policy``, e.g. bf16 parameters with fp32 gradient reduction).
@@ -248,7 +248,8 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
     ``ep_mesh`` (ranks of ``dp_mesh`` that see different tokens), its experts sharded by FSDP2 over
     ``expert_dp_mesh`` (the ranks holding the same experts). With an fp8 ``Recipe`` every linear but the
     output head runs its GEMMs in fp8 (``convert_to_fp8``, before FSDP2 so that the shapes it checks
-    are the tensor-parallel shards); call ``fp8_step(model)`` after each optimizer step.
+    are the tensor-parallel shards); call ``fp8_step(model)`` after each optimizer step. ``fp8_all_gather``:
+    FSDP2 gathers those linears' weights as fp8 bytes (a delayed recipe with ``reduce_amax``).
 
     With sequence parallelism the residual stream between blocks is sharded
     along the sequence over tp; the embedding reduce-scatters into it and the
@@ -283,7 +284,7 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
     # The logits feed nothing but the loss: their gradient can take their memory.
     model.loss_fn = partial(vocab_parallel_cross_entropy, tp_mesh=tp_mesh, inplace_backward=True)
     if fp8 is not None:  # the output head stays in the activation dtype, as TransformerEngine recipes keep it
-        convert_to_fp8(model, fp8, filter_fn=lambda name, module: name != "output")
+        convert_to_fp8(model, fp8, filter_fn=lambda name, module: name != "output", fp8_all_gather=fp8_all_gather)
     for index, block in enumerate(model.layers):
         if compile and isinstance(block.feed_forward, ExpertParallelFeedForward):
             # The experts carry FSDP2 hooks of their own, which dynamo runs eagerly: a fullgraph graph cannot

@@ -103,6 +103,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--fp8", choices=("delayed", "current"), default=None,
                         help="fp8 GEMMs in every linear but the output head: delayed (TransformerEngine's) or "
                              "current scaling")
+    parser.add_argument("--fp8-all-gather", action="store_true",
+                        help="with --fp8 delayed: FSDP2 all-gathers the fp8 linears' weights as fp8 bytes")
     parser.add_argument("--losses", type=Path, default=None,
                         help="write the per-step global losses here as JSON (examples/plot_losses.py plots runs)")
     parser.add_argument("--check", action="store_true", help="also train in one process (fp32) and compare losses")
@@ -111,6 +113,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{CHECK_TOLERANCE['fp32']:.0e}, with --bf16 {CHECK_TOLERANCE['bf16']:.0e}, "
                              f"with --fp8 {CHECK_TOLERANCE['fp8']:.0e})")
     args = parser.parse_args(argv)
+    if args.fp8_all_gather and args.fp8 != "delayed":
+        parser.error(f"--fp8-all-gather needs --fp8 delayed (every rank casts its shard with the shared delayed "
+                     f"scale), got --fp8 {args.fp8}")
     if args.check_tolerance is None:
         args.check_tolerance = CHECK_TOLERANCE["fp8" if args.fp8 else precision(args)]
     return args
@@ -259,14 +264,16 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     model = parallelize_llama(single, tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
                               sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
                               mp_policy=PRECISION_POLICY[precision(args)], ep_mesh=ep_mesh,
-                              expert_dp_mesh=expert_dp_mesh, fp8=FP8_RECIPES.get(args.fp8))
+                              expert_dp_mesh=expert_dp_mesh, fp8=FP8_RECIPES.get(args.fp8),
+                              fp8_all_gather=args.fp8_all_gather)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dp_rank, fsdp_group = mesh["dp"].get_local_rank(), fsdp_mesh.get_group()
     if rank == 0:
         print(f"world {world_size}: dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
               f"ring {ring} x ulysses {ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
               f"compile={args.compile}, {precision(args)}"
-              f"{f' with fp8 GEMMs ({args.fp8}) in {len(fp8_modules(model))} linears' if args.fp8 else ''} "
+              f"{f' with fp8 GEMMs ({args.fp8}) in {len(fp8_modules(model))} linears' if args.fp8 else ''}"
+              f"{' (fp8 all-gathers)' if args.fp8_all_gather else ''} "
               f"on {args.device}"
               f"{f', {args.experts} experts (top {args.top_k}) over ep={args.ep}' if args.experts else ''}; "
               f"{sum(p.numel() for p in model.parameters()):,} parameters", flush=True)

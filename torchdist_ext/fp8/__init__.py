@@ -6,7 +6,8 @@
 
 ``recipe`` (DelayedScaling, CurrentScaling), ``scaling`` (the scale rule), ``state`` (Fp8State: a module's
 recipe, amax history and scales), ``linear`` (Fp8Linear and ``fp8_linear``), ``convert`` (convert_to_fp8,
-fp8_step). ``ColumnParallelLinear`` and ``RowParallelLinear`` carry the same state once converted.
+fp8_step), ``fsdp`` (FSDP2 all-gathering the weights in fp8: ``convert_to_fp8(..., fp8_all_gather=True)``).
+``ColumnParallelLinear`` and ``RowParallelLinear`` carry the same state once converted.
 """
 
 from torchdist_ext.fp8.convert import convert_to_fp8, fp8_modules, fp8_step

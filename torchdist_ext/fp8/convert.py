@@ -18,6 +18,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchdist_ext.fp8.fsdp import enable_fp8_all_gather, fold_gathered_weight_amax_
 from torchdist_ext.fp8.linear import Fp8Linear
 from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import update_delayed_scales_
@@ -39,7 +40,8 @@ def _local_features(module: nn.Module) -> tuple[int, int] | None:
 
 
 def convert_to_fp8(model: nn.Module, recipe: Recipe, *, amax_reduction_mesh=None,
-                   filter_fn: Callable[[str, nn.Module], bool] | None = None) -> nn.Module:
+                   filter_fn: Callable[[str, nn.Module], bool] | None = None,
+                   fp8_all_gather: bool = False) -> nn.Module:
     """Turns, in place, the linears of ``model`` that ``filter_fn(fully_qualified_name, module)`` accepts
     (default: all) and whose GEMM's features (this rank's shard under tensor parallelism) are multiples of
     16 into fp8 ones: every ``nn.Linear`` is replaced by an ``Fp8Linear`` holding the same parameters;
@@ -47,19 +49,33 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, amax_reduction_mesh=None
     DTensor placements and FSDP2 / DCP see the same model). ``amax_reduction_mesh``: the DeviceMesh whose
     ranks reduce their amaxes in ``fp8_step`` (None: the default process group; under tensor parallelism
     it must include the tp ranks). Returns ``model`` (an ``nn.Linear`` passed as the model is returned
-    converted)."""
+    converted).
+
+    ``fp8_all_gather=True``: FSDP2 (``fully_shard`` after this call) all-gathers each converted weight as fp8
+    bytes cast with its delayed scale (``torchdist_ext.fp8.fsdp``); needs ``DelayedScaling(reduce_amax=True)``
+    and an ``amax_reduction_mesh`` that includes the FSDP ranks (the default does). The weights become new
+    Parameter objects (same values and placements): build the optimizer after ``fully_shard``, as FSDP2
+    asks anyway."""
     if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
         raise TypeError(f"recipe must be a DelayedScaling or a CurrentScaling, got {type(recipe).__name__}")
     if filter_fn is not None and not callable(filter_fn):
         raise TypeError(f"filter_fn must be callable(name, module) -> bool, got {type(filter_fn).__name__}")
+    if not isinstance(fp8_all_gather, bool):
+        raise TypeError(f"fp8_all_gather must be a bool, got {fp8_all_gather!r}")
+    if fp8_all_gather and not (isinstance(recipe, DelayedScaling) and recipe.reduce_amax):
+        raise ValueError(f"fp8_all_gather=True needs DelayedScaling(reduce_amax=True): every FSDP rank must cast "
+                         f"its shard with the same scale, known before the gather; got {recipe}")
 
     def converted(name: str, module: nn.Module) -> nn.Module | None:
         features = _local_features(module)
         if features is None or any(f % 16 for f in features) or (filter_fn is not None and not filter_fn(name, module)):
             return None
         if type(module) is nn.Linear:
-            return Fp8Linear.from_linear(module, recipe, amax_reduction_mesh=amax_reduction_mesh)
-        module.enable_fp8(recipe, amax_reduction_mesh=amax_reduction_mesh, device=module.weight.device)
+            module = Fp8Linear.from_linear(module, recipe, amax_reduction_mesh=amax_reduction_mesh)
+        else:
+            module.enable_fp8(recipe, amax_reduction_mesh=amax_reduction_mesh, device=module.weight.device)
+        if fp8_all_gather:
+            enable_fp8_all_gather(module)
         return module
 
     root = converted("", model)
@@ -93,6 +109,8 @@ def fp8_step(model: nn.Module) -> None:
                 f"fp8_step: every fp8 module of the model must have one amax_reduction_mesh and one reduce_amax "
                 f"(one collective for all); got {mesh} / reduce_amax={reduce_amax} and {m.amax_reduction_mesh} / "
                 f"reduce_amax={m.fp8_recipe.reduce_amax}")
+    for m in modules:
+        fold_gathered_weight_amax_(m)
     if reduce_amax and dist.is_available() and dist.is_initialized():
         current = torch.stack([m.amax_history[0] for m in modules])  # [modules, roles]: one buffer
         current = torch.where(current.isnan(), float("inf"), current)

@@ -17,6 +17,7 @@ import torch
 from torch import Tensor, nn
 
 from torchdist_ext import collectives
+from torchdist_ext.fp8.fsdp import GatheredFp8Weight
 from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
@@ -59,8 +60,13 @@ def _rows_padded_to_16(x_fp8: Tensor) -> Tensor:
 
 def _forward_gemm(ctx, x_fp8: Tensor, x_inverse: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor,
                   amax_history: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> Tensor:
-    """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx."""
-    w_fp8, w_inverse = _cast(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe)
+    """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx. A weight
+    that FSDP2 gathered in fp8 (``GatheredFp8Weight``) is used as gathered: it was cast, and its amax recorded,
+    before the all-gather."""
+    if isinstance(weight, GatheredFp8Weight):
+        w_fp8, w_inverse = weight._data, weight._inverse_scale
+    else:
+        w_fp8, w_inverse = _cast(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe)
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=out_dtype)
     if bias is not None:
         out = out + bias.to(out_dtype)

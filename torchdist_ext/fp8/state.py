@@ -18,11 +18,12 @@ class Fp8State:
     ``amax_reduction_mesh`` (a 1-D DeviceMesh, or None for the default process group), and the fp32
     buffers ``amax_history [L, 3]`` and ``scale [3]`` (roles input, weight, grad_output; L =
     amax_history_len, 1 under CurrentScaling; in the state_dict) and ``fp8_max [3]`` (each role's format
-    maximum; not saved). The buffers stay fp32 when the module is cast to another dtype."""
+    maximum; not saved); with FSDP2's fp8 all-gather also ``gathered_weight_amax`` (0-d, not saved; see
+    ``torchdist_ext.fp8.fsdp``). The buffers stay fp32 when the module is cast to another dtype."""
 
     fp8_recipe: Recipe | None = None
     amax_reduction_mesh: DeviceMesh | None = None
-    _FP32_BUFFERS = ("amax_history", "scale", "fp8_max")
+    _FP32_BUFFERS = ("amax_history", "scale", "fp8_max", "gathered_weight_amax")
 
     def enable_fp8(self: nn.Module, recipe: Recipe, *, amax_reduction_mesh: DeviceMesh | None = None,
                    device=None) -> None:
@@ -52,6 +53,8 @@ class Fp8State:
             self.scale.fill_(1.0)
             grad_max = FP8_MAX[self.fp8_recipe.grad_dtype]
             self.fp8_max.copy_(torch.tensor([FP8_MAX[torch.float8_e4m3fn]] * 2 + [grad_max]))
+            if getattr(self, "gathered_weight_amax", None) is not None:  # fp8 all-gather (torchdist_ext.fp8.fsdp)
+                self.gathered_weight_amax.zero_()
 
     def _apply(self, fn, recurse=True):
         """``.to(dtype)`` / ``.half()`` cast the parameters; the fp8 buffers keep their fp32 values (only

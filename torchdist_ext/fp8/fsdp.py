@@ -1,0 +1,196 @@
+"""FSDP2 all-gathers the weights of fp8 linears in fp8: one byte per element instead of two (bf16) or four.
+
+``convert_to_fp8(model, DelayedScaling(), fp8_all_gather=True)`` (before ``fully_shard``) wraps each fp8
+linear's weight (the local tensor of a tensor-parallel DTensor weight) in an ``Fp8AllGatherWeight``. FSDP2
+shards it as it would the plain tensor (the wrapper survives its padding and slicing), and before each
+all-gather calls the wrapper's hooks:
+
+    fsdp_pre_all_gather:  this rank's shard [rows/dp (padded), in] -> fp8 bytes cast with the module's
+                          delayed weight scale (tdx::fp8_cast_amax; the shard's amax goes into the
+                          module's ``gathered_weight_amax``, which ``fp8_step`` folds into the
+                          weight's history row and reduces with every other amax)
+    all-gather:           the bytes (uint8: every backend carries them)
+    fsdp_post_all_gather: the gathered bytes -> a ``GatheredFp8Weight`` [rows, in]: the fp8 weight and its
+                          inverse scale, in the unsharded parameter's place
+
+and the fp8 linear's forward takes the gathered fp8 weight as it is instead of casting the weight again.
+The delayed scale is known before the gather (it changes only in ``fp8_step``), so no amax collective runs
+before it; every data-parallel rank casts with the same scale as long as ``fp8_step`` reduces the amaxes
+over them (``reduce_amax=True`` with an ``amax_reduction_mesh`` that includes the FSDP ranks; the default,
+the whole world, does). The gathered bytes equal the cast of the whole weight, so a model trains exactly
+as with the fp8 weight cast after a full-precision gather (with fp32 parameters; under a bf16
+``param_dtype`` the gather skips the bf16 rounding before the fp8 cast). Uneven and empty shards (a 40-row
+weight on 3 ranks, a weight with fewer rows than ranks) gather as FSDP2 pads them: zero rows, cast to zero
+bytes and dropped after the gather.
+"""
+
+import torch
+import torch.utils._pytree as pytree
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from torchdist_ext.ops import fp8_cast_amax
+
+__all__ = ["Fp8AllGatherWeight", "GatheredFp8Weight", "enable_fp8_all_gather", "fold_gathered_weight_amax_"]
+
+_WEIGHT = 1  # the weight's role (row of the amax history, entry of the scales): see Fp8State.ROLES
+
+# FSDP2 pads, slices, copies and moves a parameter's local tensor: those ops keep the wrapper (as torchao's
+# weight wrappers do); every other op sees the plain tensor inside and returns plain tensors.
+_OPS_KEEPING_THE_WRAPPER = {
+    torch.ops.aten.empty_like.default,
+    torch.ops.aten.new_zeros.default,
+    torch.ops.aten.slice.Tensor,
+    torch.ops.aten.copy_.default,
+    torch.ops.aten.view.default,
+    torch.ops.aten.as_strided.default,
+    torch.ops.aten._to_copy.default,
+    torch.ops.aten._pin_memory.default,
+    torch.ops.aten.split.Tensor,
+    torch.ops.aten.clone.default,
+    torch.ops.aten.detach.default,
+    torch.ops.aten.alias.default,
+}
+
+
+class Fp8AllGatherWeight(torch.Tensor):
+    """A full-precision weight (or FSDP2's shard of it) whose FSDP2 all-gather carries fp8 bytes.
+
+    Behaves as the tensor it wraps (``_tensor``; same shape, dtype and device) in every op; FSDP2 calls
+    ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (see the module docstring). The owning module (an
+    fp8 linear with a delayed recipe) provides the scale and records the amax.
+    """
+
+    _tensor: Tensor
+
+    @staticmethod
+    def __new__(cls, tensor: Tensor):
+        return torch.Tensor._make_wrapper_subclass(
+            cls, tensor.size(), strides=tensor.stride(), storage_offset=tensor.storage_offset(),
+            dtype=tensor.dtype, layout=tensor.layout, device=tensor.device, requires_grad=tensor.requires_grad)
+
+    def __init__(self, tensor: Tensor):
+        self._tensor = tensor
+
+    def __repr__(self) -> str:
+        return f"Fp8AllGatherWeight({self._tensor})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        args, kwargs = pytree.tree_map_only(cls, lambda t: t._tensor, (args, kwargs or {}))
+        out = func(*args, **kwargs)
+        if func not in _OPS_KEEPING_THE_WRAPPER:
+            return out
+        return pytree.tree_map_only(Tensor, cls, out)
+
+    def __tensor_flatten__(self):
+        return ["_tensor"], None
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, metadata, outer_size, outer_stride):
+        return Fp8AllGatherWeight(inner_tensors["_tensor"])
+
+    def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
+        """This rank's shard cast to fp8 with ``module``'s delayed weight scale, as uint8 bytes padded to
+        FSDP2's padded shard rows; metadata: the inverse scale and the unsharded size."""
+        scale = module.scale[_WEIGHT:_WEIGHT + 1]
+        with torch.no_grad():
+            shard_fp8, amax = fp8_cast_amax(self._tensor, scale, torch.float8_e4m3fn)
+            torch.maximum(module.gathered_weight_amax, amax, out=module.gathered_weight_amax)
+            padded_rows = -(-outer_size[0] // mesh.size(-1))
+            padded = shard_fp8.view(torch.uint8).new_zeros((padded_rows, *shard_fp8.shape[1:]))
+            padded[:shard_fp8.shape[0]] = shard_fp8.view(torch.uint8)
+            inverse_scale = scale.reciprocal()
+        return (padded,), (inverse_scale, tuple(outer_size))
+
+    def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
+        """The gathered bytes as a ``GatheredFp8Weight`` of the unsharded size in ``param_dtype`` (FSDP2's
+        first all-gather), or ``out``'s inverse scale refreshed (later all-gathers write the same storage)."""
+        (gathered,) = all_gather_outputs
+        inverse_scale, size = metadata
+        if out is not None:
+            local = out._local_tensor if isinstance(out, DTensor) else out
+            local._inverse_scale = inverse_scale  # not in place: a forward's autograd may have saved the old one
+            return None
+        data = gathered[:size[0]].view(torch.float8_e4m3fn)
+        return GatheredFp8Weight(data, inverse_scale, param_dtype), (gathered,)
+
+
+class GatheredFp8Weight(torch.Tensor):
+    """An unsharded weight as FSDP2 gathered it: ``_data`` (e4m3, ``[out, in]``) and ``_inverse_scale``
+    (fp32, one element), posing as a ``dtype`` tensor of that shape so that FSDP2 and autograd treat it as
+    the parameter. Only the fp8 linear reads it (its forward uses the bytes as they are); other ops raise.
+    """
+
+    _data: Tensor
+    _inverse_scale: Tensor
+
+    @staticmethod
+    def __new__(cls, data: Tensor, inverse_scale: Tensor, dtype: torch.dtype):
+        return torch.Tensor._make_wrapper_subclass(cls, data.size(), dtype=dtype, device=data.device)
+
+    def __init__(self, data: Tensor, inverse_scale: Tensor, dtype: torch.dtype):
+        self._data, self._inverse_scale = data, inverse_scale
+
+    def __repr__(self) -> str:
+        return f"GatheredFp8Weight(shape={tuple(self.shape)}, dtype={self.dtype}, inverse_scale={self._inverse_scale})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
+        (self, *rest), kwargs = args, kwargs or {}
+        aliasing = func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
+        same_view = (func in (torch.ops.aten.view.default, torch.ops.aten.as_strided.default)
+                     and tuple(rest[0]) == tuple(self.shape))
+        if not (aliasing or same_view):
+            raise NotImplementedError(
+                f"{func} on a weight that FSDP2 all-gathered in fp8: only the fp8 linear that owns it reads it "
+                f"(convert_to_fp8(..., fp8_all_gather=False) keeps full-precision gathers)")
+        return cls(self._data, self._inverse_scale, self.dtype)
+
+    def __tensor_flatten__(self):
+        return ["_data", "_inverse_scale"], self.dtype
+
+    @staticmethod
+    def __tensor_unflatten__(inner_tensors, dtype, outer_size, outer_stride):
+        return GatheredFp8Weight(inner_tensors["_data"], inner_tensors["_inverse_scale"], dtype)
+
+
+def enable_fp8_all_gather(module: torch.nn.Module) -> None:
+    """Makes FSDP2 all-gather ``module.weight`` in fp8: the weight (a Parameter, plain or a DTensor) becomes a
+    Parameter whose (local) tensor is an ``Fp8AllGatherWeight`` with the same values, placements and
+    ``requires_grad``; the module's ``state_dict`` keeps holding the plain tensor (so checkpoints load into
+    any model, fp8 gathers or not)."""
+    weight = module.weight
+    with torch.no_grad():
+        if isinstance(weight, DTensor):
+            wrapped = DTensor.from_local(Fp8AllGatherWeight(weight.to_local().detach()), weight.device_mesh,
+                                         weight.placements, run_check=False, shape=weight.shape,
+                                         stride=weight.stride())
+        else:
+            wrapped = Fp8AllGatherWeight(weight.detach())
+    module.weight = torch.nn.Parameter(wrapped, requires_grad=weight.requires_grad)
+    module.register_state_dict_post_hook(_plain_weight_in_state_dict)
+    # The gathers' amax has a buffer of its own: FSDP2 gathers again before the backward, and a compiled
+    # block's backward holds the amax history (it records the output gradient's amax there), so a write
+    # into the history between the two would invalidate it.
+    module.register_buffer("gathered_weight_amax", torch.zeros((), dtype=torch.float32, device=weight.device),
+                           persistent=False)
+
+
+def fold_gathered_weight_amax_(module: torch.nn.Module) -> None:
+    """Moves the amax of the step's fp8 weight gathers (if the module's weight is gathered in fp8) into the
+    weight's row of the amax history; ``fp8_step`` calls it before reducing the amaxes."""
+    gathered = getattr(module, "gathered_weight_amax", None)
+    if gathered is not None:
+        torch.maximum(module.amax_history[0, _WEIGHT], gathered, out=module.amax_history[0, _WEIGHT])
+        gathered.zero_()
+
+
+def _plain_weight_in_state_dict(module, state_dict, prefix, local_metadata) -> None:
+    key = prefix + "weight"
+    weight = state_dict.get(key)
+    if isinstance(weight, DTensor) and isinstance(weight._local_tensor, Fp8AllGatherWeight):
+        state_dict[key] = DTensor.from_local(weight._local_tensor._tensor, weight.device_mesh, weight.placements,
+                                             run_check=False, shape=weight.shape, stride=weight.stride())
+    elif isinstance(weight, Fp8AllGatherWeight):
+        state_dict[key] = weight._tensor
