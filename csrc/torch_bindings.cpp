@@ -108,4 +108,11 @@ TORCH_LIBRARY(tdx, m) {
   // where x * scale overflows fp32), inf and NaN become NaN, rounding to nearest even; amax = max |x| (fp32, 0-d; NaN if x holds a NaN, inf if
   // it holds an inf). scale: fp32 with one element, on x's device. One read of x. Not differentiable.
   m.def("fp8_cast_amax(Tensor x, Tensor scale, ScalarType fp8_dtype) -> (Tensor x_fp8, Tensor amax)");
+
+  // ---- linear_grad: a linear's backward in two halves (zero-bubble pipelines run W after B) ----
+  // The input gradient: grad_out [..., out] @ weight [out, in] -> [..., in] (same dtype).
+  m.def("linear_dgrad(Tensor grad_out, Tensor weight) -> Tensor");
+  // The weight gradient, accumulated in place: main_grad [out, in] += grad_out.flatten(0, -2).T @
+  // input.flatten(0, -2), computed in main_grad's dtype (an fp32 main gradient of bf16 activations).
+  m.def("linear_wgrad_(Tensor(a!) main_grad, Tensor grad_out, Tensor input) -> ()");
 }

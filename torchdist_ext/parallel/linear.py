@@ -48,6 +48,7 @@ from torchdist_ext.parallel.regions import (
     reduce_scatter_to_sequence_region,
     scatter_to_region,
 )
+from torchdist_ext.parallel.weight_grad import split_linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -67,10 +68,13 @@ def _linear_init(out_features: int, in_features: int, bias: bool, device, dtype)
 
 class _ParallelLinear(Fp8State, nn.Module):
     """Shared parameter handling (full tensors in, DTensor parameters out) and the local GEMM, in the
-    parameters' dtype or, once ``enable_fp8`` ran, in fp8."""
+    parameters' dtype or, once ``enable_fp8`` ran, in fp8. ``split_weight_grad = True`` (set by a
+    zero-bubble pipeline) splits the weight gradient off the backward (``torchdist_ext.parallel.weight_grad``;
+    not in fp8)."""
 
     weight_placement: Shard
     bias_placement: Shard | Replicate
+    split_weight_grad: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: MeshGroup, seq_dim: int,
                  sequence_parallel: bool, device, dtype):
@@ -113,9 +117,12 @@ class _ParallelLinear(Fp8State, nn.Module):
         return layer
 
     def _local_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
-        if self.fp8_recipe is None:
-            return F.linear(x, weight, bias)
-        return fp8_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe)
+        if self.fp8_recipe is not None:
+            return fp8_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe)
+        if self.split_weight_grad:
+            out = split_linear(x, weight, self.weight)
+            return out if bias is None else out + bias
+        return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:
         fp8 = "" if self.fp8_recipe is None else f", fp8={self.fp8_recipe}"
@@ -162,6 +169,10 @@ class ColumnParallelLinear(_ParallelLinear):
         elif self.sequence_parallel and self.fp8_recipe is not None:
             out = self._local_linear(gather_from_sequence_region(x, self.tp, sequence_dim(x, self.seq_dim)),
                                      weight, bias)
+        elif self.sequence_parallel and self.split_weight_grad:
+            out = split_linear(x, weight, self.weight, "gather", self.tp.name, sequence_dim(x, self.seq_dim))
+            if bias is not None:
+                out = out + bias
         elif self.sequence_parallel:
             dim = sequence_dim(x, self.seq_dim)
             out, _ = ops.all_gather_matmul(x, weight, self.tp.name, dim)
@@ -217,7 +228,9 @@ class RowParallelLinear(_ParallelLinear):
         if self.sequence_parallel:
             dim = sequence_dim(x, self.seq_dim)
             check_divisible(f"input.size({dim})", x.shape[dim], self.tp)
-            if self.fp8_recipe is None:
+            if self.fp8_recipe is None and self.split_weight_grad:
+                out = split_linear(x, weight, self.weight, "scatter", self.tp.name, dim)
+            elif self.fp8_recipe is None:
                 out = ops.matmul_reduce_scatter(x, weight, self.tp.name, dim)
             else:
                 out = reduce_scatter_to_sequence_region(self._local_linear(x, weight, None), self.tp, dim)

@@ -1,0 +1,86 @@
+"""The weight-gradient split (torchdist_ext.parallel.weight_grad): B now and W later leave exactly the gradients
+of the unsplit backward, for SplitLinear and for our column / row linears with and without sequence
+parallelism on 2 ranks, over several micro-batches whose W steps run after all their B steps."""
+
+import pytest
+import torch
+from torch import nn
+from torch.distributed.tensor import DTensor
+
+from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear
+from torchdist_ext.parallel.weight_grad import SplitLinear, WeightGradStore
+from torchdist_ext.testing import cached_mesh
+
+
+def grads(model) -> list[torch.Tensor]:
+    return [(p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clone() for p in model.parameters()]
+
+
+def train_microbatches(model, inputs, split: bool) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+    """Backward of every micro-batch (its W queued when split), then every W: (input grads, param grads)."""
+    store = WeightGradStore()
+    input_grads = []
+    for index, x in enumerate(inputs):
+        x = x.clone().requires_grad_()
+        out = model(x)
+        if split:
+            with store.collecting(index):
+                out.square().sum().backward()
+        else:
+            out.square().sum().backward()
+        input_grads.append(x.grad)
+    if split:
+        weights = [p for name, p in model.named_parameters() if name.endswith("weight")]
+        assert all(p.grad is None for p in weights), "the weight gradients must wait for W"
+        assert store.pending() == list(range(len(inputs)))
+        for index in range(len(inputs)):
+            store.run(index)
+        assert store.pending() == []
+    return input_grads, grads(model)
+
+
+def test_split_linear_equals_its_unsplit_backward_and_nn_linear():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16, bias=False))
+    inputs = [torch.randn(3, 5, 32) for _ in range(3)]
+    results = []
+    for split in (False, True):
+        model = nn.Sequential(SplitLinear.from_linear(reference[0]), nn.Tanh(), SplitLinear.from_linear(reference[2]))
+        for p in model.parameters():
+            p.grad = None
+        results.append(train_microbatches(model, inputs, split))
+    (unsplit_x, unsplit_p), (split_x, split_p) = results
+    assert all(torch.equal(a, b) for a, b in zip(unsplit_x + unsplit_p, split_x + split_p))
+    for p in reference.parameters():
+        p.grad = None
+    plain_x, plain_p = train_microbatches(reference, inputs, split=False)
+    for a, b in zip(plain_x + plain_p, split_x + split_p):
+        torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
+
+
+def test_split_linear_refuses_other_modules():
+    with pytest.raises(TypeError, match="linear must be an nn.Linear"):
+        SplitLinear.from_linear(nn.Conv1d(2, 2, 1))
+
+
+def tp_split_matches(sequence_parallel: bool):
+    tp = cached_mesh((2,), ("tp",))
+    torch.manual_seed(0)
+    up, down = nn.Linear(16, 32), nn.Linear(32, 16)
+    inputs = [torch.randn(2, 8, 16) for _ in range(3)]
+    if sequence_parallel:
+        inputs = [x.chunk(2, dim=1)[tp.get_local_rank()] for x in inputs]
+    results = []
+    for split in (False, True):
+        model = nn.Sequential(ColumnParallelLinear.from_linear(up, tp_mesh=tp, sequence_parallel=sequence_parallel),
+                              nn.GELU(),
+                              RowParallelLinear.from_linear(down, tp_mesh=tp, sequence_parallel=sequence_parallel))
+        model[0].split_weight_grad = model[2].split_weight_grad = split
+        results.append(train_microbatches(model, inputs, split))
+    (unsplit_x, unsplit_p), (split_x, split_p) = results
+    return all(torch.equal(a, b) for a, b in zip(unsplit_x + unsplit_p, split_x + split_p))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_tensor_parallel_split_equals_unsplit_bit_for_bit(world2, sequence_parallel):
+    assert all(world2.run(tp_split_matches, sequence_parallel))
