@@ -1,0 +1,219 @@
+"""``Pipeline``: runs one training step of a model split into stages over the ranks of a pipeline mesh,
+in the action order of a schedule (``torchdist_ext.pipeline.schedule``).
+
+    pipe = Pipeline({stage: module, ...}, pp_mesh=mesh["pp"], schedule="zb-h1", num_microbatches=8,
+                    loss_fn=loss_fn)
+    loss = pipe.step(inputs, targets)   # every rank: the mean loss; the gradients are in each module's .grad
+
+Each rank passes the same ``inputs`` / ``targets`` (only the first stage reads the inputs and only the last
+the targets), split along dim 0 into ``num_microbatches`` equal micro-batches. The loss is
+``mean_i loss_fn(last_stage(...(inputs_i)), targets_i)``, so with a mean-reducing ``loss_fn`` the gradients
+equal those of ``loss_fn(model(inputs), targets)`` in one process.
+
+Between stages on different ranks activations (forward) and their gradients (backward) travel as
+point-to-point messages on the pipeline group: a small header (shape and dtype) and the data, one tag per
+(direction, stage, micro-batch); sends are asynchronous and complete by the end of the step, and the receive
+of the next action's input is posted before the current action runs, so it arrives while this rank
+computes. Between stages on the same rank (zb-v's turn) they are handed over in memory.
+
+Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.parallel.weight_grad``): B
+computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
+the last step's actions with their wall-clock start and end on this rank.
+"""
+
+import time
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
+from typing import NamedTuple
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchdist_ext.parallel.weight_grad import SplitLinear, WeightGradStore
+from torchdist_ext.pipeline.schedule import (
+    Action,
+    num_stages,
+    rank_actions,
+    rank_of_stage,
+    splits_weight_grad,
+    stages_of_rank,
+)
+
+__all__ = ["Pipeline", "TimedAction", "enable_weight_grad_split"]
+
+_DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
+_MAX_DIMS = 6
+_FORWARD, _BACKWARD = 0, 1
+
+
+class TimedAction(NamedTuple):
+    kind: str
+    stage: int
+    microbatch: int
+    start: float  # wall-clock seconds (time.time), comparable across the ranks of one machine
+    end: float
+
+
+def enable_weight_grad_split(module: nn.Module) -> nn.Module:
+    """Puts ``module``'s linears in split mode, in place: our tensor-parallel linears get
+    ``split_weight_grad = True``; every plain ``nn.Linear`` becomes a ``SplitLinear`` holding the same
+    parameters. Returns ``module`` (a plain ``nn.Linear`` passed as the module comes back as a SplitLinear)."""
+    if type(module) is nn.Linear:
+        return SplitLinear.from_linear(module)
+    for parent in list(module.modules()):
+        for name, child in list(parent.named_children()):
+            if type(child) is nn.Linear:
+                setattr(parent, name, SplitLinear.from_linear(child))
+            elif hasattr(child, "split_weight_grad"):
+                child.split_weight_grad = True
+    if hasattr(module, "split_weight_grad"):
+        module.split_weight_grad = True
+    return module
+
+
+class Pipeline:
+    """One pipeline rank's stages and its schedule (see the module docstring).
+
+    Args:
+        stages: ``{stage index: module}`` for the stages this rank holds (``stages_of_rank``).
+        pp_mesh: 1-D DeviceMesh of the pipeline ranks (rank d of the mesh is pipeline rank d).
+        schedule: one of ``SCHEDULES``.
+        num_microbatches: micro-batches per step (interleaved-1f1b: divisible by pp).
+        loss_fn: ``loss_fn(output, targets) -> scalar`` of the last stage's output of a micro-batch.
+        virtual_stages: chunks per rank for interleaved-1f1b.
+    """
+
+    def __init__(self, stages: Mapping[int, nn.Module], *, pp_mesh: DeviceMesh, schedule: str,
+                 num_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], virtual_stages: int = 1):
+        if not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1:
+            raise TypeError(f"pp_mesh must be a 1-D DeviceMesh, got {pp_mesh!r}")
+        if not callable(loss_fn):
+            raise TypeError(f"loss_fn must be callable(output, targets) -> loss, got {type(loss_fn).__name__}")
+        self.pp, self.rank = pp_mesh.size(), pp_mesh.get_local_rank()
+        self.schedule, self.virtual_stages, self.num_microbatches = schedule, virtual_stages, num_microbatches
+        self.num_stages = num_stages(schedule, self.pp, virtual_stages)
+        self.actions = rank_actions(schedule, self.pp, num_microbatches, self.rank, virtual_stages)
+        expected = stages_of_rank(schedule, self.pp, self.rank, virtual_stages)
+        if not isinstance(stages, Mapping) or sorted(stages) != sorted(expected):
+            got = sorted(stages) if isinstance(stages, Mapping) else type(stages).__name__
+            raise ValueError(f"stages must map this rank's stage indices {expected} ({schedule}, pp={self.pp}, "
+                             f"rank {self.rank}) to modules, got {got}")
+        for index, module in stages.items():
+            if not isinstance(module, nn.Module):
+                raise TypeError(f"stages[{index}] must be an nn.Module, got {type(module).__name__}")
+        self.split = splits_weight_grad(schedule)
+        self.stages = {i: enable_weight_grad_split(m) if self.split else m for i, m in stages.items()}
+        self.group = pp_mesh.get_group()
+        self.loss_fn = loss_fn
+        self.weight_grads = WeightGradStore()
+        self.timeline: list[TimedAction] = []
+
+    # -- messages ------------------------------------------------------------------------------------------
+
+    def _tag(self, direction: int, stage: int, microbatch: int) -> int:
+        """Two tags per message (header, data), unique per direction, receiving stage and micro-batch."""
+        return 2 * ((direction * self.num_stages + stage) * self.num_microbatches + microbatch)
+
+    def _send(self, tensor: Tensor, direction: int, to_stage: int, microbatch: int) -> None:
+        if rank_of_stage(self.schedule, self.pp, to_stage, self.virtual_stages) == self.rank:
+            self._in_memory[(direction, to_stage, microbatch)] = tensor
+            return
+        if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
+            raise ValueError(f"a pipeline stage's output must have at most {_MAX_DIMS} dims and a dtype in "
+                             f"{_DTYPES}, got shape {tuple(tensor.shape)} and {tensor.dtype}")
+        header = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64)
+        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+        peer = rank_of_stage(self.schedule, self.pp, to_stage, self.virtual_stages)
+        tag = self._tag(direction, to_stage, microbatch)
+        data = tensor.contiguous()
+        for message, message_tag in ((header.to(data.device), tag), (data, tag + 1)):
+            self._sends.append((dist.isend(message, group=self.group, group_dst=peer, tag=message_tag), message))
+
+    def _post_receive(self, direction: int, stage: int, microbatch: int, from_stage: int) -> None:
+        """Posts the header's receive of a message ``stage`` will need (no-op for an in-memory handover)."""
+        key = (direction, stage, microbatch)
+        peer = rank_of_stage(self.schedule, self.pp, from_stage, self.virtual_stages)
+        if peer == self.rank or key in self._receives:
+            return
+        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+        work = dist.irecv(header, group=self.group, group_src=peer, tag=self._tag(direction, stage, microbatch))
+        self._receives[key] = (work, header, peer)
+
+    def _receive(self, direction: int, stage: int, microbatch: int, from_stage: int) -> Tensor:
+        key = (direction, stage, microbatch)
+        if key in self._in_memory:
+            return self._in_memory.pop(key)
+        self._post_receive(direction, stage, microbatch, from_stage)
+        work, header, peer = self._receives.pop(key)
+        work.wait()
+        header = header.tolist()
+        shape, dtype = header[2:2 + header[0]], _DTYPES[header[1]]
+        data = torch.empty(shape, dtype=dtype, device=self.device)
+        dist.recv(data, group=self.group, group_src=peer, tag=self._tag(direction, stage, microbatch) + 1)
+        return data
+
+    def _input_source(self, action: Action) -> tuple[int, int, int, int] | None:
+        """(direction, stage, micro-batch, from stage) of the message an action waits for, or None."""
+        if action.kind == "F" and action.stage > 0:
+            return _FORWARD, action.stage, action.microbatch, action.stage - 1
+        if action.kind == "B" and action.stage < self.num_stages - 1:
+            return _BACKWARD, action.stage, action.microbatch, action.stage + 1
+        return None
+
+    # -- actions -------------------------------------------------------------------------------------------
+
+    def _forward(self, stage: int, microbatch: int) -> None:
+        if stage == 0:
+            x = self._inputs[microbatch]
+        else:
+            x = self._receive(_FORWARD, stage, microbatch, stage - 1).detach()
+            x.requires_grad_(x.is_floating_point())
+        out = self.stages[stage](x)
+        if stage == self.num_stages - 1:
+            loss = self.loss_fn(out, self._targets[microbatch]) / self.num_microbatches
+            self._losses.append(loss.detach())
+            self._saved[(stage, microbatch)] = (x, loss)
+        else:
+            self._saved[(stage, microbatch)] = (x, out)
+            self._send(out.detach(), _FORWARD, stage + 1, microbatch)
+
+    def _backward(self, stage: int, microbatch: int) -> None:
+        x, out = self._saved.pop((stage, microbatch))
+        grad = None
+        if stage < self.num_stages - 1:
+            grad = self._receive(_BACKWARD, stage, microbatch, stage + 1)
+        collecting = self.weight_grads.collecting((stage, microbatch)) if self.split else nullcontext()
+        with collecting:
+            torch.autograd.backward(out, grad)
+        if stage > 0:
+            self._send(x.grad, _BACKWARD, stage - 1, microbatch)
+
+    def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+        """One training step (forward and backward of every micro-batch; no optimizer step): returns the
+        mean loss (0-d, the same on every rank) and leaves the gradients in the stages' parameters."""
+        for name, t in (("inputs", inputs), ("targets", targets)):
+            if not isinstance(t, Tensor):
+                raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
+            if t.dim() == 0 or t.shape[0] % self.num_microbatches:
+                raise ValueError(f"{name}.size(0) must be divisible by num_microbatches={self.num_microbatches}, "
+                                 f"got shape {tuple(t.shape)}")
+        self.device = inputs.device
+        self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
+        self._saved, self._in_memory, self._receives, self._sends, self._losses = {}, {}, {}, [], []
+        self.timeline = []
+        run = {"F": self._forward, "B": self._backward, "W": lambda s, i: self.weight_grads.run((s, i))}
+        for position, action in enumerate(self.actions):
+            if position + 1 < len(self.actions) and (source := self._input_source(self.actions[position + 1])):
+                self._post_receive(*source)
+            start = time.time()
+            run[action.kind](action.stage, action.microbatch)
+            self.timeline.append(TimedAction(action.kind, action.stage, action.microbatch, start, time.time()))
+        for work, _ in self._sends:
+            work.wait()
+        loss = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=self.device)
+        dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
+        self._inputs = self._targets = self._saved = self._sends = None
+        return loss
