@@ -1,0 +1,55 @@
+"""Bad pipeline input: a clear ValueError / TypeError naming the argument, raised before any collective."""
+
+import pytest
+import torch
+from torch import nn
+
+from torchdist_ext.pipeline import Pipeline, partition_layers, rank_actions, stages_of_rank
+from torchdist_ext.testing import cached_mesh
+
+
+@pytest.mark.parametrize("call, message", [
+    (lambda: partition_layers(10, 4), "num_layers=10 must be divisible by num_stages=4"),
+    (lambda: partition_layers(10, stage_sizes=[3, 3, 3]), "stage_sizes must be positive ints summing to num_layers=10"),
+    (lambda: partition_layers(10, stage_sizes=[12, -2]), "stage_sizes must be positive ints"),
+    (lambda: partition_layers(10), "give exactly one of num_stages and stage_sizes"),
+    (lambda: partition_layers(0, 1), "num_layers must be a positive int"),
+    (lambda: rank_actions("2f2b", 2, 4, 0), "schedule must be one of gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v"),
+    (lambda: rank_actions("interleaved-1f1b", 4, 6, 0, 2), "needs num_microbatches divisible by pp=4"),
+    (lambda: rank_actions("1f1b", 2, 0, 0), "num_microbatches must be a positive int, got 0"),
+    (lambda: rank_actions("1f1b", 2, 4, 0, 2), "virtual_stages=2 needs schedule='interleaved-1f1b'"),
+    (lambda: stages_of_rank("1f1b", 2, 2), r"rank must be in \[0, pp=2\)"),
+], ids=["indivisible", "sizes-sum", "sizes-negative", "neither", "no-layers", "schedule", "interleaved-m",
+        "no-microbatches", "virtual-stages", "rank"])
+def test_refused_before_any_process_group(call, message):
+    with pytest.raises(ValueError, match=message):
+        call()
+
+
+def pipeline_refusals():
+    mesh = cached_mesh((2,), ("pp",))
+    loss = nn.functional.mse_loss
+    refused = []
+    for kwargs, error, message in [
+        (dict(stages={1: nn.Linear(4, 4)} if mesh.get_local_rank() == 0 else {0: nn.Linear(4, 4)}), ValueError,
+         "stages must map this rank's stage indices"),
+        (dict(stages={mesh.get_local_rank(): "linear"}), TypeError, "must be an nn.Module"),
+        (dict(loss_fn="mse"), TypeError, "loss_fn must be callable"),
+        (dict(schedule="zb-x"), ValueError, "schedule must be one of"),
+    ]:
+        arguments = dict(stages={mesh.get_local_rank(): nn.Linear(4, 4)}, pp_mesh=mesh, schedule="1f1b",
+                         num_microbatches=2, loss_fn=loss) | kwargs
+        with pytest.raises(error, match=message):
+            Pipeline(**arguments)
+        refused.append(message)
+    pipe = Pipeline({mesh.get_local_rank(): nn.Linear(4, 4)}, pp_mesh=mesh, schedule="1f1b", num_microbatches=2,
+                    loss_fn=loss)
+    with pytest.raises(ValueError, match=r"inputs.size\(0\) must be divisible by num_microbatches=2"):
+        pipe.step(torch.randn(3, 4), torch.randn(3, 4))
+    with pytest.raises(TypeError, match="targets must be a Tensor"):
+        pipe.step(torch.randn(4, 4), [1, 2])
+    return len(refused)
+
+
+def test_pipeline_refuses_bad_arguments_on_every_rank_without_hanging(world2):
+    assert world2.run(pipeline_refusals) == [4, 4]
