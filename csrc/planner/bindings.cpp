@@ -138,6 +138,14 @@ PYBIND11_MODULE(_planner, m) {
         return simulate_schedule(pp, m, parse_option<Schedule>(schedule), v);
       },
       py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages") = 1);
+  m.def(
+      "replay_schedule",
+      [](long pp, long m, const std::string& schedule, long v, double forward, double backward, double weight) {
+        return replay_schedule(pp, m, parse_option<Schedule>(schedule), v, forward, backward, weight);
+      },
+      py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages"), py::arg("forward"),
+      py::arg("backward"), py::arg("weight"));
+  m.def("idle_fraction", &idle_fraction, py::arg("timeline"), py::arg("pp"));
 
   py::class_<AxisComm>(m, "AxisComm")
       .def_readonly("bytes", &AxisComm::bytes)

@@ -215,6 +215,66 @@ std::vector<ScheduledPass> simulate_schedule(long p, long m, Schedule schedule, 
   return timeline;
 }
 
+std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, long v, double forward, double backward,
+                                           double weight) {
+  if (!(forward >= 0 && backward >= 0 && weight >= 0)) {
+    throw std::invalid_argument("replay_schedule: the forward, backward and weight costs must be >= 0");
+  }
+  const auto simulated = simulate_schedule(p, m, schedule, v);
+  const bool split = schedule == Schedule::kZbH1 || schedule == Schedule::kZbV;
+  const long chunks = schedule == Schedule::kZbV ? 2 : (schedule == Schedule::kInterleaved ? v : 1);
+  const long stages = p * chunks;
+  auto stage_of = [&](const ScheduledPass& pass) {
+    if (schedule == Schedule::kZbV) return pass.chunk == 0 ? pass.stage : 2 * p - 1 - pass.stage;
+    return pass.chunk * p + pass.stage;
+  };
+  std::vector<std::vector<ScheduledPass>> orders(p);
+  for (const auto& pass : simulated) orders[pass.stage].push_back(pass);
+  for (auto& order : orders) {
+    std::stable_sort(order.begin(), order.end(),
+                     [](const ScheduledPass& a, const ScheduledPass& b) { return a.start < b.start; });
+  }
+  std::map<std::tuple<long, char, long>, double> finished;  // (virtual stage, kind, micro-batch) -> end
+  std::vector<size_t> cursor(p, 0);
+  std::vector<double> free_at(p, 0.0);
+  std::vector<ScheduledPass> timeline;
+  for (size_t remaining = simulated.size(); remaining > 0;) {
+    bool progressed = false;
+    for (long d = 0; d < p; ++d) {
+      if (cursor[d] == orders[d].size()) continue;
+      const ScheduledPass& pass = orders[d][cursor[d]];
+      const long stage = stage_of(pass);
+      std::vector<std::tuple<long, char, long>> inputs;
+      if (pass.kind == 'F' && stage > 0) inputs.emplace_back(stage - 1, 'F', pass.microbatch);
+      if (pass.kind == 'B') {
+        inputs.emplace_back(stage, 'F', pass.microbatch);
+        if (stage + 1 < stages) inputs.emplace_back(stage + 1, 'B', pass.microbatch);
+      }
+      if (pass.kind == 'W') inputs.emplace_back(stage, 'B', pass.microbatch);
+      double start = free_at[d];
+      bool ready = true;
+      for (const auto& input : inputs) {
+        const auto found = finished.find(input);
+        if (found == finished.end()) {
+          ready = false;
+          break;
+        }
+        start = std::max(start, found->second);
+      }
+      if (!ready) continue;
+      const double cost = pass.kind == 'F' ? forward : pass.kind == 'W' ? weight : backward + (split ? 0.0 : weight);
+      timeline.push_back({d, pass.kind, pass.microbatch, start, start + cost, pass.chunk});
+      finished[{stage, pass.kind, pass.microbatch}] = start + cost;
+      free_at[d] = start + cost;
+      ++cursor[d];
+      --remaining;
+      progressed = true;
+    }
+    if (!progressed) throw std::logic_error("replay_schedule: the simulated pass orders deadlock");
+  }
+  return timeline;
+}
+
 double idle_fraction(const std::vector<ScheduledPass>& timeline, long p) {
   double makespan = 0, busy = 0;
   for (const auto& pass : timeline) {

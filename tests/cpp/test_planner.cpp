@@ -116,6 +116,38 @@ TEST(Pipeline, SimulatedInterleavedScheduleHasTheClosedFormBubble) {
   EXPECT_THROW(simulate_schedule(4, 6, Schedule::kInterleaved, 2), std::invalid_argument);  // m % p != 0
 }
 
+TEST(Pipeline, ReplayWithTheSimulatorsCostsIsTheSimulatedTimeline) {
+  struct Case {
+    Schedule schedule;
+    long v;
+    double forward, backward, weight;  // the simulator's costs of one pass of one chunk
+  };
+  for (long p : {2, 4}) {
+    for (long m : {p, 2 * p, 3 * p}) {
+      for (const Case c : {Case{Schedule::kGPipe, 1, 1, 1, 1}, Case{Schedule::k1F1B, 1, 1, 1, 1},
+                           Case{Schedule::kZbH1, 1, 1, 1, 1}, Case{Schedule::kZbV, 1, 0.5, 0.5, 0.5},
+                           Case{Schedule::kInterleaved, 2, 0.5, 0.5, 0.5}}) {
+        const auto simulated = simulate_schedule(p, m, c.schedule, c.v);
+        const auto replayed = replay_schedule(p, m, c.schedule, c.v, c.forward, c.backward, c.weight);
+        ASSERT_EQ(replayed.size(), simulated.size());
+        EXPECT_NEAR(idle_fraction(replayed, p), idle_fraction(simulated, p), 1e-12)
+            << option_name(c.schedule) << " p=" << p << " m=" << m;
+      }
+    }
+  }
+}
+
+TEST(Pipeline, ReplayedOneFOneBKeepsItsClosedFormForAnyUniformCosts) {
+  // With the same costs on every stage, 1F1B's bubble is (p - 1) / (m + p - 1) whatever F, B and W cost;
+  // splitting W off (zb-h1) leaves a smaller one.
+  for (long p : {2, 4}) {
+    const double one_f_one_b = idle_fraction(replay_schedule(p, 8, Schedule::k1F1B, 1, 1.0, 1.7, 1.3), p);
+    EXPECT_NEAR(one_f_one_b, bubble_fraction(p, 8, Schedule::k1F1B, 1), 1e-12);
+    EXPECT_LT(idle_fraction(replay_schedule(p, 8, Schedule::kZbH1, 1, 1.0, 1.7, 1.3), p), one_f_one_b);
+  }
+  EXPECT_THROW(replay_schedule(2, 4, Schedule::k1F1B, 1, -1.0, 1.0, 1.0), std::invalid_argument);
+}
+
 TEST(Pipeline, OneFOneBHoldsAtMostPMicroBatches) {
   EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, Schedule::k1F1B, 1), 8);
   EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, Schedule::kGPipe, 1), 32);

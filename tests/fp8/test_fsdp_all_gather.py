@@ -182,3 +182,17 @@ def test_a_gathered_fp8_weight_refuses_every_use_but_its_linears():
         gathered + 1
     with pytest.raises(NotImplementedError, match="aten.view"):
         gathered.view(32, 16)
+
+
+def test_the_amax_reduction_must_cover_the_fsdp_ranks():
+    from types import SimpleNamespace
+
+    from torchdist_ext.fp8.fsdp import _check_scale_is_shared
+
+    def mesh(*ranks):
+        return SimpleNamespace(mesh=torch.tensor(ranks))
+
+    _check_scale_is_shared(mesh(0, 2), SimpleNamespace(amax_reduction_mesh=None))  # the whole world
+    _check_scale_is_shared(mesh(0, 2), SimpleNamespace(amax_reduction_mesh=mesh(0, 1, 2, 3)))
+    with pytest.raises(ValueError, match=r"amax_reduction_mesh \(ranks \[0, 1\]\) must include the FSDP ranks \[0, 2\]"):
+        _check_scale_is_shared(mesh(0, 2), SimpleNamespace(amax_reduction_mesh=mesh(0, 1)))

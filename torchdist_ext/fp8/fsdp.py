@@ -22,6 +22,11 @@ as with the fp8 weight cast after a full-precision gather (with fp32 parameters;
 ``param_dtype`` the gather skips the bf16 rounding before the fp8 cast). Uneven and empty shards (a 40-row
 weight on 3 ranks, a weight with fewer rows than ranks) gather as FSDP2 pads them: zero rows, cast to zero
 bytes and dropped after the gather.
+
+Limits: FSDP2's default dim-0 sharding; ``reshard_after_forward`` True or False (an int reshards the gathered
+bytes to a smaller mesh, which FSDP2 does not support for all-gather extensions); under a
+``set_post_optim_event`` the event must be recorded after ``fp8_step`` (the gathers read the new scales);
+weights tied between converted linears are not supported (each gets its own Parameter).
 """
 
 import torch
@@ -29,11 +34,12 @@ import torch.utils._pytree as pytree
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
+from torchdist_ext.fp8.state import ROLES
 from torchdist_ext.ops import fp8_cast_amax
 
 __all__ = ["Fp8AllGatherWeight", "GatheredFp8Weight", "enable_fp8_all_gather", "fold_gathered_weight_amax_"]
 
-_WEIGHT = 1  # the weight's role (row of the amax history, entry of the scales): see Fp8State.ROLES
+_WEIGHT = ROLES.index("weight")  # the weight's column of the amax history, entry of the scales
 
 # FSDP2 pads, slices, copies and moves a parameter's local tensor: those ops keep the wrapper (as torchao's
 # weight wrappers do); every other op sees the plain tensor inside and returns plain tensors.
@@ -93,21 +99,30 @@ class Fp8AllGatherWeight(torch.Tensor):
     def fsdp_pre_all_gather(self, mesh, outer_size, outer_stride, module, mp_policy):
         """This rank's shard cast to fp8 with ``module``'s delayed weight scale, as uint8 bytes padded to
         FSDP2's padded shard rows; metadata: the inverse scale and the unsharded size."""
+        if tuple(self.shape[1:]) != tuple(outer_size[1:]):
+            raise NotImplementedError(f"fp8 all-gather needs FSDP2's dim-0 sharding of the weight, got a shard of "
+                                      f"shape {tuple(self.shape)} of {tuple(outer_size)}")
+        _check_scale_is_shared(mesh, module)
         scale = module.scale[_WEIGHT:_WEIGHT + 1]
         with torch.no_grad():
             shard_fp8, amax = fp8_cast_amax(self._tensor, scale, torch.float8_e4m3fn)
             torch.maximum(module.gathered_weight_amax, amax, out=module.gathered_weight_amax)
+            shard_bytes = shard_fp8.view(torch.uint8)
             padded_rows = -(-outer_size[0] // mesh.size(-1))
-            padded = shard_fp8.view(torch.uint8).new_zeros((padded_rows, *shard_fp8.shape[1:]))
-            padded[:shard_fp8.shape[0]] = shard_fp8.view(torch.uint8)
+            if shard_bytes.shape[0] not in (padded_rows, outer_size[0]):  # an uneven or empty shard
+                padded = shard_bytes.new_zeros((padded_rows, *shard_bytes.shape[1:]))
+                padded[:shard_bytes.shape[0]] = shard_bytes
+                shard_bytes = padded
             inverse_scale = scale.reciprocal()
-        return (padded,), (inverse_scale, tuple(outer_size))
+        return (shard_bytes,), (inverse_scale, tuple(outer_size))
 
     def fsdp_post_all_gather(self, all_gather_outputs, metadata, param_dtype, *, out=None):
         """The gathered bytes as a ``GatheredFp8Weight`` of the unsharded size in ``param_dtype`` (FSDP2's
         first all-gather), or ``out``'s inverse scale refreshed (later all-gathers write the same storage)."""
         (gathered,) = all_gather_outputs
         inverse_scale, size = metadata
+        if inverse_scale.is_cuda:  # made on FSDP2's all-gather stream, read by the GEMMs on this one
+            inverse_scale.record_stream(torch.cuda.current_stream(inverse_scale.device))
         if out is not None:
             local = out._local_tensor if isinstance(out, DTensor) else out
             local._inverse_scale = inverse_scale  # not in place: a forward's autograd may have saved the old one
@@ -138,6 +153,8 @@ class GatheredFp8Weight(torch.Tensor):
     @classmethod
     def __torch_dispatch__(cls, func, types, args=(), kwargs=None):
         (self, *rest), kwargs = args, kwargs or {}
+        if func is torch.ops.aten.zeros_like.default:  # FSDP2's zero gradient of an unused parameter
+            return torch.zeros(self.shape, dtype=self.dtype, device=self.device)
         aliasing = func in (torch.ops.aten.detach.default, torch.ops.aten.alias.default)
         same_view = (func in (torch.ops.aten.view.default, torch.ops.aten.as_strided.default)
                      and tuple(rest[0]) == tuple(self.shape))
@@ -153,6 +170,18 @@ class GatheredFp8Weight(torch.Tensor):
     @staticmethod
     def __tensor_unflatten__(inner_tensors, dtype, outer_size, outer_stride):
         return GatheredFp8Weight(inner_tensors["_data"], inner_tensors["_inverse_scale"], dtype)
+
+
+def _check_scale_is_shared(mesh, module) -> None:
+    """Every FSDP rank must cast with the same weight scale: fp8_step reduces the amaxes over the module's
+    ``amax_reduction_mesh`` (None: the whole world), which must include the FSDP ranks."""
+    reduction = module.amax_reduction_mesh
+    if reduction is None:
+        return
+    fsdp_ranks, reduced = set(mesh.mesh.flatten().tolist()), set(reduction.mesh.flatten().tolist())
+    if not fsdp_ranks <= reduced:
+        raise ValueError(f"fp8 all-gather: the amax_reduction_mesh (ranks {sorted(reduced)}) must include the FSDP "
+                         f"ranks {sorted(fsdp_ranks)}, or their shards would be cast with different scales")
 
 
 def enable_fp8_all_gather(module: torch.nn.Module) -> None:
