@@ -140,7 +140,8 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages") = 1);
   m.def(
       "replay_schedule",
-      [](long pp, long m, const std::string& schedule, long v, double forward, double backward, double weight) {
+      [](long pp, long m, const std::string& schedule, long v, const std::vector<double>& forward,
+         const std::vector<double>& backward, const std::vector<double>& weight) {
         return replay_schedule(pp, m, parse_option<Schedule>(schedule), v, forward, backward, weight);
       },
       py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages"), py::arg("forward"),

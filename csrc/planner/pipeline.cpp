@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <stdexcept>
+#include <string>
 #include <tuple>
 
 namespace tdx::planner {
@@ -215,15 +216,22 @@ std::vector<ScheduledPass> simulate_schedule(long p, long m, Schedule schedule, 
   return timeline;
 }
 
-std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, long v, double forward, double backward,
-                                           double weight) {
-  if (!(forward >= 0 && backward >= 0 && weight >= 0)) {
-    throw std::invalid_argument("replay_schedule: the forward, backward and weight costs must be >= 0");
-  }
+std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, long v, const std::vector<double>& forward,
+                                           const std::vector<double>& backward, const std::vector<double>& weight) {
   const auto simulated = simulate_schedule(p, m, schedule, v);
   const bool split = schedule == Schedule::kZbH1 || schedule == Schedule::kZbV;
   const long chunks = schedule == Schedule::kZbV ? 2 : (schedule == Schedule::kInterleaved ? v : 1);
   const long stages = p * chunks;
+  for (const auto* costs : {&forward, &backward, &weight}) {
+    if (costs->size() != 1 && costs->size() != static_cast<size_t>(stages)) {
+      throw std::invalid_argument("replay_schedule: give one cost per kind, or one per stage (" +
+                                  std::to_string(stages) + "), got " + std::to_string(costs->size()));
+    }
+    for (double cost : *costs) {
+      if (!(cost >= 0)) throw std::invalid_argument("replay_schedule: the forward, backward and weight costs must be >= 0");
+    }
+  }
+  auto cost_of = [](const std::vector<double>& costs, long stage) { return costs.size() == 1 ? costs[0] : costs[stage]; };
   auto stage_of = [&](const ScheduledPass& pass) {
     if (schedule == Schedule::kZbV) return pass.chunk == 0 ? pass.stage : 2 * p - 1 - pass.stage;
     return pass.chunk * p + pass.stage;
@@ -262,7 +270,9 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
         start = std::max(start, found->second);
       }
       if (!ready) continue;
-      const double cost = pass.kind == 'F' ? forward : pass.kind == 'W' ? weight : backward + (split ? 0.0 : weight);
+      const double cost = pass.kind == 'F'   ? cost_of(forward, stage)
+                          : pass.kind == 'W' ? cost_of(weight, stage)
+                                             : cost_of(backward, stage) + (split ? 0.0 : cost_of(weight, stage));
       timeline.push_back({d, pass.kind, pass.microbatch, start, start + cost, pass.chunk});
       finished[{stage, pass.kind, pass.microbatch}] = start + cost;
       free_at[d] = start + cost;

@@ -45,14 +45,16 @@ std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, Sch
                                              long virtual_stages = 1);
 
 // The passes of simulate_schedule(pp, num_microbatches, schedule, virtual_stages) in the same per-device
-// order, timed again with the given costs of one pass of one micro-batch on one chunk (a stage's chunk as
-// it runs: what a pipeline runtime measures): each device runs its passes in that order, each as soon as
-// the device is free and its inputs exist (F after the previous stage's F; B after its own F and the next
-// stage's B; W after its own B). In gpipe, 1f1b and interleaved a B costs backward + weight (it computes
-// both). The order the planner prices, with the measured times: its idle fraction is the planner's
-// prediction for a run that measured those costs.
+// order, timed again with the given costs of one pass of one micro-batch on each pipeline stage (a
+// device's chunk as it runs: what a pipeline runtime measures; one value for every stage, or one per stage
+// in stage order): each device runs its passes in that order, each as soon as the device is free and its
+// inputs exist (F after the previous stage's F; B after its own F and the next stage's B; W after its own
+// B). In gpipe, 1f1b and interleaved a B costs backward + weight (it computes both). The order the planner
+// prices, with the measured times: its idle fraction is the planner's prediction for a run that measured
+// those costs.
 std::vector<ScheduledPass> replay_schedule(long pp, long num_microbatches, Schedule schedule, long virtual_stages,
-                                           double forward, double backward, double weight);
+                                           const std::vector<double>& forward, const std::vector<double>& backward,
+                                           const std::vector<double>& weight);
 
 // Idle fraction of a simulated timeline: 1 - busy time / (stages x makespan).
 double idle_fraction(const std::vector<ScheduledPass>& timeline, long pp);

@@ -3,6 +3,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <stdexcept>
 
@@ -128,7 +129,7 @@ TEST(Pipeline, ReplayWithTheSimulatorsCostsIsTheSimulatedTimeline) {
                            Case{Schedule::kZbH1, 1, 1, 1, 1}, Case{Schedule::kZbV, 1, 0.5, 0.5, 0.5},
                            Case{Schedule::kInterleaved, 2, 0.5, 0.5, 0.5}}) {
         const auto simulated = simulate_schedule(p, m, c.schedule, c.v);
-        const auto replayed = replay_schedule(p, m, c.schedule, c.v, c.forward, c.backward, c.weight);
+        const auto replayed = replay_schedule(p, m, c.schedule, c.v, {c.forward}, {c.backward}, {c.weight});
         ASSERT_EQ(replayed.size(), simulated.size());
         EXPECT_NEAR(idle_fraction(replayed, p), idle_fraction(simulated, p), 1e-12)
             << option_name(c.schedule) << " p=" << p << " m=" << m;
@@ -141,11 +142,17 @@ TEST(Pipeline, ReplayedOneFOneBKeepsItsClosedFormForAnyUniformCosts) {
   // With the same costs on every stage, 1F1B's bubble is (p - 1) / (m + p - 1) whatever F, B and W cost;
   // splitting W off (zb-h1) leaves a smaller one.
   for (long p : {2, 4}) {
-    const double one_f_one_b = idle_fraction(replay_schedule(p, 8, Schedule::k1F1B, 1, 1.0, 1.7, 1.3), p);
+    const double one_f_one_b = idle_fraction(replay_schedule(p, 8, Schedule::k1F1B, 1, {1.0}, {1.7}, {1.3}), p);
     EXPECT_NEAR(one_f_one_b, bubble_fraction(p, 8, Schedule::k1F1B, 1), 1e-12);
-    EXPECT_LT(idle_fraction(replay_schedule(p, 8, Schedule::kZbH1, 1, 1.0, 1.7, 1.3), p), one_f_one_b);
+    EXPECT_LT(idle_fraction(replay_schedule(p, 8, Schedule::kZbH1, 1, {1.0}, {1.7}, {1.3}), p), one_f_one_b);
   }
-  EXPECT_THROW(replay_schedule(2, 4, Schedule::k1F1B, 1, -1.0, 1.0, 1.0), std::invalid_argument);
+  EXPECT_THROW(replay_schedule(2, 4, Schedule::k1F1B, 1, {-1.0}, {1.0}, {1.0}), std::invalid_argument);
+  EXPECT_THROW(replay_schedule(2, 4, Schedule::k1F1B, 1, {1.0, 1.0, 1.0}, {1.0}, {1.0}), std::invalid_argument);
+  // A slower last stage: 1F1B's critical path runs through its passes.
+  const auto slow_last = replay_schedule(2, 4, Schedule::k1F1B, 1, {1.0, 1.0}, {1.0, 2.0}, {1.0});
+  double makespan = 0;
+  for (const auto& pass : slow_last) makespan = std::max(makespan, pass.end);
+  EXPECT_DOUBLE_EQ(makespan, 1.0 + 4 * (1.0 + 3.0) + 2.0);  // F on stage 0, then stage 1's 4 x (F + B), then stage 0's last B
 }
 
 TEST(Pipeline, OneFOneBHoldsAtMostPMicroBatches) {

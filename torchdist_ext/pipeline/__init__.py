@@ -7,7 +7,8 @@ weight gradient split off our linears' backward.
     pipe = Pipeline(mine, pp_mesh=mesh["pp"], schedule="zb-h1", num_microbatches=8, loss_fn=loss_fn)
     loss = pipe.step(inputs, targets); optimizer.step()
 
-``schedule`` (the action orders), ``stages`` (partition_layers), ``runtime`` (Pipeline).
+``schedule`` (the action orders), ``stages`` (partition_layers), ``runtime`` (Pipeline), ``timeline``
+(measured bubble, the planner's prediction for the measured costs, the timeline PNG).
 """
 
 from torchdist_ext.pipeline.runtime import Pipeline, TimedAction, enable_weight_grad_split
@@ -21,6 +22,13 @@ from torchdist_ext.pipeline.schedule import (
     stages_of_rank,
 )
 from torchdist_ext.pipeline.stages import partition_layers
+from torchdist_ext.pipeline.timeline import (
+    gather_timeline,
+    mean_costs,
+    measured_idle_fractions,
+    plot_timeline,
+    predicted_idle_fraction,
+)
 
 __all__ = [
     "SCHEDULES",
@@ -28,8 +36,13 @@ __all__ = [
     "Pipeline",
     "TimedAction",
     "enable_weight_grad_split",
+    "gather_timeline",
+    "mean_costs",
+    "measured_idle_fractions",
     "num_stages",
     "partition_layers",
+    "plot_timeline",
+    "predicted_idle_fraction",
     "rank_actions",
     "rank_of_stage",
     "splits_weight_grad",

@@ -138,22 +138,37 @@ class Pipeline:
         peer = rank_of_stage(self.schedule, self.pp, from_stage, self.virtual_stages)
         if peer == self.rank or key in self._receives:
             return
+        tag = self._tag(direction, stage, microbatch)
         header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        work = dist.irecv(header, group=self.group, group_src=peer, tag=self._tag(direction, stage, microbatch))
-        self._receives[key] = (work, header, peer)
+        posted = [dist.irecv(header, group=self.group, group_src=peer, tag=tag), header]
+        # The micro-batches of a step share their shapes: once one arrived, the data's receive is posted too.
+        if (layout := self._layouts.get((direction, stage))) is not None:
+            data = torch.empty(layout[0], dtype=layout[1], device=self.device)
+            posted += [dist.irecv(data, group=self.group, group_src=peer, tag=tag + 1), data]
+        self._receives[key] = (peer, posted)
 
     def _receive(self, direction: int, stage: int, microbatch: int, from_stage: int) -> Tensor:
         key = (direction, stage, microbatch)
         if key in self._in_memory:
             return self._in_memory.pop(key)
         self._post_receive(direction, stage, microbatch, from_stage)
-        work, header, peer = self._receives.pop(key)
-        work.wait()
-        header = header.tolist()
-        shape, dtype = header[2:2 + header[0]], _DTYPES[header[1]]
-        data = torch.empty(shape, dtype=dtype, device=self.device)
-        dist.recv(data, group=self.group, group_src=peer, tag=self._tag(direction, stage, microbatch) + 1)
-        return data
+        peer, posted = self._receives.pop(key)
+        posted[0].wait()
+        header = posted[1].tolist()
+        layout = (header[2:2 + header[0]], _DTYPES[header[1]])
+        what = "activation" if direction == _FORWARD else "gradient"
+        if len(posted) == 2:
+            self._layouts[(direction, stage)] = layout
+            data = torch.empty(layout[0], dtype=layout[1], device=self.device)
+            dist.recv(data, group=self.group, group_src=peer, tag=self._tag(direction, stage, microbatch) + 1)
+            return data
+        expected = self._layouts[(direction, stage)]
+        if layout != expected:
+            raise ValueError(f"stage {stage}'s input {what} of micro-batch {microbatch} has shape {layout[0]} and "
+                             f"dtype {layout[1]}, but earlier micro-batches' had {expected[0]} and {expected[1]}: "
+                             f"every micro-batch must give the stages the same shapes")
+        posted[2].wait()
+        return posted[3]
 
     def _input_source(self, action: Action) -> tuple[int, int, int, int] | None:
         """(direction, stage, micro-batch, from stage) of the message an action waits for, or None."""
@@ -165,11 +180,11 @@ class Pipeline:
 
     # -- actions -------------------------------------------------------------------------------------------
 
-    def _forward(self, stage: int, microbatch: int) -> None:
+    def _forward(self, stage: int, microbatch: int, received: Tensor | None) -> None:
         if stage == 0:
             x = self._inputs[microbatch]
         else:
-            x = self._receive(_FORWARD, stage, microbatch, stage - 1).detach()
+            x = received.detach()
             x.requires_grad_(x.is_floating_point())
         out = self.stages[stage](x)
         if stage == self.num_stages - 1:
@@ -180,11 +195,8 @@ class Pipeline:
             self._saved[(stage, microbatch)] = (x, out)
             self._send(out.detach(), _FORWARD, stage + 1, microbatch)
 
-    def _backward(self, stage: int, microbatch: int) -> None:
+    def _backward(self, stage: int, microbatch: int, grad: Tensor | None) -> None:
         x, out = self._saved.pop((stage, microbatch))
-        grad = None
-        if stage < self.num_stages - 1:
-            grad = self._receive(_BACKWARD, stage, microbatch, stage + 1)
         collecting = self.weight_grads.collecting((stage, microbatch)) if self.split else nullcontext()
         with collecting:
             torch.autograd.backward(out, grad)
@@ -203,13 +215,16 @@ class Pipeline:
         self.device = inputs.device
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
         self._saved, self._in_memory, self._receives, self._sends, self._losses = {}, {}, {}, [], []
+        self._layouts = {}  # (direction, stage) -> (shape, dtype) of its incoming messages this step
         self.timeline = []
-        run = {"F": self._forward, "B": self._backward, "W": lambda s, i: self.weight_grads.run((s, i))}
+        run = {"F": self._forward, "B": self._backward, "W": lambda s, i, _: self.weight_grads.run((s, i))}
         for position, action in enumerate(self.actions):
-            if position + 1 < len(self.actions) and (source := self._input_source(self.actions[position + 1])):
-                self._post_receive(*source)
+            source = self._input_source(action)
+            received = self._receive(*source) if source else None  # waiting for it is idle time, not the action's
+            if position + 1 < len(self.actions) and (upcoming := self._input_source(self.actions[position + 1])):
+                self._post_receive(*upcoming)
             start = time.time()
-            run[action.kind](action.stage, action.microbatch)
+            run[action.kind](action.stage, action.microbatch, received)
             self.timeline.append(TimedAction(action.kind, action.stage, action.microbatch, start, time.time()))
         for work, _ in self._sends:
             work.wait()

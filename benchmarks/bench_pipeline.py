@@ -1,0 +1,99 @@
+"""Pipeline schedules on 2 CPU ranks: step time and the measured bubble of each schedule next to the
+planner's predictions, on the same model.
+
+    python benchmarks/bench_pipeline.py [--microbatches 4 8] [--out DIR]
+
+The model: 8 blocks of ``Linear(1024, 1024) + tanh``, split into 2 stages (gpipe, 1f1b, zb-h1) or 4
+(interleaved-1f1b with 2 chunks per rank, zb-v), a batch of 2048 rows in ``m`` micro-batches, one thread
+per rank. For each schedule and m, the median of 3 steps (after one warm-up): the step time, its ratio to
+1f1b's, the measured idle fraction (1 - busy / makespan, averaged over the ranks), the planner's
+prediction for the measured per-stage F / B / W times (``replay_schedule``: the order that ran, timed with
+those costs) and the planner's closed form (equal F / B / W). ``--out`` writes each schedule's timeline PNG.
+"""
+
+import argparse
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from torchdist_ext import _planner  # noqa: E402
+from torchdist_ext.pipeline import (  # noqa: E402
+    SCHEDULES,
+    Pipeline,
+    gather_timeline,
+    measured_idle_fractions,
+    num_stages,
+    partition_layers,
+    plot_timeline,
+    predicted_idle_fraction,
+    stages_of_rank,
+)
+
+WIDTH, LAYERS, BATCH = 1024, 8, 2048
+
+
+def measure(schedule: str, microbatches: int, out: str | None) -> dict:
+    from torchdist_ext.testing import cached_mesh
+
+    mesh = cached_mesh((2,), ("pp",))
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
+    layers = partition_layers(LAYERS, num_stages(schedule, 2, v))
+    mine = {s: nn.Sequential(*(blocks[i] for i in layers[s])) for s in stages_of_rank(schedule, 2, mesh.get_local_rank(), v)}
+    pipe = Pipeline(mine, pp_mesh=mesh, schedule=schedule, num_microbatches=microbatches,
+                    loss_fn=nn.functional.mse_loss, virtual_stages=v)
+    inputs, targets = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    pipe.step(inputs, targets)
+    runs = []
+    for _ in range(3):
+        torch.distributed.barrier()
+        pipe.step(inputs, targets)
+        timelines = gather_timeline(pipe)
+        start = min(a.start for t in timelines for a in t)
+        makespan = max(a.end for t in timelines for a in t) - start
+        runs.append((makespan, measured_idle_fractions(timelines)[1], predicted_idle_fraction(pipe, timelines),
+                     timelines))
+    makespan, measured, predicted, timelines = sorted(runs, key=lambda r: r[0])[1]
+    closed = _planner.bubble_fraction(2, microbatches, {"interleaved-1f1b": "interleaved"}.get(schedule, schedule), v)
+    if out and mesh.get_local_rank() == 0:
+        plot_timeline(Path(out) / f"pipeline_{schedule}_m{microbatches}.png", timelines,
+                      title=f"{schedule}, p=2, m={microbatches}: measured bubble {measured:.3f}, planner "
+                            f"{predicted:.3f} (closed form {closed:.3f})")
+    return {"bench": "pipeline", "schedule": schedule, "pp": 2, "microbatches": microbatches,
+            "step_ms": round(makespan * 1e3, 1), "measured_bubble": round(measured, 3),
+            "planner_bubble": round(predicted, 3), "closed_form_bubble": round(closed, 3)}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--out", type=Path, default=None, help="write the timeline PNGs here")
+    args = parser.parse_args()
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    from torchdist_ext.testing import spawn_world
+
+    rows = []
+    with spawn_world(2, timeout=600.0) as world:
+        for m in args.microbatches:
+            for schedule in SCHEDULES:
+                rows.append(world.run(measure, schedule, m, str(args.out) if args.out else None)[0])
+                print(json.dumps(rows[-1]), flush=True)
+    print()
+    print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'/ 1f1b':>7} {'bubble':>7} {'planner':>8} {'relative':>9} "
+          f"{'closed form':>11}")
+    for r in rows:
+        base = next(b["step_ms"] for b in rows if b["schedule"] == "1f1b" and b["microbatches"] == r["microbatches"])
+        gap = (r["measured_bubble"] - r["planner_bubble"]) / r["planner_bubble"]
+        print(f"{r['schedule']:>17} {r['microbatches']:>3} {r['step_ms']:8.1f} {r['step_ms'] / base:7.3f} "
+              f"{r['measured_bubble']:7.3f} {r['planner_bubble']:8.3f} {gap:+9.1%} {r['closed_form_bubble']:11.3f}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,55 @@
+"""The measured timeline of a pipeline step: every rank's F / B / W actions gathered on every rank, idle
+fractions over the step's makespan, the planner's prediction for the measured costs, and the PNG. (How close
+measured and predicted bubbles are is a timing figure: benchmarks/bench_pipeline.py reports it.)"""
+
+import pytest
+import torch
+from torch import nn
+
+from torchdist_ext.pipeline import (
+    Pipeline,
+    TimedAction,
+    gather_timeline,
+    mean_costs,
+    measured_idle_fractions,
+    plot_timeline,
+    predicted_idle_fraction,
+)
+from torchdist_ext.testing import cached_mesh
+
+
+def timeline_of_a_step(schedule: str, png: str):
+    mesh = cached_mesh((2,), ("pp",))
+    stage = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    pipe = Pipeline({mesh.get_local_rank(): stage}, pp_mesh=mesh, schedule=schedule, num_microbatches=4,
+                    loss_fn=nn.functional.mse_loss)
+    pipe.step(torch.randn(8, 16), torch.randn(8, 16))
+    timelines = gather_timeline(pipe)
+    if mesh.get_local_rank() == 0:
+        plot_timeline(png, timelines, title=schedule)
+    per_rank, overall = measured_idle_fractions(timelines)
+    return ([[(a.kind, a.stage, a.microbatch) for a in t] for t in timelines], per_rank, overall,
+            predicted_idle_fraction(pipe, timelines))
+
+
+@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
+def test_every_rank_sees_every_ranks_actions_and_the_figures_are_fractions(world2, tmp_path, schedule):
+    png = tmp_path / "timeline.png"
+    outcomes = world2.run(timeline_of_a_step, schedule, str(png))
+    assert outcomes[0][0] == outcomes[1][0], "the ranks gathered different timelines"
+    actions, per_rank, overall, predicted = outcomes[0]
+    kinds = "FBW" if schedule == "zb-h1" else "FB"
+    for rank, timeline in enumerate(actions):
+        assert sorted(timeline) == sorted((k, rank, i) for k in kinds for i in range(4))
+    assert all(0.0 <= f < 1.0 for f in per_rank) and overall == pytest.approx(sum(per_rank) / 2)
+    assert 0.0 < predicted < 1.0
+    assert png.stat().st_size > 0
+
+
+def test_measured_figures_of_a_synthetic_timeline():
+    # Two ranks, 1F1B with one micro-batch: rank 0 F [0, 1], B [3, 5]; rank 1 F [1, 2], B [2, 3].
+    timelines = [[TimedAction("F", 0, 0, 0.0, 1.0), TimedAction("B", 0, 0, 3.0, 5.0)],
+                 [TimedAction("F", 1, 0, 1.0, 2.0), TimedAction("B", 1, 0, 2.0, 3.0)]]
+    per_rank, overall = measured_idle_fractions(timelines)
+    assert per_rank == pytest.approx([1 - 3 / 5, 1 - 2 / 5]) and overall == pytest.approx(0.5)
+    assert mean_costs(timelines, 2) == {"F": [1.0, 1.0], "B": [2.0, 1.0], "W": [0.0, 0.0]}

@@ -1,0 +1,87 @@
+"""Measured pipeline timelines: every rank's actions of the last step, the measured idle ("bubble") fraction
+next to the planner's prediction for the measured F / B / W times, and a PNG of the timeline.
+
+    timelines = gather_timeline(pipe)                   # every rank: [[TimedAction, ...] per pipeline rank]
+    per_rank, overall = measured_idle_fractions(timelines)
+    predicted = predicted_idle_fraction(pipe, timelines)   # the planner's schedule, timed with the mean costs
+    plot_timeline("timeline.png", timelines, title=...)
+
+The idle fraction of a rank is ``1 - busy / makespan`` over the step (from the first action's start on any
+rank to the last one's end); the overall one averages the ranks, as the planner's ``bubble`` does.
+"""
+
+from pathlib import Path
+
+import torch.distributed as dist
+
+from torchdist_ext import _planner
+from torchdist_ext.pipeline.runtime import Pipeline, TimedAction
+
+__all__ = ["gather_timeline", "mean_costs", "measured_idle_fractions", "plot_timeline", "predicted_idle_fraction"]
+
+_PASS_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}  # the planner's plot colours
+_PLANNER_NAMES = {"interleaved-1f1b": "interleaved"}
+
+
+def gather_timeline(pipe: Pipeline) -> list[list[TimedAction]]:
+    """Every pipeline rank's timeline of the last step, on every rank (one all-gather of objects)."""
+    timelines: list = [None] * pipe.pp
+    dist.all_gather_object(timelines, [tuple(a) for a in pipe.timeline], group=pipe.group)
+    return [[TimedAction(*a) for a in timeline] for timeline in timelines]
+
+
+def measured_idle_fractions(timelines: list[list[TimedAction]]) -> tuple[list[float], float]:
+    """(each rank's idle fraction, their mean) over the step's makespan."""
+    start = min(a.start for timeline in timelines for a in timeline)
+    makespan = max(a.end for timeline in timelines for a in timeline) - start
+    per_rank = [1.0 - sum(a.end - a.start for a in timeline) / makespan for timeline in timelines]
+    return per_rank, sum(per_rank) / len(per_rank)
+
+
+def mean_costs(timelines: list[list[TimedAction]], num_stages: int) -> dict[str, list[float]]:
+    """Each action kind's ("F", "B", "W") mean duration on each stage (0 where the kind did not run)."""
+    costs = {}
+    for kind in "FBW":
+        costs[kind] = []
+        for stage in range(num_stages):
+            durations = [a.end - a.start for t in timelines for a in t if a.kind == kind and a.stage == stage]
+            costs[kind].append(sum(durations) / len(durations) if durations else 0.0)
+    return costs
+
+
+def predicted_idle_fraction(pipe: Pipeline, timelines: list[list[TimedAction]]) -> float:
+    """The planner's idle fraction for this schedule timed with each stage's measured mean F / B / W costs
+    (``replay_schedule``; the B of an unsplit schedule, which computes W too, counts as measured)."""
+    costs = mean_costs(timelines, pipe.num_stages)
+    replayed = _planner.replay_schedule(pipe.pp, pipe.num_microbatches,
+                                        _PLANNER_NAMES.get(pipe.schedule, pipe.schedule), pipe.virtual_stages,
+                                        costs["F"], costs["B"], costs["W"])
+    return _planner.idle_fraction(replayed, pipe.pp)
+
+
+def plot_timeline(path: str | Path, timelines: list[list[TimedAction]], title: str = "") -> None:
+    """Writes a PNG: one row per pipeline rank with its F / B / W actions in wall-clock milliseconds from
+    the step's start (gaps are the bubble); each bar is labelled with its stage and micro-batch."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    start = min(a.start for timeline in timelines for a in timeline)
+    figure, axes = plt.subplots(figsize=(13, 1.0 + 0.7 * len(timelines)))
+    for rank, timeline in enumerate(timelines):
+        for a in timeline:
+            left, width = (a.start - start) * 1e3, (a.end - a.start) * 1e3
+            axes.barh(rank, width, left=left, color=_PASS_COLORS[a.kind], edgecolor="white", linewidth=0.5)
+            axes.text(left + width / 2, rank, f"{a.stage}.{a.microbatch}", ha="center", va="center",
+                      fontsize="x-small", color="white")
+    axes.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
+    axes.invert_yaxis()
+    axes.set_xlabel("ms from the step's start (labels: stage.micro-batch)")
+    axes.set_title(title)
+    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PASS_COLORS.values()]
+    axes.legend(handles, ["F forward", "B backward (with W unless split)", "W weight grad"],
+                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    figure.tight_layout()
+    figure.savefig(path, dpi=110)
+    plt.close(figure)
