@@ -19,6 +19,11 @@ computes. Between stages on the same rank (zb-v's turn) they are handed over in 
 Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.parallel.weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
 the last step's actions with their wall-clock start and end on this rank.
+
+A stage module sharded with FSDP2 (``fully_shard`` over the data-parallel ranks of that stage) accumulates
+its unsharded gradients over the step's micro-batches and reduce-scatters them once, right after the
+stage's last B or W of the step (not at the end of the step), as torch's pipelining does: FSDP2's
+gradient sync is off during the step and its post-backward runs then.
 """
 
 import time
@@ -30,6 +35,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
+
+from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchdist_ext.parallel.weight_grad import SplitLinear, WeightGradStore
 from torchdist_ext.pipeline.schedule import (
@@ -58,18 +65,14 @@ class TimedAction(NamedTuple):
 
 def enable_weight_grad_split(module: nn.Module) -> nn.Module:
     """Puts ``module``'s linears in split mode, in place: our tensor-parallel linears get
-    ``split_weight_grad = True``; every plain ``nn.Linear`` becomes a ``SplitLinear`` holding the same
-    parameters. Returns ``module`` (a plain ``nn.Linear`` passed as the module comes back as a SplitLinear)."""
-    if type(module) is nn.Linear:
-        return SplitLinear.from_linear(module)
-    for parent in list(module.modules()):
-        for name, child in list(parent.named_children()):
-            if type(child) is nn.Linear:
-                setattr(parent, name, SplitLinear.from_linear(child))
-            elif hasattr(child, "split_weight_grad"):
-                child.split_weight_grad = True
-    if hasattr(module, "split_weight_grad"):
-        module.split_weight_grad = True
+    ``split_weight_grad = True``; every plain ``nn.Linear`` becomes a ``SplitLinear`` (the same object, its
+    class changed: FSDP2, optimizers and hooks keep seeing the same module and parameters; a linear that is
+    itself ``fully_shard``-ed keeps its whole backward in B). Returns ``module``."""
+    for child in module.modules():
+        if type(child) is nn.Linear:
+            child.__class__ = SplitLinear
+        elif hasattr(child, "split_weight_grad"):
+            child.split_weight_grad = True
     return module
 
 
@@ -109,6 +112,8 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.weight_grads = WeightGradStore()
         self.timeline: list[TimedAction] = []
+        # The position of each stage's last gradient action (B, or W under a split): its FSDP2 reduction.
+        self._last_grad_action = {a.stage: i for i, a in enumerate(self.actions) if a.kind in "BW"}
 
     # -- messages ------------------------------------------------------------------------------------------
 
@@ -218,6 +223,11 @@ class Pipeline:
         self._layouts = {}  # (direction, stage) -> (shape, dtype) of its incoming messages this step
         self.timeline = []
         run = {"F": self._forward, "B": self._backward, "W": lambda s, i, _: self.weight_grads.run((s, i))}
+        for module in self.stages.values():
+            if isinstance(module, FSDPModule):  # accumulate over the micro-batches; reduce once (below)
+                module.set_requires_gradient_sync(False)
+                module.set_reshard_after_backward(False)
+                module.set_is_last_backward(False)
         for position, action in enumerate(self.actions):
             source = self._input_source(action)
             received = self._receive(*source) if source else None  # waiting for it is idle time, not the action's
@@ -226,9 +236,25 @@ class Pipeline:
             start = time.time()
             run[action.kind](action.stage, action.microbatch, received)
             self.timeline.append(TimedAction(action.kind, action.stage, action.microbatch, start, time.time()))
+            if position == self._last_grad_action[action.stage] and isinstance(self.stages[action.stage], FSDPModule):
+                _reduce_fsdp_gradients(self.stages[action.stage])
         for work, _ in self._sends:
             work.wait()
         loss = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
         self._inputs = self._targets = self._saved = self._sends = None
         return loss
+
+
+def _reduce_fsdp_gradients(module: FSDPModule) -> None:
+    """FSDP2's post-backward for a stage whose backward passes of the step are all done: reduce-scatter
+    the accumulated gradients and reshard. FSDP2 has no public call for it; this is what
+    ``torch.distributed.pipelining``'s ``perform_reduce_grad`` does."""
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)
+    for each in state._state_ctx.all_states:
+        for group in each._fsdp_param_groups:
+            group.post_backward()
+    state._root_post_backward_final_callback()
