@@ -29,6 +29,7 @@ from torchdist_ext.pipeline import (  # noqa: E402
     measured_idle_fractions,
     num_stages,
     partition_layers,
+    planner_name,
     plot_timeline,
     predicted_idle_fraction,
     stages_of_rank,
@@ -60,7 +61,7 @@ def measure(schedule: str, microbatches: int, out: str | None) -> dict:
         runs.append((makespan, measured_idle_fractions(timelines)[1], predicted_idle_fraction(pipe, timelines),
                      timelines))
     makespan, measured, predicted, timelines = sorted(runs, key=lambda r: r[0])[1]
-    closed = _planner.bubble_fraction(2, microbatches, {"interleaved-1f1b": "interleaved"}.get(schedule, schedule), v)
+    closed = _planner.bubble_fraction(2, microbatches, planner_name(schedule), v)
     if out and mesh.get_local_rank() == 0:
         plot_timeline(Path(out) / f"pipeline_{schedule}_m{microbatches}.png", timelines,
                       title=f"{schedule}, p=2, m={microbatches}: measured bubble {measured:.3f}, planner "

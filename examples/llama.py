@@ -197,7 +197,8 @@ class Llama(nn.Module):
         super().__init__()
         self.cfg = cfg
         self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
-        self.layers = nn.ModuleList(TransformerBlock(cfg) for _ in range(cfg.num_layers))
+        # A dict keyed by the block's index: a pipeline stage keeps its blocks under the same names.
+        self.layers = nn.ModuleDict({str(i): TransformerBlock(cfg) for i in range(cfg.num_layers)})
         self.norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
         self.loss_fn = cross_entropy
@@ -210,9 +211,42 @@ class Llama(nn.Module):
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens)
-        for layer in self.layers:
+        for layer in self.layers.values():
             h = layer(h, cos, sin)
         return self.loss_fn(self.output(self.norm(h)), target)
+
+
+class LlamaStage(nn.Module):
+    """One pipeline stage of ``model``: the blocks of ``layers`` (the same modules, under their names in the
+    full model, so checkpoints match), with the embedding on the ``first`` stage and the final norm and
+    output head on the ``last``.
+
+    forward: tokens ``[batch, seq]`` (first stage) or the hidden states ``[batch, seq, dim]`` (sharded as
+    the blocks pass them on) -> the hidden states, or the logits ``[batch, seq, vocab]`` on the last stage.
+    ``positions`` ``[seq]``: the RoPE positions of the step's tokens (set before each step, as for
+    ``Llama.forward``); ``loss_fn(logits, target)`` is the model's.
+    """
+
+    def __init__(self, model: Llama, layers: range, *, first: bool, last: bool):
+        super().__init__()
+        self.cfg, self.loss_fn = model.cfg, model.loss_fn
+        self.tok_embeddings = model.tok_embeddings if first else None
+        self.layers = nn.ModuleDict({str(i): model.layers[str(i)] for i in layers})
+        self.norm = model.norm if last else None
+        self.output = model.output if last else None
+        self.register_buffer("rope_cos", model.rope_cos, persistent=False)
+        self.register_buffer("rope_sin", model.rope_sin, persistent=False)
+        self.positions: Tensor | None = None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.positions is None:
+            raise ValueError("LlamaStage.positions must be set to the step's RoPE positions before the forward")
+        cos, sin = self.rope_cos[self.positions], self.rope_sin[self.positions]
+        if self.tok_embeddings is not None:
+            x = self.tok_embeddings(x)
+        for layer in self.layers.values():
+            x = layer(x, cos, sin)
+        return x if self.output is None else self.output(self.norm(x))
 
 
 def check_layout(cfg: LlamaConfig, tp: int) -> None:
@@ -240,7 +274,8 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
                       attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
                       compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                       ep_mesh: DeviceMesh | None = None, expert_dp_mesh: DeviceMesh | None = None,
-                      fp8: Recipe | None = None, fp8_all_gather: bool = False) -> Llama:
+                      fp8: Recipe | None = None, fp8_all_gather: bool = False,
+                      fp8_amax_mesh: DeviceMesh | None = None) -> nn.Module:
     """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
     attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh`` (with its
     mixed-precision policy ``mp_policy``, e.g. bf16 parameters with fp32 gradient reduction).
@@ -249,7 +284,10 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
     ``expert_dp_mesh`` (the ranks holding the same experts). With an fp8 ``Recipe`` every linear but the
     output head runs its GEMMs in fp8 (``convert_to_fp8``, before FSDP2 so that the shapes it checks
     are the tensor-parallel shards); call ``fp8_step(model)`` after each optimizer step. ``fp8_all_gather``:
-    FSDP2 gathers those linears' weights as fp8 bytes (a delayed recipe with ``reduce_amax``).
+    FSDP2 gathers those linears' weights as fp8 bytes (a delayed recipe with ``reduce_amax``);
+    ``fp8_amax_mesh``: the ranks that reduce the amaxes (None: the world; a pipeline stage's ranks under
+    pipeline parallelism, whose stages hold different linears). ``model`` is a ``Llama`` or a ``LlamaStage``
+    (whose missing embedding or head is skipped).
 
     With sequence parallelism the residual stream between blocks is sharded
     along the sequence over tp; the embedding reduce-scatters into it and the
@@ -259,8 +297,9 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
     """
     check_layout(model.cfg, tp_mesh.size())
     kw = dict(tp_mesh=tp_mesh, sequence_parallel=sequence_parallel)
-    model.tok_embeddings = VocabParallelEmbedding.from_embedding(model.tok_embeddings, **kw)
-    for block in model.layers:
+    if model.tok_embeddings is not None:
+        model.tok_embeddings = VocabParallelEmbedding.from_embedding(model.tok_embeddings, **kw)
+    for block in model.layers.values():
         attention, ffn = block.attention, block.feed_forward
         for name in ("wq", "wk", "wv"):
             setattr(attention, name, ColumnParallelLinear.from_linear(getattr(attention, name), **kw))
@@ -279,13 +318,15 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
             attention.attend = attend
         block.attention_norm = RMSNorm.from_rms_norm(block.attention_norm, **kw)
         block.ffn_norm = RMSNorm.from_rms_norm(block.ffn_norm, **kw)
-    model.norm = RMSNorm.from_rms_norm(model.norm, **kw)
-    model.output = ColumnParallelLinear.from_linear(model.output, **kw)
+    if model.output is not None:
+        model.norm = RMSNorm.from_rms_norm(model.norm, **kw)
+        model.output = ColumnParallelLinear.from_linear(model.output, **kw)
     # The logits feed nothing but the loss: their gradient can take their memory.
     model.loss_fn = partial(vocab_parallel_cross_entropy, tp_mesh=tp_mesh, inplace_backward=True)
     if fp8 is not None:  # the output head stays in the activation dtype, as TransformerEngine recipes keep it
-        convert_to_fp8(model, fp8, filter_fn=lambda name, module: name != "output", fp8_all_gather=fp8_all_gather)
-    for index, block in enumerate(model.layers):
+        convert_to_fp8(model, fp8, amax_reduction_mesh=fp8_amax_mesh, filter_fn=lambda name, module: name != "output",
+                       fp8_all_gather=fp8_all_gather)
+    for index, block in list(model.layers.items()):
         if compile and isinstance(block.feed_forward, ExpertParallelFeedForward):
             # The experts carry FSDP2 hooks of their own, which dynamo runs eagerly: a fullgraph graph cannot
             # hold them. Compile everything around the MoE instead, in place (names unchanged); the MoE's

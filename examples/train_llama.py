@@ -1,4 +1,5 @@
-"""Main job: train a small Llama on a byte-level corpus with FSDP2 (dp) x context (cp) x tensor (tp) parallelism.
+"""Main job: train a small Llama on a byte-level corpus with FSDP2 (dp) x context (cp) x tensor (tp) x pipeline (pp)
+parallelism.
 
     torchrun --nproc-per-node 4 examples/train_llama.py                     # dp=2 x tp=2, sequence parallel
     torchrun --nproc-per-node 4 examples/train_llama.py --check             # + the same run in one process
@@ -8,6 +9,7 @@
     torchrun --nproc-per-node 8 examples/train_llama.py --device cuda       # 8 GPUs: dp=4 x tp=2, NCCL, bf16
     torchrun --nproc-per-node 4 examples/train_llama.py --experts 4 --ep 2 --check   # MoE FFNs: ep=2 of dp=2
     torchrun --nproc-per-node 4 examples/train_llama.py --fp8 delayed --check        # fp8 GEMMs, delayed scaling
+    torchrun --nproc-per-node 4 examples/train_llama.py --pp 2 --schedule zb-h1 --microbatches 4 --check
 
 Every rank builds the same single-process model (same seed), converts it to
 tensor-parallel layers with the same weights and shards it with FSDP2 over
@@ -26,6 +28,11 @@ difference over the steps; it exits non-zero above ``--check-tolerance``.
 ``--fp8 delayed|current`` runs every linear but the output head with fp8 GEMMs
 (``torchdist_ext.fp8``), calling ``fp8_step`` after each optimizer step. ``--bf16`` trains with FSDP2 mixed precision: bf16 parameters, activations and
 all-gathers, fp32 gradient reduction, master weights and optimizer state.
+``--pp P --schedule S --microbatches M`` splits the blocks into pipeline stages
+(``torchdist_ext.pipeline``; the embedding on the first, the norm and head on the last)
+over P ranks, each stage tensor-/context-parallel and sharded by FSDP2 as above, and
+prints the last step's measured bubble next to the planner's (``--timeline out.png``
+draws it); the gradient norm is taken over every stage.
 ``--device cuda`` runs one process per GPU (NCCL, gloo for the few CPU
 tensors), in bf16 unless ``--fp32``, and prints each step's tokens/s and model
 FLOPs utilisation (MFU, against the GPU's dense bf16 peak from the planner's
@@ -46,7 +53,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama import Llama, LlamaConfig, MixtureOfExperts, parallelize_llama  # noqa: E402
+from llama import Llama, LlamaConfig, LlamaStage, MixtureOfExperts, parallelize_llama  # noqa: E402
 
 import torchdist_ext  # noqa: E402,F401
 from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_modules, fp8_step  # noqa: E402
@@ -57,7 +64,20 @@ from torchdist_ext.parallel import (  # noqa: E402
     shard_sequence,
     ulysses_attention,
 )
-from torchdist_ext.planner import GPU_PRESETS  # noqa: E402
+from torchdist_ext.pipeline import (  # noqa: E402
+    SCHEDULES,
+    Pipeline,
+    gather_timeline,
+    measured_idle_fractions,
+    num_stages,
+    partition_layers,
+    planner_name,
+    plot_timeline,
+    predicted_idle_fraction,
+    splits_weight_grad,
+    stages_of_rank,
+)
+from torchdist_ext.planner import GPU_PRESETS, bubble_fraction  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 # fp32: summation order only. bf16 against the fp32 run: every GEMM input and the loss
@@ -76,6 +96,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / tp)")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel size (sequence sharding)")
+    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages of transformer blocks)")
+    parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (with --pp > 1)")
+    parser.add_argument("--microbatches", type=int, default=None,
+                        help="micro-batches per step with --pp > 1 (default: pp); divides the batch per dp rank")
+    parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank of interleaved-1f1b")
+    parser.add_argument("--timeline", type=Path, default=None,
+                        help="with --pp > 1: write the last step's pipeline timeline PNG here")
     parser.add_argument("--cp-method", choices=("ring", "ulysses", "hybrid"), default="ring")
     parser.add_argument("--cp-ulysses", type=int, default=2,
                         help="with --cp-method hybrid: the Ulysses degree inside (the ring gets cp / this)")
@@ -116,6 +143,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fp8_all_gather and args.fp8 != "delayed":
         parser.error(f"--fp8-all-gather needs --fp8 delayed (every rank casts its shard with the shared delayed "
                      f"scale), got --fp8 {args.fp8}")
+    if args.pp > 1 and args.experts:
+        parser.error("--pp with --experts is not supported yet (the MoE routes each micro-batch on its own)")
+    if args.pp > 1 and args.compile and splits_weight_grad(args.schedule):
+        parser.error(f"--compile with --schedule {args.schedule} is not supported yet (the weight-gradient split "
+                     f"queues work from the backward, which a compiled graph cannot)")
     if args.check_tolerance is None:
         args.check_tolerance = CHECK_TOLERANCE["fp8" if args.fp8 else precision(args)]
     return args
@@ -154,9 +186,10 @@ def batches(steps: int, batch: int, seq: int, seed: int):
         yield windows[:, :-1], windows[:, 1:]
 
 
-def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
+def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
     """Clips by the norm of the *whole* gradient: DTensor shards are reduced over every dim of their mesh
-    first, one norm per mesh (the experts' gradients live on their own), then combined."""
+    first, one norm per mesh (the experts' gradients live on their own), then combined, and over the
+    pipeline ranks (``pp_group``; each holds other stages' parameters)."""
     grads = [p.grad for p in parameters if p.grad is not None]
     by_mesh: dict = {}
     for g in grads:
@@ -166,6 +199,10 @@ def clip_grad_norm_(parameters, max_norm: float) -> torch.Tensor:
         norm = torch.nn.utils.get_total_norm(group)
         norms.append(norm.full_tensor() if isinstance(norm, torch.distributed.tensor.DTensor) else norm)
     total = torch.linalg.vector_norm(torch.stack(norms))
+    if pp_group is not None:
+        squared = total.square()
+        dist.all_reduce(squared, group=pp_group)
+        total = squared.sqrt()
     torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
     return total
 
@@ -237,39 +274,88 @@ def context_parallel_plan(args, mesh):
     return partial(attention, cp_mesh=cp_mesh, causal=True, layout="zigzag"), cp_mesh
 
 
+def microbatches(args) -> int:
+    return args.microbatches or args.pp
+
+
+def virtual_stages(args) -> int:
+    return args.virtual_stages if args.schedule == "interleaved-1f1b" else 1
+
+
+def pipeline_stages(args, single: Llama, pp_rank: int) -> list[LlamaStage]:
+    """This pipeline rank's stages of ``single`` (contiguous equal groups of blocks), chunk 0 first."""
+    stages = num_stages(args.schedule, args.pp, virtual_stages(args))
+    layers = partition_layers(single.cfg.num_layers, stages)
+    return {s: LlamaStage(single, layers[s], first=s == 0, last=s == stages - 1)
+            for s in stages_of_rank(args.schedule, args.pp, pp_rank, virtual_stages(args))}
+
+
+def report_bubble(args, pipe: Pipeline, rank: int) -> None:
+    """Prints the last step's measured idle fraction per pipeline rank next to the planner's (for the measured
+    F / B / W times, and its closed form); writes the timeline PNG with --timeline."""
+    timelines = gather_timeline(pipe)
+    per_rank, overall = measured_idle_fractions(timelines)
+    predicted = predicted_idle_fraction(pipe, timelines)
+    closed = bubble_fraction(args.pp, microbatches(args), schedule=planner_name(args.schedule),
+                             virtual_stages=virtual_stages(args))
+    if rank == 0:
+        print(f"pipeline {args.schedule}, pp={args.pp}, m={microbatches(args)}: measured bubble "
+              f"{overall:.3f} (per pp rank {', '.join(f'{f:.3f}' for f in per_rank)}), planner {predicted:.3f} "
+              f"for the measured F/B/W times (closed form {closed:.3f})", flush=True)
+        if args.timeline is not None:
+            plot_timeline(args.timeline, timelines, title=f"{args.schedule}, pp={args.pp}, m={microbatches(args)}: "
+                          f"measured bubble {overall:.3f}, planner {predicted:.3f}")
+
+
 def data_and_context_split(args, world_size: int) -> tuple[int, int, int]:
     """(dp, ring ranks, Ulysses ranks), checked against the world size and the batch."""
     ring, ulysses = context_parallel_split(args)
-    dp = args.dp or world_size // (args.tp * args.cp)
-    if dp * args.cp * args.tp != world_size:
-        raise ValueError(f"--dp {dp} x --cp {args.cp} x --tp {args.tp} must equal the world size {world_size}")
+    dp = args.dp or world_size // (args.tp * args.cp * args.pp)
+    if dp * args.cp * args.tp * args.pp != world_size:
+        raise ValueError(f"--dp {dp} x --cp {args.cp} x --tp {args.tp} x --pp {args.pp} must equal the world size "
+                         f"{world_size}")
     if args.batch % dp:
         raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
+    if args.pp > 1 and (args.batch // dp) % microbatches(args):
+        raise ValueError(f"--batch {args.batch} / dp={dp} must be divisible by --microbatches {microbatches(args)}")
     return dp, ring, ulysses
 
 
 def train_parallel(args, world_size: int, rank: int, device: torch.device) -> list[float]:
     dp, ring, ulysses = data_and_context_split(args, world_size)
-    mesh = init_device_mesh(args.device, (dp, ring, ulysses, args.tp),
-                            mesh_dim_names=("dp", "ring", "ulysses", "tp"))
+    mesh = init_device_mesh(args.device, (args.pp, dp, ring, ulysses, args.tp),
+                            mesh_dim_names=("pp", "dp", "ring", "ulysses", "tp"))
     # FSDP shards over dp x cp: context-parallel ranks hold the same parameters and see different tokens.
     fsdp_mesh = mesh["dp", "ring", "ulysses"]._flatten("dp_cp")
-    # A flattened mesh of every dim lets DTensor reduce the gradient norm in one all-reduce.
-    mesh["dp", "ring", "ulysses", "tp"]._flatten("all")
+    # The ranks of one pipeline stage: DTensor reduces a gradient norm over them in one all-reduce, and fp8
+    # reduces its amaxes over them (other stages hold other linears).
+    stage_mesh = mesh["dp", "ring", "ulysses", "tp"]._flatten("stage")
     attend, cp_mesh = context_parallel_plan(args, mesh)
     ep_mesh, expert_dp_mesh = expert_parallel_meshes(args, dp, ring, ulysses)
     single = build_model(args, device)
     flops_per_token = model_flops_per_token(single, args.seq)
     peak = gpu_peak_flops(device) if device.type == "cuda" else None
-    model = parallelize_llama(single, tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
-                              sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
-                              mp_policy=PRECISION_POLICY[precision(args)], ep_mesh=ep_mesh,
-                              expert_dp_mesh=expert_dp_mesh, fp8=FP8_RECIPES.get(args.fp8),
-                              fp8_all_gather=args.fp8_all_gather)
+    parallelize = partial(parallelize_llama, tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
+                          sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
+                          mp_policy=PRECISION_POLICY[precision(args)], ep_mesh=ep_mesh,
+                          expert_dp_mesh=expert_dp_mesh, fp8=FP8_RECIPES.get(args.fp8),
+                          fp8_all_gather=args.fp8_all_gather, fp8_amax_mesh=stage_mesh)
+    pipe = None
+    if args.pp > 1:
+        stages = {s: parallelize(stage) for s, stage in pipeline_stages(args, single, mesh["pp"].get_local_rank()).items()}
+        last = num_stages(args.schedule, args.pp, virtual_stages(args)) - 1
+        pipe = Pipeline(stages, pp_mesh=mesh["pp"], schedule=args.schedule, num_microbatches=microbatches(args),
+                        loss_fn=lambda logits, target: stages[last].loss_fn(logits, target),
+                        virtual_stages=virtual_stages(args))
+        model = torch.nn.ModuleList(pipe.stages.values())
+    else:
+        model = parallelize(single)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     dp_rank, fsdp_group = mesh["dp"].get_local_rank(), fsdp_mesh.get_group()
     if rank == 0:
-        print(f"world {world_size}: dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
+        print(f"world {world_size}: "
+              f"{f'pp={args.pp} ({args.schedule}, {microbatches(args)} micro-batches) x ' if args.pp > 1 else ''}"
+              f"dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
               f"ring {ring} x ulysses {ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
               f"compile={args.compile}, {precision(args)}"
               f"{f' with fp8 GEMMs ({args.fp8}) in {len(fp8_modules(model))} linears' if args.fp8 else ''}"
@@ -286,12 +372,19 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         tokens, target = tokens.chunk(dp)[dp_rank].to(device), target.chunk(dp)[dp_rank].to(device)
         if cp_mesh is not None:
             tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, layout="zigzag") for t in (tokens, target))
-        loss = model(tokens, target, positions)
-        loss.backward()
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        if pipe is None:
+            loss = model(tokens, target, positions)
+            loss.backward()
+        else:
+            for stage in pipe.stages.values():
+                stage.positions = positions
+            loss = pipe.step(tokens, target)
+        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm,
+                                    None if pipe is None else mesh["pp"].get_group())
         optimizer.step()
         optimizer.zero_grad()
-        fp8_step(model)  # no-op without --fp8
+        for part in model if pipe is not None else (model,):
+            fp8_step(part)  # no-op without --fp8; one amax all-reduce per stage
         # Every dp x cp rank's loss is the mean over the same number of tokens.
         global_loss = loss.detach().to(torch.float32, copy=True)  # with --bf16 the loss is bf16
         dist.all_reduce(global_loss, group=fsdp_group)
@@ -308,6 +401,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             if load is not None:
                 line += f"  expert load max/mean {load:.2f}"
             print(line, flush=True)
+    if pipe is not None:
+        report_bubble(args, pipe, rank)
     return losses
 
 

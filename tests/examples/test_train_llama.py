@@ -46,10 +46,12 @@ def largest_relative_difference(output: str) -> float:
          "--capacity-factor", "1.0"),
         ("--steps", "3", "--tp", "1", "--experts", "8", "--ep", "4", "--top-k", "1"),
         ("--steps", "2", "--compile", "--experts", "4", "--ep", "2"),
+        ("--steps", "3", "--pp", "2", "--tp", "1", "--schedule", "zb-v", "--microbatches", "4"),
+        ("--steps", "3", "--pp", "2", "--schedule", "interleaved-1f1b", "--microbatches", "4"),
     ],
     ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled", "cp2-ring-tp2", "cp2-ulysses-tp2", "cp4-hybrid",
          "cp2-ring-tp2-compiled", "dp2-tp2-sp-ep2", "cp2-ulysses-tp2-ep2-capacity", "dp4-ep4-top1",
-         "dp2-tp2-sp-ep2-compiled"],
+         "dp2-tp2-sp-ep2-compiled", "pp2-dp2-zb-v", "pp2-tp2-sp-interleaved"],
 )
 def test_matches_single_process(flags):
     output = run_main_job(*flags)
@@ -92,6 +94,29 @@ def test_fp8_all_gather_trains_exactly_as_full_precision_gathers_when_compiled(t
         assert largest_relative_difference(output) < 2e-2
         losses[gather] = json.loads(path.read_text())["losses"]
     assert losses[True] == losses[False]
+
+
+def test_pipeline_zero_bubble_matches_one_process_and_reports_its_bubble(tmp_path):
+    png = tmp_path / "timeline.png"
+    output = run_main_job("--steps", "3", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "4",
+                          "--timeline", str(png))
+    assert "pp=2 (zb-h1, 4 micro-batches) x dp=1" in output, output
+    assert re.search(r"pipeline zb-h1, pp=2, m=4: measured bubble 0\.\d+ \(per pp rank 0\.\d+, 0\.\d+\), "
+                     r"planner 0\.\d+ for the measured F/B/W times \(closed form 0\.077\)", output), output
+    assert largest_relative_difference(output) < 1e-4
+    assert png.stat().st_size > 0
+
+
+def test_pipeline_refuses_what_it_cannot_run_yet():
+    for flags, message in [(("--pp", "2", "--experts", "4"), "--pp with --experts is not supported yet"),
+                           (("--pp", "2", "--schedule", "zb-h1", "--compile"), "--compile with --schedule zb-h1"),
+                           (("--pp", "2", "--microbatches", "3"), "must be divisible by --microbatches 3")]:
+        torchrun = Path(sys.executable).with_name("torchrun")
+        result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4",
+                                 str(ROOT / "examples" / "train_llama.py"), "--steps", "1", *flags],
+                                capture_output=True, text=True, timeout=300, cwd=ROOT,
+                                env={**os.environ, "OMP_NUM_THREADS": "1"})
+        assert result.returncode != 0 and message in result.stderr + result.stdout, result.stderr[-2000:]
 
 
 def test_device_cuda_without_a_gpu_says_so():

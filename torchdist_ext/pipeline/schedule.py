@@ -18,11 +18,16 @@ from typing import NamedTuple
 
 from torchdist_ext import _planner
 
-__all__ = ["SCHEDULES", "Action", "num_stages", "rank_actions", "rank_of_stage", "splits_weight_grad",
-           "stages_of_rank"]
+__all__ = ["SCHEDULES", "Action", "num_stages", "planner_name", "rank_actions", "rank_of_stage",
+           "splits_weight_grad", "stages_of_rank"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 _PLANNER_NAMES = {"interleaved-1f1b": "interleaved"}
+
+
+def planner_name(schedule: str) -> str:
+    """The planner's name of a schedule (its ``Layout.schedule``)."""
+    return _PLANNER_NAMES.get(schedule, schedule)
 
 
 class Action(NamedTuple):
@@ -87,7 +92,6 @@ def rank_actions(schedule: str, pp: int, num_microbatches: int, rank: int, virtu
     if schedule == "interleaved-1f1b" and num_microbatches % pp:
         raise ValueError(f"schedule 'interleaved-1f1b' needs num_microbatches divisible by pp={pp} (Megatron's "
                          f"order walks micro-batches in groups of pp), got {num_microbatches}")
-    timeline = _planner.simulate_schedule(pp, num_microbatches, _PLANNER_NAMES.get(schedule, schedule),
-                                          virtual_stages)
+    timeline = _planner.simulate_schedule(pp, num_microbatches, planner_name(schedule), virtual_stages)
     mine = sorted((p for p in timeline if p.stage == rank), key=lambda p: p.start)
     return [Action(p.kind, _stage(schedule, pp, rank, p.chunk), p.microbatch) for p in mine]

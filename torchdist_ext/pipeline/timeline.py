@@ -16,11 +16,11 @@ import torch.distributed as dist
 
 from torchdist_ext import _planner
 from torchdist_ext.pipeline.runtime import Pipeline, TimedAction
+from torchdist_ext.pipeline.schedule import planner_name
 
 __all__ = ["gather_timeline", "mean_costs", "measured_idle_fractions", "plot_timeline", "predicted_idle_fraction"]
 
 _PASS_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}  # the planner's plot colours
-_PLANNER_NAMES = {"interleaved-1f1b": "interleaved"}
 
 
 def gather_timeline(pipe: Pipeline) -> list[list[TimedAction]]:
@@ -53,9 +53,8 @@ def predicted_idle_fraction(pipe: Pipeline, timelines: list[list[TimedAction]]) 
     """The planner's idle fraction for this schedule timed with each stage's measured mean F / B / W costs
     (``replay_schedule``; the B of an unsplit schedule, which computes W too, counts as measured)."""
     costs = mean_costs(timelines, pipe.num_stages)
-    replayed = _planner.replay_schedule(pipe.pp, pipe.num_microbatches,
-                                        _PLANNER_NAMES.get(pipe.schedule, pipe.schedule), pipe.virtual_stages,
-                                        costs["F"], costs["B"], costs["W"])
+    replayed = _planner.replay_schedule(pipe.pp, pipe.num_microbatches, planner_name(pipe.schedule),
+                                        pipe.virtual_stages, costs["F"], costs["B"], costs["W"])
     return _planner.idle_fraction(replayed, pipe.pp)
 
 
