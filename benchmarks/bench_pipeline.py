@@ -1,5 +1,5 @@
-"""Pipeline schedules on 2 CPU ranks: step time and the measured bubble of each schedule next to the
-planner's predictions, on the same model.
+"""Pipeline schedules on 2 CPU ranks: step time against torch.distributed.pipelining's schedules, and the
+measured bubble of each schedule next to the planner's predictions, on the same model.
 
     python benchmarks/bench_pipeline.py [--microbatches 4 8] [--out DIR]
 
@@ -8,13 +8,18 @@ The model: 8 blocks of ``Linear(1024, 1024) + tanh``, split into 2 stages (gpipe
 per rank. For each schedule and m, the median of 3 steps (after one warm-up): the step time, its ratio to
 1f1b's, the measured idle fraction (1 - busy / makespan, averaged over the ranks), the planner's
 prediction for the measured per-stage F / B / W times (``replay_schedule``: the order that ran, timed with
-those costs) and the planner's closed form (equal F / B / W). ``--out`` writes each schedule's timeline PNG.
+those costs) and the planner's closed form (equal F / B / W). Against torch: the median wall time of
+``step`` (slowest rank) of ours over that of torch's schedule on the same stages, in the same run
+(``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``; torch has no
+zb-h1 with one stage per rank: ``ScheduleInterleavedZeroBubble`` needs several). ``--out`` writes each
+schedule's timeline PNG.
 """
 
 import argparse
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import torch
@@ -36,6 +41,58 @@ from torchdist_ext.pipeline import (  # noqa: E402
 )
 
 WIDTH, LAYERS, BATCH = 1024, 8, 2048
+TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
+                   "zb-v": "ScheduleZBVZeroBubble"}
+
+
+def stage_modules(schedule: str, rank: int) -> dict[int, nn.Module]:
+    """This rank's stages of the benchmark model (the same weights on every call)."""
+    v = 2 if schedule == "interleaved-1f1b" else 1
+    torch.manual_seed(0)
+    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
+    layers = partition_layers(LAYERS, num_stages(schedule, 2, v))
+    return {s: nn.Sequential(*(blocks[i] for i in layers[s])) for s in stages_of_rank(schedule, 2, rank, v)}
+
+
+def slowest_rank_seconds(step) -> float:
+    """The median over 3 calls (after a warm-up) of the slowest rank's wall time of ``step()``."""
+    step()
+    times = []
+    for _ in range(3):
+        torch.distributed.barrier()
+        start = time.perf_counter()
+        step()
+        elapsed = torch.tensor(time.perf_counter() - start)
+        torch.distributed.all_reduce(elapsed, op=torch.distributed.ReduceOp.MAX)
+        times.append(elapsed.item())
+    return statistics.median(times)
+
+
+def torch_step_seconds(schedule: str, microbatches: int) -> float | None:
+    """The step time of torch.distributed.pipelining's version of ``schedule`` on the same stages."""
+    import torch.distributed.pipelining as pipelining
+
+    if schedule not in TORCH_SCHEDULES:
+        return None
+    from torchdist_ext.testing import cached_mesh
+
+    mesh = cached_mesh((2,), ("pp",))
+    rank = mesh.get_local_rank()
+    total = num_stages(schedule, 2, 2 if schedule == "interleaved-1f1b" else 1)
+    stages = [pipelining.PipelineStage(module, index, total, torch.device("cpu"), group=mesh.get_group())
+              for index, module in sorted(stage_modules(schedule, rank).items())]
+    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+    runner = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=microbatches,
+                 loss_fn=nn.functional.mse_loss)
+    inputs, targets = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
+    holds = {s.stage_index for s in stages}
+    args = (inputs,) if 0 in holds else ()
+    target = targets if total - 1 in holds else None
+
+    def step():
+        runner.step(*args, target=target, losses=[] if target is not None else None)
+
+    return slowest_rank_seconds(step)
 
 
 def measure(schedule: str, microbatches: int, out: str | None) -> dict:
@@ -43,14 +100,11 @@ def measure(schedule: str, microbatches: int, out: str | None) -> dict:
 
     mesh = cached_mesh((2,), ("pp",))
     v = 2 if schedule == "interleaved-1f1b" else 1
-    torch.manual_seed(0)
-    blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
-    layers = partition_layers(LAYERS, num_stages(schedule, 2, v))
-    mine = {s: nn.Sequential(*(blocks[i] for i in layers[s])) for s in stages_of_rank(schedule, 2, mesh.get_local_rank(), v)}
-    pipe = Pipeline(mine, pp_mesh=mesh, schedule=schedule, num_microbatches=microbatches,
-                    loss_fn=nn.functional.mse_loss, virtual_stages=v)
+    pipe = Pipeline(stage_modules(schedule, mesh.get_local_rank()), pp_mesh=mesh, schedule=schedule,
+                    num_microbatches=microbatches, loss_fn=nn.functional.mse_loss, virtual_stages=v)
     inputs, targets = torch.randn(BATCH, WIDTH), torch.randn(BATCH, WIDTH)
-    pipe.step(inputs, targets)
+    ours = slowest_rank_seconds(lambda: pipe.step(inputs, targets))
+    theirs = torch_step_seconds(schedule, microbatches)
     runs = []
     for _ in range(3):
         torch.distributed.barrier()
@@ -67,7 +121,10 @@ def measure(schedule: str, microbatches: int, out: str | None) -> dict:
                       title=f"{schedule}, p=2, m={microbatches}: measured bubble {measured:.3f}, planner "
                             f"{predicted:.3f} (closed form {closed:.3f})")
     return {"bench": "pipeline", "schedule": schedule, "pp": 2, "microbatches": microbatches,
-            "step_ms": round(makespan * 1e3, 1), "measured_bubble": round(measured, 3),
+            "step_ms": round(makespan * 1e3, 1), "ours_ms": round(ours * 1e3, 1),
+            "torch_ms": None if theirs is None else round(theirs * 1e3, 1),
+            "ours_over_torch": None if theirs is None else round(ours / theirs, 3),
+            "measured_bubble": round(measured, 3),
             "planner_bubble": round(predicted, 3), "closed_form_bubble": round(closed, 3)}
 
 
@@ -87,13 +144,16 @@ def main() -> None:
                 rows.append(world.run(measure, schedule, m, str(args.out) if args.out else None)[0])
                 print(json.dumps(rows[-1]), flush=True)
     print()
-    print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'/ 1f1b':>7} {'bubble':>7} {'planner':>8} {'relative':>9} "
-          f"{'closed form':>11}")
+    print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'/ 1f1b':>7} {'torch ms':>9} {'ours/torch':>10} {'bubble':>7} "
+          f"{'planner':>8} {'relative':>9} {'closed form':>11}")
     for r in rows:
-        base = next(b["step_ms"] for b in rows if b["schedule"] == "1f1b" and b["microbatches"] == r["microbatches"])
+        base = next(b["ours_ms"] for b in rows if b["schedule"] == "1f1b" and b["microbatches"] == r["microbatches"])
         gap = (r["measured_bubble"] - r["planner_bubble"]) / r["planner_bubble"]
-        print(f"{r['schedule']:>17} {r['microbatches']:>3} {r['step_ms']:8.1f} {r['step_ms'] / base:7.3f} "
-              f"{r['measured_bubble']:7.3f} {r['planner_bubble']:8.3f} {gap:+9.1%} {r['closed_form_bubble']:11.3f}")
+        torch_ms = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.1f}"
+        ratio = "-" if r["ours_over_torch"] is None else f"{r['ours_over_torch']:.3f}"
+        print(f"{r['schedule']:>17} {r['microbatches']:>3} {r['ours_ms']:8.1f} {r['ours_ms'] / base:7.3f} "
+              f"{torch_ms:>9} {ratio:>10} {r['measured_bubble']:7.3f} {r['planner_bubble']:8.3f} {gap:+9.1%} "
+              f"{r['closed_form_bubble']:11.3f}")
 
 
 if __name__ == "__main__":
