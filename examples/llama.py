@@ -35,6 +35,7 @@ from torchdist_ext.parallel import (
     vocab_parallel_cross_entropy,
 )
 from torchdist_ext.parallel.mesh_group import MeshGroup
+from torchdist_ext.parallel.recompute import recompute
 from torchdist_ext.parallel.regions import gather_from_region, scatter_to_region
 
 
@@ -275,7 +276,7 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
                       compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
                       ep_mesh: DeviceMesh | None = None, expert_dp_mesh: DeviceMesh | None = None,
                       fp8: Recipe | None = None, fp8_all_gather: bool = False,
-                      fp8_amax_mesh: DeviceMesh | None = None) -> nn.Module:
+                      fp8_amax_mesh: DeviceMesh | None = None, recompute_mode: str = "none") -> nn.Module:
     """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
     attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh`` (with its
     mixed-precision policy ``mp_policy``, e.g. bf16 parameters with fp32 gradient reduction).
@@ -287,7 +288,8 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
     FSDP2 gathers those linears' weights as fp8 bytes (a delayed recipe with ``reduce_amax``);
     ``fp8_amax_mesh``: the ranks that reduce the amaxes (None: the world; a pipeline stage's ranks under
     pipeline parallelism, whose stages hold different linears). ``model`` is a ``Llama`` or a ``LlamaStage``
-    (whose missing embedding or head is skipped).
+    (whose missing embedding or head is skipped). ``recompute_mode``: activation recompute of every block
+    ("none", "selective": keep the communicating ops' and GEMMs' outputs, or "full").
 
     With sequence parallelism the residual stream between blocks is sharded
     along the sequence over tp; the embedding reduce-scatters into it and the
@@ -327,6 +329,7 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         convert_to_fp8(model, fp8, amax_reduction_mesh=fp8_amax_mesh, filter_fn=lambda name, module: name != "output",
                        fp8_all_gather=fp8_all_gather)
     for index, block in list(model.layers.items()):
+        recompute(block, recompute_mode)
         if compile and isinstance(block.feed_forward, ExpertParallelFeedForward):
             # The experts carry FSDP2 hooks of their own, which dynamo runs eagerly: a fullgraph graph cannot
             # hold them. Compile everything around the MoE instead, in place (names unchanged); the MoE's

@@ -64,6 +64,7 @@ from torchdist_ext.parallel import (  # noqa: E402
     shard_sequence,
     ulysses_attention,
 )
+from torchdist_ext.parallel.recompute import RECOMPUTE_MODES  # noqa: E402
 from torchdist_ext.pipeline import (  # noqa: E402
     SCHEDULES,
     Pipeline,
@@ -101,6 +102,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--microbatches", type=int, default=None,
                         help="micro-batches per step with --pp > 1 (default: pp); divides the batch per dp rank")
     parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank of interleaved-1f1b")
+    parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
+                        help="activation recompute of every block: selective keeps the outputs of the "
+                             "communicating ops and GEMMs, full only the block's input")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="with --pp > 1: write the last step's pipeline timeline PNG here")
     parser.add_argument("--cp-method", choices=("ring", "ulysses", "hybrid"), default="ring")
@@ -339,7 +343,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
                           sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
                           mp_policy=PRECISION_POLICY[precision(args)], ep_mesh=ep_mesh,
                           expert_dp_mesh=expert_dp_mesh, fp8=FP8_RECIPES.get(args.fp8),
-                          fp8_all_gather=args.fp8_all_gather, fp8_amax_mesh=stage_mesh)
+                          fp8_all_gather=args.fp8_all_gather, fp8_amax_mesh=stage_mesh,
+                          recompute_mode=args.recompute)
     pipe = None
     if args.pp > 1:
         stages = {s: parallelize(stage) for s, stage in pipeline_stages(args, single, mesh["pp"].get_local_rank()).items()}
@@ -357,7 +362,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
               f"{f'pp={args.pp} ({args.schedule}, {microbatches(args)} micro-batches) x ' if args.pp > 1 else ''}"
               f"dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
               f"ring {ring} x ulysses {ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
-              f"compile={args.compile}, {precision(args)}"
+              f"compile={args.compile}, recompute={args.recompute}, {precision(args)}"
               f"{f' with fp8 GEMMs ({args.fp8}) in {len(fp8_modules(model))} linears' if args.fp8 else ''}"
               f"{' (fp8 all-gathers)' if args.fp8_all_gather else ''} "
               f"on {args.device}"

@@ -46,12 +46,14 @@ def largest_relative_difference(output: str) -> float:
          "--capacity-factor", "1.0"),
         ("--steps", "3", "--tp", "1", "--experts", "8", "--ep", "4", "--top-k", "1"),
         ("--steps", "2", "--compile", "--experts", "4", "--ep", "2"),
-        ("--steps", "3", "--pp", "2", "--tp", "1", "--schedule", "zb-v", "--microbatches", "4"),
-        ("--steps", "3", "--pp", "2", "--schedule", "interleaved-1f1b", "--microbatches", "4"),
+        ("--steps", "3", "--pp", "2", "--tp", "1", "--schedule", "zb-v", "--microbatches", "4",
+         "--recompute", "selective"),
+        ("--steps", "3", "--pp", "2", "--schedule", "interleaved-1f1b", "--microbatches", "4", "--recompute", "full"),
     ],
     ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled", "cp2-ring-tp2", "cp2-ulysses-tp2", "cp4-hybrid",
          "cp2-ring-tp2-compiled", "dp2-tp2-sp-ep2", "cp2-ulysses-tp2-ep2-capacity", "dp4-ep4-top1",
-         "dp2-tp2-sp-ep2-compiled", "pp2-dp2-zb-v", "pp2-tp2-sp-interleaved"],
+         "dp2-tp2-sp-ep2-compiled", "pp2-dp2-zb-v-recompute-selective",
+         "pp2-tp2-sp-interleaved-recompute-full"],
 )
 def test_matches_single_process(flags):
     output = run_main_job(*flags)

@@ -6,6 +6,7 @@ import pytest
 import torch
 from torch import nn
 
+from torchdist_ext.parallel.recompute import recompute
 from torchdist_ext.pipeline import Pipeline, num_stages, partition_layers, stages_of_rank
 from torchdist_ext.testing import cached_mesh
 
@@ -26,14 +27,16 @@ def loss_fn(out, target):
     return nn.functional.mse_loss(out, target)
 
 
-def pipeline_matches_one_process(schedule: str, num_microbatches: int, virtual_stages: int = 1):
+def pipeline_matches_one_process(schedule: str, num_microbatches: int, virtual_stages: int = 1,
+                                 recompute_mode: str = "none"):
     mesh = cached_mesh((torch.distributed.get_world_size(),), ("pp",))
     pp, rank = mesh.size(), mesh.get_local_rank()
     model = reference_model()
     inputs, targets = batch()
     loss_fn(model(inputs), targets).backward()
     layers = partition_layers(NUM_LAYERS, num_stages(schedule, pp, virtual_stages))
-    mine = {s: nn.Sequential(*(model[i] for i in layers[s])) for s in stages_of_rank(schedule, pp, rank, virtual_stages)}
+    mine = {s: nn.Sequential(*(recompute(model[i], recompute_mode) for i in layers[s]))
+            for s in stages_of_rank(schedule, pp, rank, virtual_stages)}
     expected = {id(p): p.grad.clone() for m in mine.values() for p in m.parameters()}
     expected_loss = loss_fn(model(inputs), targets).detach()
     for p in model.parameters():
