@@ -147,6 +147,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fp8_all_gather and args.fp8 != "delayed":
         parser.error(f"--fp8-all-gather needs --fp8 delayed (every rank casts its shard with the shared delayed "
                      f"scale), got --fp8 {args.fp8}")
+    if args.pp > 1 and args.device == "cuda":
+        parser.error("--pp with --device cuda is not supported yet (the pipeline's messages go over gloo)")
     if args.pp > 1 and args.experts:
         parser.error("--pp with --experts is not supported yet (the MoE routes each micro-batch on its own)")
     if args.pp > 1 and args.compile and splits_weight_grad(args.schedule):
@@ -367,7 +369,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
               f"{' (fp8 all-gathers)' if args.fp8_all_gather else ''} "
               f"on {args.device}"
               f"{f', {args.experts} experts (top {args.top_k}) over ep={args.ep}' if args.experts else ''}; "
-              f"{sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
+              f"{sum(p.numel() for p in model.parameters()):,} parameters"
+              f"{' on pipeline rank 0' if args.pp > 1 else ''}", flush=True)
     positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
         positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")

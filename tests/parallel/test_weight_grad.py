@@ -58,6 +58,17 @@ def test_split_linear_equals_its_unsplit_backward_and_nn_linear():
         torch.testing.assert_close(b, a, rtol=1e-6, atol=1e-6)
 
 
+def test_split_linear_under_autocast_computes_in_the_autocast_dtype():
+    torch.manual_seed(0)
+    linear = nn.Linear(32, 16)
+    split = SplitLinear.from_linear(linear)
+    x = torch.randn(4, 32)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        expected, out = linear(x), split(x)
+    assert out.dtype == expected.dtype == torch.bfloat16
+    torch.testing.assert_close(out, expected)
+
+
 def test_split_linear_refuses_other_modules():
     with pytest.raises(TypeError, match="linear must be an nn.Linear"):
         SplitLinear.from_linear(nn.Conv1d(2, 2, 1))

@@ -3,8 +3,9 @@
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 
-from torchdist_ext.pipeline import Pipeline, partition_layers, rank_actions, stages_of_rank
+from torchdist_ext.pipeline import Pipeline, partition_layers, rank_actions, rank_of_stage, stages_of_rank
 from torchdist_ext.testing import cached_mesh
 
 
@@ -19,8 +20,9 @@ from torchdist_ext.testing import cached_mesh
     (lambda: rank_actions("1f1b", 2, 0, 0), "num_microbatches must be a positive int, got 0"),
     (lambda: rank_actions("1f1b", 2, 4, 0, 2), "virtual_stages=2 needs schedule='interleaved-1f1b'"),
     (lambda: stages_of_rank("1f1b", 2, 2), r"rank must be in \[0, pp=2\)"),
+    (lambda: rank_of_stage("zb-v", 2, 4), r"stage must be in \[0, 4\) \(zb-v, pp=2\), got 4"),
 ], ids=["indivisible", "sizes-sum", "sizes-negative", "neither", "no-layers", "schedule", "interleaved-m",
-        "no-microbatches", "virtual-stages", "rank"])
+        "no-microbatches", "virtual-stages", "rank", "stage"])
 def test_refused_before_any_process_group(call, message):
     with pytest.raises(ValueError, match=message):
         call()
@@ -42,6 +44,11 @@ def pipeline_refusals():
         with pytest.raises(error, match=message):
             Pipeline(**arguments)
         refused.append(message)
+    sharded_inside = nn.Sequential(nn.Linear(4, 4))
+    fully_shard(sharded_inside[0])
+    with pytest.raises(ValueError, match=r"stages\[\d\] holds fully_shard-ed modules but is not itself"):
+        Pipeline({mesh.get_local_rank(): sharded_inside}, pp_mesh=mesh, schedule="1f1b", num_microbatches=2,
+                 loss_fn=loss)
     pipe = Pipeline({mesh.get_local_rank(): nn.Linear(4, 4)}, pp_mesh=mesh, schedule="1f1b", num_microbatches=2,
                     loss_fn=loss)
     with pytest.raises(ValueError, match=r"inputs.size\(0\) must be divisible by num_microbatches=2"):

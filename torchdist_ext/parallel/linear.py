@@ -121,7 +121,7 @@ class _ParallelLinear(Fp8State, nn.Module):
             return fp8_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe)
         if self.split_weight_grad:
             out = split_linear(x, weight, self.weight)
-            return out if bias is None else out + bias
+            return out if bias is None else out + bias.to(out.dtype)
         return F.linear(x, weight, bias)
 
     def extra_repr(self) -> str:

@@ -76,7 +76,12 @@ def _grad_buffer(param: nn.Parameter) -> Tensor:
         param.grad = (DTensor.from_local(zeros, param.device_mesh, param.placements, run_check=False,
                                          shape=param.shape, stride=param.stride())
                       if isinstance(param, DTensor) else zeros)
-    return param.grad.to_local() if isinstance(param.grad, DTensor) else param.grad
+    grad = param.grad
+    if isinstance(param, DTensor) and (not isinstance(grad, DTensor) or grad.placements != param.placements):
+        raise ValueError(f"a parameter's .grad must be laid out as the parameter (placements {param.placements}) "
+                         f"for a deferred weight gradient to add into it, got "
+                         f"{grad.placements if isinstance(grad, DTensor) else 'a plain tensor'}")
+    return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
 def _weight_grad(param: nn.Parameter, work: WeightGradWork, weight: Tensor) -> Tensor | None:
@@ -140,7 +145,13 @@ def split_linear(x: Tensor, weight: Tensor, param: nn.Parameter, kind: str = "lo
     uses (``param`` itself, or its local shard ``param.to_local()``); ``param``: the Parameter whose
     ``.grad`` the deferred weight gradient goes to. ``kind``: ``"local"`` (``x [..., in] -> [..., out]``),
     ``"gather"`` (``tdx::all_gather_matmul`` over ``group_name`` along ``dim``) or ``"scatter"``
-    (``tdx::matmul_reduce_scatter``)."""
+    (``tdx::matmul_reduce_scatter``). Under autocast the GEMMs run in the autocast dtype, as ``F.linear``'s."""
+    device_type = x.device.type
+    if torch.is_autocast_enabled(device_type):
+        dtype = torch.get_autocast_dtype(device_type)
+        x, weight = x.to(dtype), weight.to(dtype)
+        with torch.autocast(device_type, enabled=False):
+            return _SplitLinearFunction.apply(x, weight, (param,), kind, group_name, dim)
     return _SplitLinearFunction.apply(x, weight, (param,), kind, group_name, dim)
 
 
@@ -161,4 +172,4 @@ class SplitLinear(nn.Linear):
 
     def forward(self, x: Tensor) -> Tensor:
         out = split_linear(x, self.weight, self.weight)
-        return out if self.bias is None else out + self.bias
+        return out if self.bias is None else out + self.bias.to(out.dtype)

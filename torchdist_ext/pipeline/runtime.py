@@ -11,7 +11,7 @@ the targets), split along dim 0 into ``num_microbatches`` equal micro-batches. T
 equal those of ``loss_fn(model(inputs), targets)`` in one process.
 
 Between stages on different ranks activations (forward) and their gradients (backward) travel as
-point-to-point messages on the pipeline group: a small header (shape and dtype) and the data, one tag per
+point-to-point messages on the pipeline group: a small header (shape and dtype) and the data, two tags per
 (direction, stage, micro-batch); sends are asynchronous and complete by the end of the step, and the receive
 of the next action's input is posted before the current action runs, so it arrives while this rank
 computes. Between stages on the same rank (zb-v's turn) they are handed over in memory.
@@ -23,7 +23,12 @@ the last step's actions with their wall-clock start and end on this rank.
 A stage module sharded with FSDP2 (``fully_shard`` over the data-parallel ranks of that stage) accumulates
 its unsharded gradients over the step's micro-batches and reduce-scatters them once, right after the
 stage's last B or W of the step (not at the end of the step), as torch's pipelining does: FSDP2's
-gradient sync is off during the step and its post-backward runs then.
+gradient sync is off during the step and its post-backward runs then. The stage module itself must be the
+``fully_shard`` root of its sharded blocks.
+
+The messages go over gloo (CPU tensors) for now: NCCL matches point-to-point messages in the order they are
+posted per peer and blocks a peer's later sends behind a posted receive, which this runtime's early
+receives would deadlock; batched exchanges per action (``batch_isend_irecv``) are the way there.
 """
 
 import time
@@ -106,6 +111,10 @@ class Pipeline:
         for index, module in stages.items():
             if not isinstance(module, nn.Module):
                 raise TypeError(f"stages[{index}] must be an nn.Module, got {type(module).__name__}")
+            if not isinstance(module, FSDPModule) and any(isinstance(m, FSDPModule) for m in module.modules()):
+                raise ValueError(f"stages[{index}] holds fully_shard-ed modules but is not itself fully_shard-ed: "
+                                 f"call fully_shard on the stage module too (its root), so that its gradients are "
+                                 f"reduced once per step, after its last backward pass")
         self.split = splits_weight_grad(schedule)
         self.stages = {i: enable_weight_grad_split(m) if self.split else m for i, m in stages.items()}
         self.group = pp_mesh.get_group()
@@ -217,11 +226,15 @@ class Pipeline:
             if t.dim() == 0 or t.shape[0] % self.num_microbatches:
                 raise ValueError(f"{name}.size(0) must be divisible by num_microbatches={self.num_microbatches}, "
                                  f"got shape {tuple(t.shape)}")
+            if t.device.type != "cpu":
+                raise ValueError(f"{name} must be a CPU tensor: the pipeline's messages go over gloo for now (see "
+                                 f"the module docstring), got one on {t.device}")
         self.device = inputs.device
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
         self._saved, self._in_memory, self._receives, self._sends, self._losses = {}, {}, {}, [], []
         self._layouts = {}  # (direction, stage) -> (shape, dtype) of its incoming messages this step
         self.timeline = []
+        self.weight_grads.clear()  # nothing left over from a step that raised
         run = {"F": self._forward, "B": self._backward, "W": lambda s, i, _: self.weight_grads.run((s, i))}
         for module in self.stages.values():
             if isinstance(module, FSDPModule):  # accumulate over the micro-batches; reduce once (below)
@@ -240,7 +253,8 @@ class Pipeline:
                 _reduce_fsdp_gradients(self.stages[action.stage])
         for work, _ in self._sends:
             work.wait()
-        loss = torch.stack(self._losses).sum() if self._losses else torch.zeros((), device=self.device)
+        losses = [loss.float() for loss in self._losses]  # fp32 on every rank, whatever the logits' dtype
+        loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
         self._inputs = self._targets = self._saved = self._sends = None
         return loss

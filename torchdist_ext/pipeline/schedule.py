@@ -79,6 +79,9 @@ def stages_of_rank(schedule: str, pp: int, rank: int, virtual_stages: int = 1) -
 
 def rank_of_stage(schedule: str, pp: int, stage: int, virtual_stages: int = 1) -> int:
     """The rank holding ``stage``."""
+    stages = num_stages(schedule, pp, virtual_stages)
+    if isinstance(stage, bool) or not isinstance(stage, int) or not 0 <= stage < stages:
+        raise ValueError(f"stage must be in [0, {stages}) ({schedule}, pp={pp}), got {stage!r}")
     if schedule == "zb-v" and stage >= pp:
         return 2 * pp - 1 - stage
     return stage % pp
