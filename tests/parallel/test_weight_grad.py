@@ -1,13 +1,13 @@
 """The weight-gradient split (torchdist_ext.parallel.weight_grad): B now and W later leave exactly the gradients
 of the unsplit backward, for SplitLinear and for our column / row linears with and without sequence
-parallelism on 2 ranks, over several micro-batches whose W steps run after all their B steps."""
+parallelism on 2 ranks (with the vocab-parallel embedding and RMSNorm), over several micro-batches whose W steps run after all their B steps."""
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
-from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear
+from torchdist_ext.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
 from torchdist_ext.parallel.weight_grad import SplitLinear, WeightGradStore
 from torchdist_ext.testing import cached_mesh
 
@@ -76,19 +76,38 @@ def test_split_linear_refuses_other_modules():
         SplitLinear.from_linear(nn.Conv1d(2, 2, 1))
 
 
+class Embedded(nn.Module):
+    """ids -> embedding -> (the rest), with the input gradient of the rest checked on a float input."""
+
+    def __init__(self, embedding, rest):
+        super().__init__()
+        self.embedding, self.rest = embedding, rest
+
+    def forward(self, x):
+        return self.rest(x + self.embedding(self.ids))
+
+
 def tp_split_matches(sequence_parallel: bool):
     tp = cached_mesh((2,), ("tp",))
     torch.manual_seed(0)
+    embedding, norm = nn.Embedding(10, 16), nn.RMSNorm(16, eps=1e-6)
+    with torch.no_grad():
+        norm.weight.normal_()
     up, down = nn.Linear(16, 32), nn.Linear(32, 16)
+    ids = torch.randint(0, 10, (2, 8))
     inputs = [torch.randn(2, 8, 16) for _ in range(3)]
     if sequence_parallel:
         inputs = [x.chunk(2, dim=1)[tp.get_local_rank()] for x in inputs]
     results = []
     for split in (False, True):
-        model = nn.Sequential(ColumnParallelLinear.from_linear(up, tp_mesh=tp, sequence_parallel=sequence_parallel),
-                              nn.GELU(),
-                              RowParallelLinear.from_linear(down, tp_mesh=tp, sequence_parallel=sequence_parallel))
-        model[0].split_weight_grad = model[2].split_weight_grad = split
+        kw = dict(tp_mesh=tp, sequence_parallel=sequence_parallel)
+        layers = [RMSNorm.from_rms_norm(norm, **kw), ColumnParallelLinear.from_linear(up, **kw), nn.GELU(),
+                  RowParallelLinear.from_linear(down, **kw)]
+        model = Embedded(VocabParallelEmbedding.from_embedding(embedding, **kw), nn.Sequential(*layers))
+        model.ids = ids
+        for layer in (model.embedding, *layers):
+            if hasattr(layer, "split_weight_grad"):
+                layer.split_weight_grad = split
         results.append(train_microbatches(model, inputs, split))
     (unsplit_x, unsplit_p), (split_x, split_p) = results
     return all(torch.equal(a, b) for a, b in zip(unsplit_x + unsplit_p, split_x + split_p))

@@ -11,6 +11,7 @@ from torchdist_ext.parallel.input_checks import check_divisible, check_floating_
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
+from torchdist_ext.parallel.weight_grad import split_embedding
 
 __all__ = ["VocabParallelEmbedding"]
 
@@ -39,7 +40,11 @@ class VocabParallelEmbedding(nn.Module):
         input  integer ids ``[batch, seq]`` (any shape), replicated, values in ``[0, V)``
         output ``[batch, seq, D]`` replicated, or ``[.., S/tp, .., D]`` with sequence_parallel
     Parameters: ``weight`` DTensor ``[V, D]`` ``Shard(0)``, initialised N(0, 1) like nn.Embedding.
+    ``split_weight_grad = True`` (a zero-bubble pipeline sets it) defers the weight gradient (all of the
+    backward) to W.
     """
+
+    split_weight_grad: bool = False
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_mesh: DeviceMesh,
                  sequence_parallel: bool = False, seq_dim: int = 1, padding_idx: int | None = None,
@@ -99,7 +104,10 @@ class VocabParallelEmbedding(nn.Module):
         weight = self.weight.to_local()
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= weight.shape[0])
-        rows = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self._local_padding_idx)
+        if self.split_weight_grad:
+            rows = split_embedding(local_ids.masked_fill(outside, 0), weight, self.weight, self._local_padding_idx)
+        else:
+            rows = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self._local_padding_idx)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
         checked = not torch.compiler.is_compiling() and index_checks_enabled()
         invalid = (ids < 0) | (ids >= self.num_embeddings)

@@ -10,6 +10,7 @@ from torchdist_ext.parallel.input_checks import check_features, check_floating_d
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import copy_to_region
+from torchdist_ext.parallel.weight_grad import split_scale
 
 __all__ = ["RMSNorm"]
 
@@ -26,7 +27,10 @@ class RMSNorm(nn.Module):
 
     Shapes: input ``[..., dim]`` (any sharding along other dims) -> output of the same shape.
     Parameters: ``weight`` DTensor ``[dim]`` ``Replicate()``, initialised to ones.
+    ``split_weight_grad = True`` (a zero-bubble pipeline sets it) splits the weight gradient off the backward.
     """
+
+    split_weight_grad: bool = False
 
     def __init__(self, dim: int, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
                  eps: float | None = 1e-6, device=None, dtype=None):
@@ -55,6 +59,9 @@ class RMSNorm(nn.Module):
         weight = self.weight.to_local()
         check_floating_input(x, "input", weight.dtype)
         check_features(x, "input", self.dim, "dim")
+        if self.split_weight_grad:  # the normalisation in B, the weight's scaling split (its gradient in W)
+            group = self.tp.name if self.sequence_parallel else None
+            return split_scale(F.rms_norm(x, (self.dim,), None, self.eps), weight, self.weight, group)
         if self.sequence_parallel:
             weight = copy_to_region(weight, self.tp)
         return F.rms_norm(x, (self.dim,), weight, self.eps)

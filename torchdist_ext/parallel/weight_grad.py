@@ -1,7 +1,7 @@
 """The weight-gradient split of our linears' backward, for zero-bubble pipeline schedules (Qi et al. 2024).
 
 A layer in split mode (``split_weight_grad = True``: ``ColumnParallelLinear``, ``RowParallelLinear``,
-``SplitLinear`` for ``nn.Linear``) computes in its autograd backward only the input gradient (B, on the
+``VocabParallelEmbedding``, ``RMSNorm``, ``SplitLinear`` for ``nn.Linear``) computes in its autograd backward only the input gradient (B, on the
 pipeline's critical path: ``tdx::linear_dgrad``, or the sequence-parallel ring ops) and, while a
 ``WeightGradStore`` is collecting, queues the weight gradient (W) with what it needs (its input, or the
 gathered input, and the output gradient) instead of computing it:
@@ -24,12 +24,13 @@ from collections.abc import Callable, Hashable, Iterator
 from contextlib import contextmanager
 
 import torch
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
 
-from torchdist_ext import ops
+from torchdist_ext import collectives, ops
 
-__all__ = ["SplitLinear", "WeightGradStore", "split_linear"]
+__all__ = ["SplitLinear", "WeightGradStore", "split_embedding", "split_linear", "split_scale"]
 
 # (store, key) while a store collects: set by WeightGradStore.collecting around a backward.
 _collecting: tuple["WeightGradStore", Hashable] | None = None
@@ -153,6 +154,62 @@ def split_linear(x: Tensor, weight: Tensor, param: nn.Parameter, kind: str = "lo
         with torch.autocast(device_type, enabled=False):
             return _SplitLinearFunction.apply(x, weight, (param,), kind, group_name, dim)
     return _SplitLinearFunction.apply(x, weight, (param,), kind, group_name, dim)
+
+
+class _SplitScaleFunction(torch.autograd.Function):
+    """``x * weight`` (``weight [d]`` over the last dim) with the weight gradient split off; with a group,
+    the weight gradient (a partial sum over this rank's rows) is summed over it in W."""
+
+    @staticmethod
+    def forward(ctx, x, weight, owner, group_name):
+        ctx.save_for_backward(x, weight)
+        ctx.param, ctx.group_name = owner[0], group_name
+        return x * weight
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x, weight = ctx.saved_tensors
+        grad_x = grad_out * weight if ctx.needs_input_grad[0] else None
+        group_name = ctx.group_name
+
+        def work(buffer, grad_out=grad_out, x=x):
+            partial = (grad_out * x).sum_to_size(buffer.shape)
+            buffer.add_(collectives.all_reduce(partial, group_name) if group_name else partial)
+        grad_w = _weight_grad(ctx.param, work, weight) if ctx.needs_input_grad[1] else None
+        return grad_x, grad_w, None, None
+
+
+def split_scale(x: Tensor, weight: Tensor, param: nn.Parameter, group_name: str | None = None) -> Tensor:
+    """``x * weight`` (a norm's affine weight ``[d]`` on ``x [..., d]``) in split mode; ``group_name``: the
+    group whose ranks hold other rows of the same weight's input (sequence parallelism), over which W sums."""
+    return _SplitScaleFunction.apply(x, weight, (param,), group_name)
+
+
+class _SplitEmbeddingFunction(torch.autograd.Function):
+    """``F.embedding(ids, weight)``: the whole backward is the weight gradient (W)."""
+
+    @staticmethod
+    def forward(ctx, ids, weight, owner, padding_idx):
+        ctx.save_for_backward(ids)
+        ctx.param, ctx.padding_idx, ctx.rows = owner[0], padding_idx, weight.shape[0]
+        ctx.weight_meta = weight.new_empty(0)
+        return F.embedding(ids, weight, padding_idx=padding_idx)
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        (ids,) = ctx.saved_tensors
+        padding_idx = -1 if ctx.padding_idx is None else ctx.padding_idx
+
+        def work(buffer, grad_out=grad_out, ids=ids, rows=ctx.rows):
+            buffer.add_(torch.ops.aten.embedding_dense_backward(grad_out, ids, rows, padding_idx, False))
+        weight = ctx.weight_meta.new_empty(ctx.rows, grad_out.shape[-1])
+        grad_w = _weight_grad(ctx.param, work, weight) if ctx.needs_input_grad[1] else None
+        return None, grad_w, None, None
+
+
+def split_embedding(ids: Tensor, weight: Tensor, param: nn.Parameter, padding_idx: int | None = None) -> Tensor:
+    """``F.embedding(ids, weight, padding_idx)`` in split mode (its backward is all W)."""
+    return _SplitEmbeddingFunction.apply(ids, weight, (param,), padding_idx)
 
 
 class SplitLinear(nn.Linear):
