@@ -22,6 +22,7 @@ from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.ops import fp8_cast_amax
+from torchdist_ext.weight_grad import deferred_weight_grad
 
 __all__ = ["Fp8Linear", "fp8_all_gather_linear", "fp8_linear", "gathers_fp8"]
 
@@ -75,6 +76,7 @@ def _forward_gemm(ctx, x_fp8: Tensor, x_inverse: Tensor, weight: Tensor, bias: T
     ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, scale.clone())
     ctx.amax_history, ctx.recipe = amax_history, recipe
     ctx.x_dtype, ctx.w_dtype, ctx.has_bias = out_dtype, weight.dtype, bias is not None
+    ctx.param = None  # set by the callers in split mode: the Parameter the deferred weight gradient goes to
     return out
 
 
@@ -89,8 +91,16 @@ def _backward_gemms(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None
         grad_x = torch._scaled_mm(g_fp8, _column_major(w_fp8), scale_a=g_inverse, scale_b=w_inverse,
                                   out_dtype=ctx.x_dtype)
     if ctx.needs_input_grad[1]:
-        grad_w = torch._scaled_mm(_rows_padded_to_16(g_fp8).t().contiguous(), _column_major(_rows_padded_to_16(x_fp8)),
-                                  scale_a=g_inverse, scale_b=x_inverse, out_dtype=ctx.w_dtype)
+        def weight_grad():
+            return torch._scaled_mm(_rows_padded_to_16(g_fp8).t().contiguous(),
+                                    _column_major(_rows_padded_to_16(x_fp8)), scale_a=g_inverse, scale_b=x_inverse,
+                                    out_dtype=ctx.w_dtype)
+
+        if ctx.param is None:
+            grad_w = weight_grad()
+        else:  # split mode: the weight-gradient GEMM is W (torchdist_ext.weight_grad)
+            like = torch.empty(w_fp8.shape, dtype=ctx.w_dtype, device=w_fp8.device)
+            grad_w = deferred_weight_grad(ctx.param, lambda buffer: buffer.add_(weight_grad()), like)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = g.sum(0)
     return grad_x, grad_w, grad_bias
@@ -98,16 +108,17 @@ def _backward_gemms(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None
 
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, scale, amax_history, recipe):
+    def forward(ctx, x, weight, bias, scale, amax_history, recipe, owner):
         x_fp8, x_inverse = _cast(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
         out = _forward_gemm(ctx, x_fp8, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
+        ctx.param = owner[0]
         ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], weight.shape[0])
 
     @staticmethod
     def backward(ctx, grad_out):
         grad_x, grad_w, grad_bias = _backward_gemms(ctx, grad_out)
-        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_bias, None, None, None
+        return None if grad_x is None else grad_x.view(ctx.x_shape), grad_w, grad_bias, None, None, None, None
 
 
 class _Fp8AllGatherLinearFunction(torch.autograd.Function):
@@ -116,11 +127,12 @@ class _Fp8AllGatherLinearFunction(torch.autograd.Function):
     sequence; backward reduce-scatters the input gradient back to the blocks."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scale, amax_history, recipe, group_name, group_size, dim):
+    def forward(ctx, x, weight, bias, scale, amax_history, recipe, group_name, group_size, dim, owner):
         x_fp8_block, x_inverse = _cast(x.contiguous(), _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
         gathered = collectives.all_gather(x_fp8_block.view(torch.uint8), group_name, group_size, dim)
         x_fp8 = gathered.view(torch.float8_e4m3fn).reshape(-1, x.shape[-1])
         out = _forward_gemm(ctx, x_fp8, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
+        ctx.param = owner[0]
         ctx.gathered_shape, ctx.group = gathered.shape, (group_name, group_size, dim)
         return out.view(*gathered.shape[:-1], weight.shape[0])
 
@@ -129,7 +141,7 @@ class _Fp8AllGatherLinearFunction(torch.autograd.Function):
         grad_x, grad_w, grad_bias = _backward_gemms(ctx, grad_out)
         if grad_x is not None:
             grad_x = collectives.reduce_scatter(grad_x.view(ctx.gathered_shape), *ctx.group)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
 
 
 def gathers_fp8(recipe: Recipe) -> bool:
@@ -140,19 +152,23 @@ def gathers_fp8(recipe: Recipe) -> bool:
 
 
 def fp8_all_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, amax_history: Tensor,
-                          recipe: Recipe, group_name: str, group_size: int, dim: int) -> Tensor:
+                          recipe: Recipe, group_name: str, group_size: int, dim: int,
+                          split_param: nn.Parameter | None = None) -> Tensor:
     """``F.linear(all_gather(x, dim), weight, bias)`` with x cast to fp8 before the gather (see
     ``_Fp8AllGatherLinearFunction``): ``x [.., S/n, .., in]`` this rank's block along ``dim``,
-    ``weight [out, in]``; returns ``[.., S, .., out]``. Needs ``gathers_fp8(recipe)``."""
+    ``weight [out, in]``; returns ``[.., S, .., out]``. Needs ``gathers_fp8(recipe)``. ``split_param``: as for
+    ``fp8_linear``."""
     return _Fp8AllGatherLinearFunction.apply(x, weight, bias, scale, amax_history, recipe, group_name, group_size,
-                                             dim)
+                                             dim, (split_param,))
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, amax_history: Tensor,
-               recipe: Recipe) -> Tensor:
+               recipe: Recipe, split_param: nn.Parameter | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` with fp8 GEMMs (see the module docstring); ``x [..., in]``,
-    ``weight [out, in]`` (plain tensors: the local shard under tensor parallelism)."""
-    return _Fp8LinearFunction.apply(x, weight, bias, scale, amax_history, recipe)
+    ``weight [out, in]`` (plain tensors: the local shard under tensor parallelism). ``split_param``: the
+    weight's Parameter in split mode (``torchdist_ext.weight_grad``: the weight-gradient GEMM runs
+    in W), or None."""
+    return _Fp8LinearFunction.apply(x, weight, bias, scale, amax_history, recipe, (split_param,))
 
 
 class Fp8Linear(Fp8State, nn.Linear):
@@ -162,6 +178,8 @@ class Fp8Linear(Fp8State, nn.Linear):
     (the fp8 GEMMs' alignment). ``amax_reduction_mesh``: the ranks whose amaxes ``fp8_step`` reduces
     (None: the default process group).
     """
+
+    split_weight_grad: bool = False  # set by a zero-bubble pipeline: the weight-gradient GEMM runs in W
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Recipe,
                  amax_reduction_mesh=None, device=None, dtype=None):
@@ -184,7 +202,8 @@ class Fp8Linear(Fp8State, nn.Linear):
     def forward(self, x: Tensor) -> Tensor:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"x's last dim must be in_features={self.in_features}, got shape {tuple(x.shape)}")
-        return fp8_linear(x, self.weight, self.bias, self.scale, self.amax_history, self.fp8_recipe)
+        return fp8_linear(x, self.weight, self.bias, self.scale, self.amax_history, self.fp8_recipe,
+                          self.weight if self.split_weight_grad else None)
 
     def extra_repr(self) -> str:
         return f"{super().extra_repr()}, recipe={self.fp8_recipe}"

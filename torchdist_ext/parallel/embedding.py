@@ -11,7 +11,7 @@ from torchdist_ext.parallel.input_checks import check_divisible, check_floating_
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
-from torchdist_ext.parallel.weight_grad import split_embedding
+from torchdist_ext.weight_grad import split_embedding
 
 __all__ = ["VocabParallelEmbedding"]
 

@@ -48,7 +48,7 @@ from torchdist_ext.parallel.regions import (
     reduce_scatter_to_sequence_region,
     scatter_to_region,
 )
-from torchdist_ext.parallel.weight_grad import split_linear
+from torchdist_ext.weight_grad import split_linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -69,8 +69,8 @@ def _linear_init(out_features: int, in_features: int, bias: bool, device, dtype)
 class _ParallelLinear(Fp8State, nn.Module):
     """Shared parameter handling (full tensors in, DTensor parameters out) and the local GEMM, in the
     parameters' dtype or, once ``enable_fp8`` ran, in fp8. ``split_weight_grad = True`` (set by a
-    zero-bubble pipeline) splits the weight gradient off the backward (``torchdist_ext.parallel.weight_grad``;
-    not in fp8)."""
+    zero-bubble pipeline) splits the weight gradient off the backward (``torchdist_ext.weight_grad``;
+    in fp8 too)."""
 
     weight_placement: Shard
     bias_placement: Shard | Replicate
@@ -118,7 +118,8 @@ class _ParallelLinear(Fp8State, nn.Module):
 
     def _local_linear(self, x: Tensor, weight: Tensor, bias: Tensor | None) -> Tensor:
         if self.fp8_recipe is not None:
-            return fp8_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe)
+            return fp8_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe,
+                              self.weight if self.split_weight_grad else None)
         if self.split_weight_grad:
             out = split_linear(x, weight, self.weight)
             return out if bias is None else out + bias.to(out.dtype)
@@ -165,7 +166,8 @@ class ColumnParallelLinear(_ParallelLinear):
         bias = None if self.bias is None else self.bias.to_local()
         if self.sequence_parallel and self.fp8_recipe is not None and gathers_fp8(self.fp8_recipe):
             out = fp8_all_gather_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe, self.tp.name,
-                                        self.tp.size, sequence_dim(x, self.seq_dim))
+                                        self.tp.size, sequence_dim(x, self.seq_dim),
+                                        self.weight if self.split_weight_grad else None)
         elif self.sequence_parallel and self.fp8_recipe is not None:
             out = self._local_linear(gather_from_sequence_region(x, self.tp, sequence_dim(x, self.seq_dim)),
                                      weight, bias)

@@ -16,7 +16,7 @@ point-to-point messages on the pipeline group: a small header (shape and dtype) 
 of the next action's input is posted before the current action runs, so it arrives while this rank
 computes. Between stages on the same rank (zb-v's turn) they are handed over in memory.
 
-Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.parallel.weight_grad``): B
+Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
 the last step's actions with their wall-clock start and end on this rank.
 
@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from torchdist_ext.parallel.weight_grad import SplitLinear, WeightGradStore
+from torchdist_ext.weight_grad import SplitLinear, WeightGradStore
 from torchdist_ext.pipeline.schedule import (
     Action,
     num_stages,

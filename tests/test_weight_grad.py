@@ -1,14 +1,15 @@
-"""The weight-gradient split (torchdist_ext.parallel.weight_grad): B now and W later leave exactly the gradients
+"""The weight-gradient split (torchdist_ext.weight_grad): B now and W later leave exactly the gradients
 of the unsplit backward, for SplitLinear and for our column / row linears with and without sequence
-parallelism on 2 ranks (with the vocab-parallel embedding and RMSNorm), over several micro-batches whose W steps run after all their B steps."""
+parallelism on 2 ranks (with the vocab-parallel embedding and RMSNorm, and in fp8), over several micro-batches whose W steps run after all their B steps."""
 
 import pytest
 import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from torchdist_ext.fp8 import DelayedScaling, convert_to_fp8
 from torchdist_ext.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from torchdist_ext.parallel.weight_grad import SplitLinear, WeightGradStore
+from torchdist_ext.weight_grad import SplitLinear, WeightGradStore
 from torchdist_ext.testing import cached_mesh
 
 
@@ -87,7 +88,7 @@ class Embedded(nn.Module):
         return self.rest(x + self.embedding(self.ids))
 
 
-def tp_split_matches(sequence_parallel: bool):
+def tp_split_matches(sequence_parallel: bool, fp8: bool = False):
     tp = cached_mesh((2,), ("tp",))
     torch.manual_seed(0)
     embedding, norm = nn.Embedding(10, 16), nn.RMSNorm(16, eps=1e-6)
@@ -105,6 +106,8 @@ def tp_split_matches(sequence_parallel: bool):
                   RowParallelLinear.from_linear(down, **kw)]
         model = Embedded(VocabParallelEmbedding.from_embedding(embedding, **kw), nn.Sequential(*layers))
         model.ids = ids
+        if fp8:
+            convert_to_fp8(model, DelayedScaling(amax_history_len=4))
         for layer in (model.embedding, *layers):
             if hasattr(layer, "split_weight_grad"):
                 layer.split_weight_grad = split
@@ -113,6 +116,22 @@ def tp_split_matches(sequence_parallel: bool):
     return all(torch.equal(a, b) for a, b in zip(unsplit_x + unsplit_p, split_x + split_p))
 
 
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
-def test_tensor_parallel_split_equals_unsplit_bit_for_bit(world2, sequence_parallel):
-    assert all(world2.run(tp_split_matches, sequence_parallel))
+@pytest.mark.parametrize("sequence_parallel, fp8", [(False, False), (True, False), (True, True)],
+                         ids=["tp2", "tp2-sp", "tp2-sp-fp8"])
+def test_tensor_parallel_split_equals_unsplit_bit_for_bit(world2, sequence_parallel, fp8):
+    assert all(world2.run(tp_split_matches, sequence_parallel, fp8))
+
+
+def test_fp8_linear_split_equals_unsplit_bit_for_bit():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16))
+    inputs = [torch.randn(3, 5, 32) for _ in range(3)]
+    results = []
+    for split in (False, True):
+        model = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16))
+        model.load_state_dict(reference.state_dict())
+        convert_to_fp8(model, DelayedScaling(amax_history_len=4))
+        model[0].split_weight_grad = model[2].split_weight_grad = split
+        results.append(train_microbatches(model, inputs, split) + ([m.amax_history.clone() for m in (model[0], model[2])],))
+    (ux, up, uh), (sx, sp, sh) = results
+    assert all(torch.equal(a, b) for a, b in zip(ux + up + uh, sx + sp + sh))

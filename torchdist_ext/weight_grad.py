@@ -30,7 +30,8 @@ from torch.distributed.tensor import DTensor
 
 from torchdist_ext import collectives, ops
 
-__all__ = ["SplitLinear", "WeightGradStore", "split_embedding", "split_linear", "split_scale"]
+__all__ = ["SplitLinear", "WeightGradStore", "deferred_weight_grad", "split_embedding", "split_linear",
+           "split_scale"]
 
 # (store, key) while a store collects: set by WeightGradStore.collecting around a backward.
 _collecting: tuple["WeightGradStore", Hashable] | None = None
@@ -85,9 +86,10 @@ def _grad_buffer(param: nn.Parameter) -> Tensor:
     return grad.to_local() if isinstance(grad, DTensor) else grad
 
 
-def _weight_grad(param: nn.Parameter, work: WeightGradWork, weight: Tensor) -> Tensor | None:
-    """Queues ``work`` for ``param`` while a store collects (autograd then gets no weight gradient);
-    otherwise computes it now and returns it for autograd."""
+def deferred_weight_grad(param: nn.Parameter, work: WeightGradWork, weight: Tensor) -> Tensor | None:
+    """For a layer's backward in split mode: queues ``work`` (which adds the weight gradient into a buffer)
+    for ``param`` while a store collects (autograd then gets no weight gradient); otherwise runs it now into
+    zeros like ``weight`` and returns that for autograd."""
     if _collecting is not None:
         store, key = _collecting
         store._work[key].append((param, work))
@@ -136,7 +138,7 @@ class _SplitLinearFunction(torch.autograd.Function):
 
             def work(buffer, grad_out_full=grad_out_full, x=x):
                 ops.linear_wgrad_(buffer, grad_out_full, x)
-        grad_w = _weight_grad(ctx.param, work, weight) if ctx.needs_input_grad[1] else None
+        grad_w = deferred_weight_grad(ctx.param, work, weight) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None, None, None
 
 
@@ -175,7 +177,7 @@ class _SplitScaleFunction(torch.autograd.Function):
         def work(buffer, grad_out=grad_out, x=x):
             partial = (grad_out * x).sum_to_size(buffer.shape)
             buffer.add_(collectives.all_reduce(partial, group_name) if group_name else partial)
-        grad_w = _weight_grad(ctx.param, work, weight) if ctx.needs_input_grad[1] else None
+        grad_w = deferred_weight_grad(ctx.param, work, weight) if ctx.needs_input_grad[1] else None
         return grad_x, grad_w, None, None
 
 
@@ -203,7 +205,7 @@ class _SplitEmbeddingFunction(torch.autograd.Function):
         def work(buffer, grad_out=grad_out, ids=ids, rows=ctx.rows):
             buffer.add_(torch.ops.aten.embedding_dense_backward(grad_out, ids, rows, padding_idx, False))
         weight = ctx.weight_meta.new_empty(ctx.rows, grad_out.shape[-1])
-        grad_w = _weight_grad(ctx.param, work, weight) if ctx.needs_input_grad[1] else None
+        grad_w = deferred_weight_grad(ctx.param, work, weight) if ctx.needs_input_grad[1] else None
         return None, grad_w, None, None
 
 
