@@ -37,6 +37,7 @@ PYBIND11_MODULE(_planner, m) {
   options[OptionTable<Schedule>::kField] = option_names<Schedule>();
   options[OptionTable<Precision>::kField] = option_names<Precision>();
   options[OptionTable<Fp8GradFormat>::kField] = option_names<Fp8GradFormat>();
+  options[OptionTable<AttentionKernel>::kField] = option_names<AttentionKernel>();
   m.attr("OPTIONS") = options;
 
   py::class_<ModelSpec>(m, "ModelSpec")
@@ -99,6 +100,7 @@ PYBIND11_MODULE(_planner, m) {
   def_option(layout, "schedule", &Layout::schedule);
   def_option(layout, "precision", &Layout::precision);
   def_option(layout, "fp8_grad_format", &Layout::fp8_grad_format);
+  def_option(layout, "attention", &Layout::attention);
 
   py::class_<ModelStateBytes>(m, "ModelStateBytes")
       .def_readonly("params", &ModelStateBytes::params)
@@ -113,11 +115,13 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("num_params"), py::arg("zero_stage"), py::arg("dp"), py::arg("precision"));
   m.def(
       "activation_bytes_per_layer",
-      [](double s, double b, double h, double a, long tp, bool sequence_parallel, const std::string& recompute) {
-        return activation_bytes_per_layer(s, b, h, a, tp, sequence_parallel, parse_option<Recompute>(recompute));
+      [](double s, double b, double h, double a, long tp, bool sequence_parallel, const std::string& recompute,
+         const std::string& attention) {
+        return activation_bytes_per_layer(s, b, h, a, tp, sequence_parallel, parse_option<Recompute>(recompute),
+                                          parse_option<AttentionKernel>(attention));
       },
       py::arg("seq_len"), py::arg("micro_batch"), py::arg("hidden"), py::arg("num_heads"), py::arg("tp"),
-      py::arg("sequence_parallel"), py::arg("recompute"));
+      py::arg("sequence_parallel"), py::arg("recompute"), py::arg("attention") = "flash");
   m.def(
       "bubble_fraction",
       [](long pp, long m, const std::string& schedule, long v) {

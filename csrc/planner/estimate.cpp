@@ -99,7 +99,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // Activations: Korthikanti et al. per layer on the local sequence s / cp, times the stage's layers and
   // the micro-batches in flight. The first stage is the fullest.
   const double per_layer = activation_bytes_per_layer(s_local, b, h, static_cast<double>(model.num_heads), l.tp,
-                                                      l.sequence_parallel, l.recompute);
+                                                      l.sequence_parallel, l.recompute, l.attention);
   e.activations = per_layer * layers_per_stage *
                   in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages);
   // Buffers: the last stage's fp32 logits of one micro-batch (vocab split over tp), ZeRO-3's two

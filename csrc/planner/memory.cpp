@@ -19,7 +19,7 @@ ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Pr
 }
 
 double activation_bytes_per_layer(double s, double b, double h, double a, long tp, bool sequence_parallel,
-                                  Recompute recompute) {
+                                  Recompute recompute, AttentionKernel attention) {
   if (!(s > 0 && b > 0 && h > 0 && a > 0)) {
     throw std::invalid_argument("seq_len, micro_batch, hidden and num_heads must be positive");
   }
@@ -30,6 +30,7 @@ double activation_bytes_per_layer(double s, double b, double h, double a, long t
   // Without SP the layer norms' and dropouts' 10 sbh stay replicated on every tp rank.
   const double linear = sequence_parallel ? 34 / t : 10 + 24 / t;
   if (recompute == Recompute::kSelective) return sbh * linear;
+  if (attention == AttentionKernel::kFlash) return sbh * linear + 4 * a * s * b / t;
   return sbh * (linear + 5 * a * s / (h * t));
 }
 

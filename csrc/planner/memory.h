@@ -23,9 +23,13 @@ ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Pr
 //   none       no TP: sbh (34 + 5as/h); TP: sbh (10 + 24/t + 5as/(ht)); TP + SP: sbh (34/t + 5as/(ht))
 //   selective  the same without the attention-score term 5as/h (softmax and dropout recomputed)
 //   full       only the layer input: 2sbh, or 2sbh/t with SP
-// The 34 counts dropout masks; with flash attention the score term is never stored.
+// That is attention="eager" (the a x s x s scores and their softmax stored). A flash / memory-efficient kernel
+// (attention="flash", the default: SDPA's kernels, ring attention) never stores the scores; it keeps the
+// softmax's log-sum-exp instead, fp32 per head and query (4 as b / t bytes), so "none" costs
+// sbh (linear term) + 4abs/t. The 34 counts dropout masks (2sbh + sbh of them), kept as published.
 double activation_bytes_per_layer(double seq_len, double micro_batch, double hidden, double num_heads, long tp,
-                                  bool sequence_parallel, Recompute recompute);
+                                  bool sequence_parallel, Recompute recompute,
+                                  AttentionKernel attention = AttentionKernel::kFlash);
 
 // Micro-batches whose activations a pipeline stage holds at its peak.
 //   gpipe: all m;  1f1b, zb-h1, zb-v: min(p, m) (the first stage warms up p; the zero-bubble

@@ -15,6 +15,7 @@ enum class Recompute { kNone, kSelective, kFull };
 enum class Schedule { kGPipe, k1F1B, kInterleaved, kZbH1, kZbV };
 enum class Precision { kBf16Mixed, kFp8Mixed };
 enum class Fp8GradFormat { kE5M2, kE4M3 };
+enum class AttentionKernel { kFlash, kEager };
 
 template <typename Option>
 struct OptionTable;
@@ -48,6 +49,13 @@ struct OptionTable<Fp8GradFormat> {
   static constexpr const char* kField = "fp8_grad_format";
   static constexpr std::array<std::pair<Fp8GradFormat, const char*>, 2> kNames{
       {{Fp8GradFormat::kE5M2, "e5m2"}, {Fp8GradFormat::kE4M3, "e4m3"}}};
+};
+
+template <>
+struct OptionTable<AttentionKernel> {
+  static constexpr const char* kField = "attention";
+  static constexpr std::array<std::pair<AttentionKernel, const char*>, 2> kNames{
+      {{AttentionKernel::kFlash, "flash"}, {AttentionKernel::kEager, "eager"}}};
 };
 
 template <typename Option>

@@ -79,6 +79,7 @@ struct Layout {
   int zero_stage = 0;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
+  AttentionKernel attention = AttentionKernel::kFlash;  // what the attention stores for the backward
   int64_t micro_batch = 1;
   int64_t num_microbatches = 1;
   Schedule schedule = Schedule::k1F1B;

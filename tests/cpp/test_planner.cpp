@@ -61,15 +61,18 @@ TEST(Activations, KorthikantiTable2) {
   // Llama-3 70B shapes: s = 4096, b = 1, h = 8192, a = 64; sbh = 33,554,432.
   const double sbh = 4096.0 * 8192.0;
   // No parallelism: sbh (34 + 5 a s / h) = sbh (34 + 160) = 6.51e9 bytes; x 80 layers = 520.8 GB (the notes' figures).
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, Recompute::kNone), sbh * 194);
-  EXPECT_NEAR(80 * activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, Recompute::kNone) / 1e9, 520.8, 0.1);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, Recompute::kNone, AttentionKernel::kEager), sbh * 194);
+  EXPECT_NEAR(80 * activation_bytes_per_layer(4096, 1, 8192, 64, 1, false, Recompute::kNone, AttentionKernel::kEager) / 1e9, 520.8, 0.1);
   // TP = 8 without SP: sbh (10 + 24/8 + 5*64*4096/(8192*8)) = sbh (13 + 20).
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, Recompute::kNone), sbh * 33);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, Recompute::kNone, AttentionKernel::kEager), sbh * 33);
   // TP + SP: sbh (34/8 + 20); selective recomputation drops the 20; full keeps 2 sbh / t.
-  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, Recompute::kNone), sbh * 24.25);
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, Recompute::kNone, AttentionKernel::kEager), sbh * 24.25);
   EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, Recompute::kSelective), sbh * 4.25);
   EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, Recompute::kFull), sbh * 2 / 8);
   EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, false, Recompute::kFull), sbh * 2);
+  // A flash kernel (the default) stores no scores, only the fp32 log-sum-exp per head and query: 4 a s b / t.
+  EXPECT_DOUBLE_EQ(activation_bytes_per_layer(4096, 1, 8192, 64, 8, true, Recompute::kNone),
+                   sbh * 4.25 + 4.0 * 64 * 4096 / 8);
   try {
     parse_option<Recompute>("some", "Layout.recompute");
     FAIL() << "expected invalid_argument";

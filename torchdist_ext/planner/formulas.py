@@ -27,10 +27,13 @@ def model_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,
 
 
 def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, num_heads: int, *, tp: int = 1,
-                               sequence_parallel: bool = False, recompute: str = "none") -> float:
-    """Activation bytes one layer stores per micro-batch (Korthikanti et al. 2022, Table 2, 16-bit)."""
+                               sequence_parallel: bool = False, recompute: str = "none",
+                               attention: str = "flash") -> float:
+    """Activation bytes one layer stores per micro-batch (Korthikanti et al. 2022, Table 2, 16-bit), with a
+    flash attention kernel (the scores never stored; the log-sum-exp is) or ``attention="eager"`` (their
+    published 5as/h score term)."""
     return _planner.activation_bytes_per_layer(seq_len, micro_batch, hidden, num_heads, tp, sequence_parallel,
-                                               recompute)
+                                               recompute, attention)
 
 
 def bubble_fraction(pp: int, num_microbatches: int, *, schedule: str = "1f1b", virtual_stages: int = 1) -> float:

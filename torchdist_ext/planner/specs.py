@@ -179,6 +179,7 @@ class Layout:
     zero_stage: int = 0
     sequence_parallel: bool = False
     recompute: str = "none"
+    attention: str = "flash"
     micro_batch: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
