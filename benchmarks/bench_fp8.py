@@ -5,7 +5,8 @@
 cast_amax   ours: tdx::fp8_cast_amax (one read of x, one byte written per element) | unfused:
             ``amax = x.abs().amax(); where(x.isfinite(), (x.float() * scale).clamp(..), nan).to(e4m3)``;
             with the fraction of the copy bandwidth measured in the same run that ours reaches
-            (counting one read of x and one write of the fp8 bytes)
+            (counting one read of x and one write of the fp8 bytes); and tdx::fp8_cast_transpose_amax (both
+            layouts from one read) against our cast followed by a transposing copy of its bytes
 linear      forward + backward of Fp8Linear (delayed scaling, "hybrid") against nn.Linear in bf16 on
             the same shapes: on a CPU torch._scaled_mm has no fp8 hardware and may well be slower;
             the GPU figure is the one that matters. Also the signal-to-quantisation-noise ratio of the
@@ -36,7 +37,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_timing import copy_bandwidth, median_seconds  # noqa: E402
 
 from torchdist_ext.fp8 import DelayedScaling, Fp8Linear, fp8_step  # noqa: E402
-from torchdist_ext.ops import fp8_cast_amax  # noqa: E402
+from torchdist_ext.ops import fp8_cast_amax, fp8_cast_transpose_amax  # noqa: E402
 
 CAST_SHAPES = {"cuda": [(8192, 8192), (16384, 4096)], "cpu": [(2048, 2048), (4096, 4096)]}
 LINEAR_SHAPES = {"cuda": [(16384, 4096, 4096), (16384, 4096, 14336)], "cpu": [(1024, 512, 512), (2048, 1024, 1024)]}
@@ -62,6 +63,15 @@ def cast_rows(device: str, repeats: int) -> list[dict]:
                          "dtype": str(dtype).removeprefix("torch."), "ours_ms": round(ours * 1e3, 3),
                          "unfused_ms": round(unfused * 1e3, 3), "ours_over_unfused": round(ours / unfused, 3),
                          "bandwidth_fraction": round(moved / ours / bandwidth, 3)})
+            # Both layouts: the fused cast-transpose against our cast followed by a transposing copy.
+            both = median_seconds(lambda: fp8_cast_transpose_amax(x, scale, torch.float8_e4m3fn, 16), device, repeats)
+            cast_then_copy = median_seconds(
+                lambda: fp8_cast_amax(x, scale, torch.float8_e4m3fn)[0].t().contiguous(), device, repeats)
+            rows.append({"bench": "fp8_cast_transpose_amax", "device": device, "shape": list(shape),
+                         "dtype": str(dtype).removeprefix("torch."), "ours_ms": round(both * 1e3, 3),
+                         "unfused_ms": round(cast_then_copy * 1e3, 3),
+                         "ours_over_unfused": round(both / cast_then_copy, 3),
+                         "bandwidth_fraction": round(x.numel() * (x.element_size() + 2) / both / bandwidth, 3)})
     return rows
 
 
@@ -218,9 +228,10 @@ def main() -> None:
     for row in casts + linears + steps:
         print(json.dumps(row), flush=True)
     print()
-    print(f"{'device':>6} {'shape':>12} {'dtype':>9} {'ours ms':>9} {'unfused ms':>10} {'ours/unfused':>12} {'of bw':>6}")
+    print(f"{'op':>23} {'device':>6} {'shape':>12} {'dtype':>9} {'ours ms':>9} {'unfused ms':>10} {'ours/unfused':>12} "
+          f"{'of bw':>6}")
     for r in casts:
-        print(f"{r['device']:>6} {'x'.join(map(str, r['shape'])):>12} {r['dtype']:>9} {r['ours_ms']:9.3f} "
+        print(f"{r['bench']:>23} {r['device']:>6} {'x'.join(map(str, r['shape'])):>12} {r['dtype']:>9} {r['ours_ms']:9.3f} "
               f"{r['unfused_ms']:10.3f} {r['ours_over_unfused']:12.3f} {r['bandwidth_fraction']:6.3f}")
     print()
     print(f"{'device':>6} {'tokens x in x out':>20} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9} {'fp8 TFLOP/s':>11} "

@@ -108,6 +108,13 @@ TORCH_LIBRARY(tdx, m) {
   // where x * scale overflows fp32), inf and NaN become NaN, rounding to nearest even; amax = max |x| (fp32, 0-d; NaN if x holds a NaN, inf if
   // it holds an inf). scale: fp32 with one element, on x's device. One read of x. Not differentiable.
   m.def("fp8_cast_amax(Tensor x, Tensor scale, ScalarType fp8_dtype) -> (Tensor x_fp8, Tensor amax)");
+  // The same cast of a matrix x [rows, cols] in both layouts, from one read: x_fp8 [rows, cols] and
+  // x_fp8_t [cols, ceil(rows / row_multiple) * row_multiple] = x_fp8.T with zero bytes in the padding
+  // columns (the operands torch._scaled_mm takes column-major, and the weight gradient's, whose
+  // contraction over the rows needs multiples of 16 on a GPU). Not differentiable.
+  m.def(
+      "fp8_cast_transpose_amax(Tensor x, Tensor scale, ScalarType fp8_dtype, int row_multiple=1) "
+      "-> (Tensor x_fp8, Tensor x_fp8_t, Tensor amax)");
 
   // ---- linear_grad: a linear's backward in two halves (zero-bubble pipelines run W after B) ----
   // The input gradient: grad_out [..., out] @ weight [out, in] -> [..., in] (same dtype).

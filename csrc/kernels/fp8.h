@@ -94,8 +94,30 @@ struct CastAmaxArgs {
   float* partial_amax;   // [ceil(count / chunk)]
 };
 
+// The cast of a matrix in both layouts, for the fp8 GEMMs' operands (torch._scaled_mm takes its second
+// operand column-major): x [rows, cols] row-major -> out [rows, cols] as cast_amax writes it, and
+// out_t [cols, ld_t] with out_t[c * ld_t + r] = out[r * cols + c] (ld_t >= rows; columns r >= rows of
+// out_t are not written), partial_amax[item] = max |x| over the item's tile (NaN if one is NaN). Work
+// items: tiles of kFp8Tile x kFp8Tile elements, row-major over the tile grid (ceil(cols / kFp8Tile) per
+// tile row). One read of x, both layouts written from it.
+constexpr int64_t kFp8Tile = 32;
+
+struct CastTransposeAmaxArgs {
+  ElementType type;  // of x: fp32, bf16 or fp16
+  Fp8Format format;
+  int64_t rows;
+  int64_t cols;
+  int64_t ld_t;  // out_t's row length
+  const void* x;
+  const float* scale;   // one value, on the device
+  uint8_t* out;         // [rows, cols]
+  uint8_t* out_t;       // [cols, ld_t]
+  float* partial_amax;  // [tiles]
+};
+
 struct Fp8Kernels {
   void (*cast_amax)(const CastAmaxArgs&, const Launch&);
+  void (*cast_transpose_amax)(const CastTransposeAmaxArgs&, const Launch&);
 
   static const Fp8Kernels& cpu(CpuIsa isa);  // kernels/cpu/fp8.cpp
   static const Fp8Kernels& cuda();           // kernels/cuda/fp8.cu (CUDA builds)

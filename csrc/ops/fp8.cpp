@@ -49,8 +49,52 @@ std::tuple<at::Tensor, at::Tensor> fp8_cast_amax(const at::Tensor& x, const at::
   return {out, amax};
 }
 
+constexpr const char* kCastTransposeAmax = "fp8_cast_transpose_amax";
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_cast_transpose_amax(const at::Tensor& x, const at::Tensor& scale,
+                                                                       c10::ScalarType fp8_dtype,
+                                                                       int64_t row_multiple) {
+  const char* op = kCastTransposeAmax;
+  const auto format = fp8_format(op, fp8_dtype);
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                   op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be 2-D [rows, cols], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(row_multiple >= 1, op, ": row_multiple must be >= 1, got ", row_multiple);
+  TORCH_CHECK_TYPE(scale.scalar_type() == at::kFloat, op, ": scale must be float32, got ", scale.scalar_type());
+  TORCH_CHECK_VALUE(scale.numel() == 1, op, ": scale must hold one value, got shape ", scale.sizes());
+  TORCH_CHECK_VALUE(scale.device() == x.device(), op, ": scale must be on x's device ", x.device(), ", got ",
+                    scale.device());
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t ld_t = (rows + row_multiple - 1) / row_multiple * row_multiple;
+  const auto input = x.contiguous();
+  const auto scale_value = scale.contiguous();
+  auto out = at::empty({rows, cols}, x.options().dtype(fp8_dtype));
+  // The padding rows of the transposed layout (columns of out_t past rows) are zero bytes: +0 in both formats.
+  auto out_t = ld_t == rows ? at::empty({cols, ld_t}, x.options().dtype(fp8_dtype))
+                            : at::zeros({cols, ld_t}, x.options().dtype(at::kByte)).view(fp8_dtype);
+  const int64_t items = ((rows + kernels::kFp8Tile - 1) / kernels::kFp8Tile) *
+                        ((cols + kernels::kFp8Tile - 1) / kernels::kFp8Tile);
+  auto partial_amax = at::empty({items}, x.options().dtype(at::kFloat));
+  const kernels::CastTransposeAmaxArgs args{element_type(op, x.scalar_type()),
+                                            format,
+                                            rows,
+                                            cols,
+                                            ld_t,
+                                            input.data_ptr(),
+                                            scale_value.data_ptr<float>(),
+                                            static_cast<uint8_t*>(out.data_ptr()),
+                                            static_cast<uint8_t*>(out_t.data_ptr()),
+                                            partial_amax.data_ptr<float>()};
+  launch(kernels_for<kernels::Fp8Kernels>(op, x.device()).cast_transpose_amax, args, x.device(), items, 4);
+  auto amax = items > 0 ? at::amax(partial_amax) : at::zeros({}, partial_amax.options());
+  return {out, out_t, amax};
+}
+
 }  // namespace
 
-TDX_IMPL_ON_EVERY_DEVICE(register_fp8) { m.impl("fp8_cast_amax", &fp8_cast_amax); }
+TDX_IMPL_ON_EVERY_DEVICE(register_fp8) {
+  m.impl("fp8_cast_amax", &fp8_cast_amax);
+  m.impl("fp8_cast_transpose_amax", &fp8_cast_transpose_amax);
+}
 
 }  // namespace tdx::ops

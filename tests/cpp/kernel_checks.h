@@ -597,4 +597,55 @@ inline void check_fp8_cast_amax(const kernels::Fp8Kernels& table, ElementType ty
   }
 }
 
+// cast_transpose_amax: out as cast_amax writes it, out_t its transpose with row length ld_t (the columns
+// past rows untouched), each tile's amax; shapes with partial tiles, one element, and a padded ld_t.
+inline void check_fp8_cast_transpose_amax(const kernels::Fp8Kernels& table, ElementType type) {
+  const std::vector<double> pool = [] {
+    std::vector<double> v = normal_values(997, 1.0, 43);
+    for (size_t i = 0; i < v.size(); ++i) v[i] *= std::ldexp(1.0, static_cast<int>(i % 30) - 15);
+    v[11] = 0.0, v[12] = -0.0, v[13] = 1e6, v[14] = INFINITY;
+    return v;
+  }();
+  struct Shape {
+    int64_t rows, cols, ld_t;
+  };
+  for (const auto format : {kernels::Fp8Format::kE4M3, kernels::Fp8Format::kE5M2}) {
+    for (const Shape shape : {Shape{1, 1, 1}, Shape{37, 70, 48}, Shape{64, 32, 64}, Shape{5, 100, 16}}) {
+      SCOPED_TRACE(std::string(type_name(type)) + (format == kernels::Fp8Format::kE4M3 ? ", e4m3 " : ", e5m2 ") +
+                   std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + " ld_t " +
+                   std::to_string(shape.ld_t));
+      const int64_t count = shape.rows * shape.cols;
+      std::vector<double> values(count);
+      for (int64_t i = 0; i < count; ++i) values[i] = pool[i % pool.size()];
+      for (const bool with_nan : {false, true}) {
+        if (with_nan) values[count / 2] = NAN;
+        const Elements x(type, values);
+        const int64_t tiles_per_row = (shape.cols + kernels::kFp8Tile - 1) / kernels::kFp8Tile;
+        const int64_t items = tiles_per_row * ((shape.rows + kernels::kFp8Tile - 1) / kernels::kFp8Tile);
+        std::vector<uint8_t> out(count, 0xAA), out_t(shape.cols * shape.ld_t, 0xAA);
+        std::vector<float> amax(items, -1.0f);
+        const float scale = 0.75f;
+        table.cast_transpose_amax({type, format, shape.rows, shape.cols, shape.ld_t, x.data(), &scale, out.data(),
+                                   out_t.data(), amax.data()},
+                                  kernels::Launch{0, items, nullptr});
+        std::vector<double> want_amax(items, 0.0);
+        for (int64_t r = 0; r < shape.rows; ++r) {
+          for (int64_t c = 0; c < shape.cols; ++c) {
+            const float stored = static_cast<float>(x.get(r * shape.cols + c));
+            EXPECT_TRUE(close(fp8_value(out[r * shape.cols + c], format), expected_fp8(stored, scale, format), 0))
+                << "element (" << r << ", " << c << ") = " << stored;
+            EXPECT_EQ(out_t[c * shape.ld_t + r], out[r * shape.cols + c]) << "transposed (" << c << ", " << r << ")";
+            double& want = want_amax[(r / kernels::kFp8Tile) * tiles_per_row + c / kernels::kFp8Tile];
+            want = std::isnan(stored) || std::isnan(want) ? NAN : std::max(want, std::abs(double(stored)));
+          }
+        }
+        for (int64_t c = 0; c < shape.cols; ++c) {
+          for (int64_t r = shape.rows; r < shape.ld_t; ++r) EXPECT_EQ(out_t[c * shape.ld_t + r], 0xAA) << "padding";
+        }
+        for (int64_t item = 0; item < items; ++item) EXPECT_TRUE(close(amax[item], want_amax[item], 0)) << item;
+      }
+    }
+  }
+}
+
 }  // namespace tdx::test

@@ -19,4 +19,11 @@ TEST_P(Fp8Cast, RoundsToTheNearestFp8ValueAndFindsTheAmaxOfEveryChunk) {
   }
 }
 
+TEST_P(Fp8Cast, CastsAMatrixInBothLayoutsAndFindsTheAmaxOfEveryTile) {
+  for (const auto type : {tdx::kernels::ElementType::kFloat32, tdx::kernels::ElementType::kBFloat16,
+                          tdx::kernels::ElementType::kFloat16}) {
+    tdx::test::check_fp8_cast_transpose_amax(tdx::kernels::Fp8Kernels::cpu(isa()), type);
+  }
+}
+
 }  // namespace

@@ -6,7 +6,7 @@ import torch
 
 import torchdist_ext  # noqa: F401
 from torchdist_ext.cpu_isa import use_cpu_isa
-from torchdist_ext.ops import fp8_cast_amax
+from torchdist_ext.ops import fp8_cast_amax, fp8_cast_transpose_amax
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 
@@ -79,3 +79,33 @@ def test_bad_input(args, error, message):
         fp8_cast_amax(*args)
     with pytest.raises(error, match=message):
         torch.ops.tdx.fp8_cast_amax(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))
+
+
+@pytest.mark.parametrize("shape, row_multiple", [((37, 70), 1), ((37, 70), 16), ((64, 32), 16), ((1, 1), 1),
+                                                 ((0, 8), 16)], ids=["partial-tiles", "padded", "even", "one", "empty"])
+def test_cast_transpose_gives_both_layouts_of_the_cast(cpu_isa, shape, row_multiple):
+    x = torch.randn(shape) * 100
+    for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        x_fp8, x_fp8_t, amax = fp8_cast_transpose_amax(x, torch.tensor([0.5]), fp8_dtype, row_multiple)
+        expected, expected_amax = fp8_cast_amax(x, torch.tensor([0.5]), fp8_dtype)
+        padded_rows = -(-shape[0] // row_multiple) * row_multiple
+        assert x_fp8_t.shape == (shape[1], padded_rows) and x_fp8_t.dtype == fp8_dtype
+        assert torch.equal(x_fp8.view(torch.uint8), expected.view(torch.uint8))
+        assert torch.equal(x_fp8_t[:, :shape[0]].view(torch.uint8), expected.t().view(torch.uint8))
+        assert not x_fp8_t[:, shape[0]:].view(torch.uint8).any(), "the padding columns are zero bytes"
+        assert torch.equal(amax, expected_amax)
+
+
+def test_cast_transpose_opcheck_compile_and_bad_input():
+    x = torch.randn(20, 48)
+    torch.library.opcheck(torch.ops.tdx.fp8_cast_transpose_amax, (x, torch.tensor([0.5]), torch.float8_e4m3fn, 16))
+    compiled = torch.compile(lambda a, s: fp8_cast_transpose_amax(a, s, torch.float8_e5m2, 16), fullgraph=True)
+    x_fp8, x_fp8_t, _ = compiled(x, torch.tensor([0.5]))
+    assert torch.equal(x_fp8_t[:, :20].view(torch.uint8), x_fp8.t().view(torch.uint8))
+    for args, error, message in [((torch.randn(4), torch.tensor(1.0), torch.float8_e4m3fn), ValueError, "must be 2-D"),
+                                 ((x, torch.tensor(1.0), torch.float8_e4m3fn, 0), ValueError,
+                                  "row_multiple must be >= 1")]:
+        with pytest.raises(error, match=message):
+            fp8_cast_transpose_amax(*args)
+        with pytest.raises(error, match=message):
+            torch.ops.tdx.fp8_cast_transpose_amax(*(a.to("meta") if isinstance(a, torch.Tensor) else a for a in args))

@@ -1,7 +1,8 @@
 """``Fp8Linear``: ``nn.Linear`` whose three GEMMs run in fp8 (``torch._scaled_mm``).
 
 Forward: the input and the weight are cast to e4m3 (``tdx::fp8_cast_amax``: one read each, their amaxes
-recorded), ``y = (x_fp8 @ w_fp8.T) / (scale_x * scale_w) + bias`` in the input's dtype. Backward: the output
+recorded; ``tdx::fp8_cast_transpose_amax`` also writes the transposed layout the backward's GEMMs take, from
+the same read), ``y = (x_fp8 @ w_fp8.T) / (scale_x * scale_w) + bias`` in the input's dtype. Backward: the output
 gradient is cast to e5m2 (``"hybrid"``) or e4m3, then ``grad_x = g_fp8 @ w_fp8`` and
 ``grad_w = g_fp8.T @ x_fp8``, each in fp8 with the product of the inverse scales; the bias gradient is the
 sum of the output gradient in its own dtype.
@@ -21,7 +22,7 @@ from torchdist_ext.fp8.fsdp import GatheredFp8Weight
 from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
-from torchdist_ext.ops import fp8_cast_amax
+from torchdist_ext.ops import fp8_cast_amax, fp8_cast_transpose_amax
 from torchdist_ext.weight_grad import deferred_weight_grad
 
 __all__ = ["Fp8Linear", "fp8_all_gather_linear", "fp8_linear", "gathers_fp8"]
@@ -32,15 +33,30 @@ _INPUT, _WEIGHT, _GRAD = range(3)
 def _cast(x: Tensor, role: int, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Tensor,
           recipe: Recipe) -> tuple[Tensor, Tensor]:
     """(x_fp8, 1 / scale as a 1-element fp32 tensor): the cast of one tensor role under the recipe."""
+    x_fp8, _, inverse = _cast_both_layouts(x, role, fp8_dtype, scale, amax_history, recipe, None)
+    return x_fp8, inverse
+
+
+def _cast_both_layouts(x: Tensor, role: int, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Tensor,
+                       recipe: Recipe, row_multiple: int | None) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(x_fp8, x_fp8_t, 1 / scale): the cast of one tensor role under the recipe and, for a 2-D x with
+    ``row_multiple``, its transpose with the rows padded to that multiple (``tdx::fp8_cast_transpose_amax``:
+    one read of x; ``x_fp8_t.t()`` is the column-major operand torch._scaled_mm takes), else None."""
+    def cast(role_scale):
+        if row_multiple is None:
+            x_fp8, amax = fp8_cast_amax(x, role_scale, fp8_dtype)
+            return x_fp8, None, amax
+        return fp8_cast_transpose_amax(x, role_scale, fp8_dtype, row_multiple)
+
     if isinstance(recipe, CurrentScaling):
         amax = x.abs().amax().float() if x.numel() else x.new_zeros((), dtype=torch.float32)
         role_scale = current_scale(amax, FP8_MAX[fp8_dtype], recipe.eps).reshape(1)
-        x_fp8, _ = fp8_cast_amax(x, role_scale, fp8_dtype)
-        return x_fp8, role_scale.reciprocal()
+        x_fp8, x_fp8_t, _ = cast(role_scale)
+        return x_fp8, x_fp8_t, role_scale.reciprocal()
     role_scale = scale[role:role + 1]
-    x_fp8, amax = fp8_cast_amax(x, role_scale, fp8_dtype)
+    x_fp8, x_fp8_t, amax = cast(role_scale)
     amax_history[0, role] = torch.maximum(amax_history[0, role], amax)
-    return x_fp8, role_scale.reciprocal()
+    return x_fp8, x_fp8_t, role_scale.reciprocal()
 
 
 def _column_major(x_fp8: Tensor) -> Tensor:
@@ -59,21 +75,30 @@ def _rows_padded_to_16(x_fp8: Tensor) -> Tensor:
         x_fp8.dtype)
 
 
-def _forward_gemm(ctx, x_fp8: Tensor, x_inverse: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor,
-                  amax_history: Tensor, recipe: Recipe, out_dtype: torch.dtype) -> Tensor:
-    """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx. A weight
-    that FSDP2 gathered in fp8 (``GatheredFp8Weight``) is used as gathered: it was cast, and its amax recorded,
-    before the all-gather."""
+def _forward_gemm(ctx, x_fp8: Tensor, x_fp8_t: Tensor | None, x_inverse: Tensor, weight: Tensor,
+                  bias: Tensor | None, scale: Tensor, amax_history: Tensor, recipe: Recipe,
+                  out_dtype: torch.dtype) -> Tensor:
+    """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx: the
+    column-major operands of its GEMMs (from the casts' transposed layouts where there are: ``x_fp8_t``, the
+    input's with its rows padded to 16, and the weight's). A weight that FSDP2 gathered in fp8
+    (``GatheredFp8Weight``) is used as gathered: it was cast, and its amax recorded, before the all-gather."""
     if isinstance(weight, GatheredFp8Weight):
-        w_fp8, w_inverse = weight._data, weight._inverse_scale
+        w_fp8, w_fp8_t, w_inverse = weight._data, None, weight._inverse_scale
     else:
-        w_fp8, w_inverse = _cast(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe)
+        w_fp8, w_fp8_t, w_inverse = _cast_both_layouts(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history,
+                                                       recipe, 1)
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=out_dtype)
     if bias is not None:
         out = out + bias.to(out_dtype)
+    # [rows_16, in] column-major: the weight gradient's second operand (from the transposed cast, or copied).
+    x_column_major = x_fp8_t.t() if x_fp8_t is not None else _column_major(_rows_padded_to_16(x_fp8))
+    # [out, in] column-major, the input gradient's second operand, from the transposed cast; a weight gathered
+    # by FSDP2 is saved as it is (its storage is refilled before the backward) and copied there.
+    ctx.w_is_column_major = w_fp8_t is not None
+    w_saved = w_fp8_t.t() if w_fp8_t is not None else w_fp8
     # The gradient's scale as it stands now, and the history by reference (not saved: several forwards may
     # run before their backwards, and each cast updates the history in place).
-    ctx.save_for_backward(x_fp8, w_fp8, x_inverse, w_inverse, scale.clone())
+    ctx.save_for_backward(x_column_major, w_saved, x_inverse, w_inverse, scale.clone())
     ctx.amax_history, ctx.recipe = amax_history, recipe
     ctx.x_dtype, ctx.w_dtype, ctx.has_bias = out_dtype, weight.dtype, bias is not None
     ctx.param = None  # set by the callers in split mode: the Parameter the deferred weight gradient goes to
@@ -83,23 +108,24 @@ def _forward_gemm(ctx, x_fp8: Tensor, x_inverse: Tensor, weight: Tensor, bias: T
 def _backward_gemms(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
     """(grad_x [rows, in], grad_w, grad_bias), each None where autograd needs none: the output gradient cast
     to the recipe's gradient format, both GEMMs in fp8."""
-    x_fp8, w_fp8, x_inverse, w_inverse, scale = ctx.saved_tensors
+    x_column_major, w_saved, x_inverse, w_inverse, scale = ctx.saved_tensors
+    w_column_major = w_saved if ctx.w_is_column_major else _column_major(w_saved)
     g = grad_out.reshape(-1, grad_out.shape[-1])
-    g_fp8, g_inverse = _cast(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history, ctx.recipe)
+    # One read of the gradient for both GEMMs: g_fp8 [rows, out] and g_fp8_t [out, rows_16].
+    g_fp8, g_fp8_t, g_inverse = _cast_both_layouts(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history,
+                                                   ctx.recipe, 16)
     grad_x = grad_w = grad_bias = None
     if ctx.needs_input_grad[0]:
-        grad_x = torch._scaled_mm(g_fp8, _column_major(w_fp8), scale_a=g_inverse, scale_b=w_inverse,
-                                  out_dtype=ctx.x_dtype)
+        grad_x = torch._scaled_mm(g_fp8, w_column_major, scale_a=g_inverse, scale_b=w_inverse, out_dtype=ctx.x_dtype)
     if ctx.needs_input_grad[1]:
         def weight_grad():
-            return torch._scaled_mm(_rows_padded_to_16(g_fp8).t().contiguous(),
-                                    _column_major(_rows_padded_to_16(x_fp8)), scale_a=g_inverse, scale_b=x_inverse,
+            return torch._scaled_mm(g_fp8_t, x_column_major, scale_a=g_inverse, scale_b=x_inverse,
                                     out_dtype=ctx.w_dtype)
 
         if ctx.param is None:
             grad_w = weight_grad()
         else:  # split mode: the weight-gradient GEMM is W (torchdist_ext.weight_grad)
-            like = torch.empty(w_fp8.shape, dtype=ctx.w_dtype, device=w_fp8.device)
+            like = torch.empty(w_column_major.shape, dtype=ctx.w_dtype, device=w_column_major.device)
             grad_w = deferred_weight_grad(ctx.param, lambda buffer: buffer.add_(weight_grad()), like)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = g.sum(0)
@@ -109,8 +135,9 @@ def _backward_gemms(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scale, amax_history, recipe, owner):
-        x_fp8, x_inverse = _cast(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
-        out = _forward_gemm(ctx, x_fp8, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
+        x_fp8, x_fp8_t, x_inverse = _cast_both_layouts(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn,
+                                                       scale, amax_history, recipe, 16)
+        out = _forward_gemm(ctx, x_fp8, x_fp8_t, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
         ctx.param = owner[0]
         ctx.x_shape = x.shape
         return out.view(*x.shape[:-1], weight.shape[0])
@@ -131,7 +158,7 @@ class _Fp8AllGatherLinearFunction(torch.autograd.Function):
         x_fp8_block, x_inverse = _cast(x.contiguous(), _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
         gathered = collectives.all_gather(x_fp8_block.view(torch.uint8), group_name, group_size, dim)
         x_fp8 = gathered.view(torch.float8_e4m3fn).reshape(-1, x.shape[-1])
-        out = _forward_gemm(ctx, x_fp8, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
+        out = _forward_gemm(ctx, x_fp8, None, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
         ctx.param = owner[0]
         ctx.gathered_shape, ctx.group = gathered.shape, (group_name, group_size, dim)
         return out.view(*gathered.shape[:-1], weight.shape[0])

@@ -1,6 +1,7 @@
 """FP8 scaled casts (``tdx::fp8_cast_amax``), the building block of the fp8 linears.
 
-    fp8_cast_amax   x (fp32 / bf16 / fp16) and a scale -> (cast(x * scale) in e4m3 or e5m2, max |x|)
+    fp8_cast_amax             x (fp32 / bf16 / fp16) and a scale -> (cast(x * scale) in e4m3 or e5m2, max |x|)
+    fp8_cast_transpose_amax   the same cast of a matrix in both layouts (the GEMMs' column-major operands)
 
 One read of x: the cast and the amax that delayed scaling records come out of the
 same pass (the unfused torch expression reads x twice and writes the scaled copy).
@@ -14,7 +15,7 @@ holds an inf. Not differentiable (the fp8 linears define the gradients).
 import torch
 from torch import Tensor
 
-__all__ = ["FP8_DTYPES", "fp8_cast_amax"]
+__all__ = ["FP8_DTYPES", "fp8_cast_amax", "fp8_cast_transpose_amax"]
 
 FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 _INPUT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -26,9 +27,16 @@ def fp8_cast_amax(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype) -> tuple[Ten
     return torch.ops.tdx.fp8_cast_amax(x, scale, fp8_dtype)
 
 
-@torch.library.register_fake("tdx::fp8_cast_amax")
-def _(x, scale, fp8_dtype):
-    op = "fp8_cast_amax"
+def fp8_cast_transpose_amax(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype,
+                            row_multiple: int = 1) -> tuple[Tensor, Tensor, Tensor]:
+    """``(x_fp8, x_fp8_t, amax)`` of a matrix ``x [rows, cols]`` from one read: ``x_fp8`` as
+    ``fp8_cast_amax`` gives it, ``x_fp8_t [cols, ceil(rows / row_multiple) * row_multiple]`` its transpose
+    with zero bytes in the padding columns (``x_fp8_t.t()`` is ``x_fp8``, rows padded, column-major: the
+    layout ``torch._scaled_mm`` takes as its second operand)."""
+    return torch.ops.tdx.fp8_cast_transpose_amax(x, scale, fp8_dtype, row_multiple)
+
+
+def _check_cast_arguments(op, x, scale, fp8_dtype):
     torch._check_value(fp8_dtype in FP8_DTYPES,
                        lambda: f"{op}: fp8_dtype must be float8_e4m3fn or float8_e5m2, got {fp8_dtype}")
     torch._check_type(x.dtype in _INPUT_DTYPES, lambda: f"{op}: x must be float32, bfloat16 or float16, got {x.dtype}")
@@ -36,4 +44,21 @@ def _(x, scale, fp8_dtype):
     torch._check_value(scale.numel() == 1, lambda: f"{op}: scale must hold one value, got shape {tuple(scale.shape)}")
     torch._check_value(scale.device == x.device,
                        lambda: f"{op}: scale must be on x's device {x.device}, got {scale.device}")
+
+
+@torch.library.register_fake("tdx::fp8_cast_amax")
+def _(x, scale, fp8_dtype):
+    _check_cast_arguments("fp8_cast_amax", x, scale, fp8_dtype)
     return torch.empty(x.shape, dtype=fp8_dtype, device=x.device), x.new_empty((), dtype=torch.float32)
+
+
+@torch.library.register_fake("tdx::fp8_cast_transpose_amax")
+def _(x, scale, fp8_dtype, row_multiple=1):
+    op = "fp8_cast_transpose_amax"
+    _check_cast_arguments(op, x, scale, fp8_dtype)
+    torch._check_value(x.dim() == 2, lambda: f"{op}: x must be 2-D [rows, cols], got shape {tuple(x.shape)}")
+    torch._check_value(row_multiple >= 1, lambda: f"{op}: row_multiple must be >= 1, got {row_multiple}")
+    padded_rows = (x.shape[0] + row_multiple - 1) // row_multiple * row_multiple
+    return (torch.empty(x.shape, dtype=fp8_dtype, device=x.device),
+            torch.empty((x.shape[1], padded_rows), dtype=fp8_dtype, device=x.device),
+            x.new_empty((), dtype=torch.float32))

@@ -55,11 +55,70 @@ void cast_amax(const CastAmaxArgs& args, const Launch& launch) {
   check_launch("fp8 cast_amax");
 }
 
+// One block per 32 x 32 tile, 256 threads as 8 rows of 32 lanes: each thread casts 4 elements of the tile
+// (reads and row-major writes coalesced along the columns), the bytes meet in shared memory, and the
+// transposed writes are coalesced along the rows; then a block-wide max (NaN wins).
+template <typename T>
+__global__ void cast_transpose_amax_kernel(const T* __restrict__ x, const float* __restrict__ scale,
+                                           Fp8Format format, int64_t rows, int64_t cols, int64_t ld_t,
+                                           uint8_t* __restrict__ out, uint8_t* __restrict__ out_t,
+                                           float* __restrict__ partial_amax, int64_t item_begin) {
+  constexpr int kLanes = 32, kRowsPerPass = kCastThreads / kLanes;
+  const int64_t item = item_begin + blockIdx.x;
+  const int64_t tiles_per_row = (cols + kFp8Tile - 1) / kFp8Tile;
+  const int64_t row_begin = (item / tiles_per_row) * kFp8Tile, col_begin = (item % tiles_per_row) * kFp8Tile;
+  const int lane = static_cast<int>(threadIdx.x) % kLanes, pass_row = static_cast<int>(threadIdx.x) / kLanes;
+  const float s = *scale;
+  __shared__ uint8_t tile[kFp8Tile][kFp8Tile + 1];
+  float amax = 0;
+  bool nan = false;
+  for (int j = pass_row; j < kFp8Tile; j += kRowsPerPass) {
+    const int64_t r = row_begin + j, c = col_begin + lane;
+    if (r < rows && c < cols) {
+      const float v = static_cast<float>(load(x[r * cols + c]));
+      const float magnitude = fabsf(v);
+      amax = magnitude > amax ? magnitude : amax;
+      nan |= v != v;
+      const uint8_t byte = to_fp8(v, s, format);
+      out[r * cols + c] = byte;
+      tile[j][lane] = byte;
+    }
+  }
+  __syncthreads();
+  for (int j = pass_row; j < kFp8Tile; j += kRowsPerPass) {
+    const int64_t c = col_begin + j, r = row_begin + lane;
+    if (r < rows && c < cols) out_t[c * ld_t + r] = tile[lane][j];
+  }
+  __shared__ float block_amax[kCastThreads];
+  block_amax[threadIdx.x] = nan ? NAN : amax;
+  __syncthreads();
+  for (int half = kCastThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) {
+      const float a = block_amax[threadIdx.x], b = block_amax[threadIdx.x + half];
+      block_amax[threadIdx.x] = (a != a || b != b) ? NAN : (a > b ? a : b);
+    }
+    __syncthreads();
+  }
+  if (threadIdx.x == 0) partial_amax[item] = block_amax[0];
+}
+
+void cast_transpose_amax(const CastTransposeAmaxArgs& args, const Launch& launch) {
+  const int64_t blocks = launch.end - launch.begin;
+  if (blocks == 0) return;
+  visit_element_type(args.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    TDX_LAUNCH(blocks, kCastThreads, static_cast<cudaStream_t>(launch.stream), cast_transpose_amax_kernel<T>)(
+        static_cast<const T*>(args.x), args.scale, args.format, args.rows, args.cols, args.ld_t, args.out,
+        args.out_t, args.partial_amax, launch.begin);
+  });
+  check_launch("fp8 cast_transpose_amax");
+}
+
 }  // namespace
 }  // namespace cuda
 
 const Fp8Kernels& Fp8Kernels::cuda() {
-  static const Fp8Kernels table{&cuda::cast_amax};
+  static const Fp8Kernels table{&cuda::cast_amax, &cuda::cast_transpose_amax};
   return table;
 }
 

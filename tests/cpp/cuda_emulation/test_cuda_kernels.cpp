@@ -117,3 +117,9 @@ TEST(CudaFp8Cast, RoundsToTheNearestFp8ValueAndFindsTheAmaxOfEveryChunk) {
     tdx::test::check_fp8_cast_amax(Fp8Kernels::cuda(), type);
   }
 }
+
+TEST(CudaFp8Cast, CastsAMatrixInBothLayoutsAndFindsTheAmaxOfEveryTile) {
+  for (const auto type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
+    tdx::test::check_fp8_cast_transpose_amax(Fp8Kernels::cuda(), type);
+  }
+}
