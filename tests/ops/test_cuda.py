@@ -226,3 +226,19 @@ def test_lse_merge_kernel_matches_cpu():
     torchdist_ext.ops.lse_merge_(out, lse, block_out, block_lse)
     torch.testing.assert_close(cuda_out.cpu(), out, atol=1e-5, rtol=1e-5)
     torch.testing.assert_close(cuda_lse.cpu(), lse, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_fp8_cast_kernels_match_cpu(dtype):
+    x = (torch.randn(67, 130, generator=torch.Generator().manual_seed(5)) * 300).to(dtype)
+    x[3, 7] = float("inf")
+    scale = torch.tensor([0.5])
+    for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+        cpu, cpu_amax = torchdist_ext.ops.fp8_cast_amax(x, scale, fp8_dtype)
+        gpu, gpu_amax = torchdist_ext.ops.fp8_cast_amax(x.cuda(), scale.cuda(), fp8_dtype)
+        assert torch.equal(gpu.cpu().view(torch.uint8), cpu.view(torch.uint8)) and torch.equal(gpu_amax.cpu(), cpu_amax)
+        cpu_both = torchdist_ext.ops.fp8_cast_transpose_amax(x, scale, fp8_dtype, 16)
+        gpu_both = torchdist_ext.ops.fp8_cast_transpose_amax(x.cuda(), scale.cuda(), fp8_dtype, 16)
+        for ours, theirs in zip(gpu_both[:2], cpu_both[:2]):
+            assert torch.equal(ours.cpu().view(torch.uint8), theirs.view(torch.uint8))
+        assert torch.equal(gpu_both[2].cpu(), cpu_both[2])
