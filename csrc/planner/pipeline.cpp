@@ -31,6 +31,62 @@ struct OrderedPass {
   long microbatch;
 };
 
+// One pass in a device's fixed order: its pipeline stage, kind, micro-batch, chunk and cost.
+struct FixedPass {
+  long stage;
+  char kind;
+  long microbatch;
+  long chunk;
+  double cost;
+};
+
+// Runs each device's passes in their fixed order over `stages` pipeline stages: a pass starts as soon as its
+// device is free and its inputs exist (F after the previous stage's F; B after its own F and the next
+// stage's B; W after its own B).
+std::vector<ScheduledPass> run_fixed_orders(const std::vector<std::vector<FixedPass>>& orders, long stages,
+                                            const char* what) {
+  const long p = static_cast<long>(orders.size());
+  std::map<std::tuple<long, char, long>, double> finished;  // (stage, kind, micro-batch) -> end
+  std::vector<size_t> cursor(p, 0);
+  std::vector<double> free_at(p, 0.0);
+  std::vector<ScheduledPass> timeline;
+  size_t remaining = 0;
+  for (const auto& order : orders) remaining += order.size();
+  while (remaining > 0) {
+    bool progressed = false;
+    for (long d = 0; d < p; ++d) {
+      if (cursor[d] == orders[d].size()) continue;
+      const FixedPass& pass = orders[d][cursor[d]];
+      std::vector<std::tuple<long, char, long>> inputs;
+      if (pass.kind == 'F' && pass.stage > 0) inputs.emplace_back(pass.stage - 1, 'F', pass.microbatch);
+      if (pass.kind == 'B') {
+        inputs.emplace_back(pass.stage, 'F', pass.microbatch);
+        if (pass.stage + 1 < stages) inputs.emplace_back(pass.stage + 1, 'B', pass.microbatch);
+      }
+      if (pass.kind == 'W') inputs.emplace_back(pass.stage, 'B', pass.microbatch);
+      double start = free_at[d];
+      bool ready = true;
+      for (const auto& input : inputs) {
+        const auto found = finished.find(input);
+        if (found == finished.end()) {
+          ready = false;
+          break;
+        }
+        start = std::max(start, found->second);
+      }
+      if (!ready) continue;
+      timeline.push_back({d, pass.kind, pass.microbatch, start, start + pass.cost, pass.chunk});
+      finished[{pass.stage, pass.kind, pass.microbatch}] = start + pass.cost;
+      free_at[d] = start + pass.cost;
+      ++cursor[d];
+      --remaining;
+      progressed = true;
+    }
+    if (!progressed) throw std::logic_error(std::string(what) + ": the pass orders deadlock");
+  }
+  return timeline;
+}
+
 // Megatron-LM's interleaved 1F1B order on device d (forward_backward_pipelining_with_interleaving):
 // forwards walk micro-batches in groups of p through chunks 0..v-1, backwards through v-1..0;
 // (p - d - 1) * 2 + (v - 1) * p warm-up forwards, then one forward / one backward, then the rest.
@@ -53,48 +109,15 @@ std::vector<OrderedPass> interleaved_order(long d, long p, long m, long v) {
 // Runs fixed per-device orders over p * v virtual stages (chunk c of device d is stage c * p + d).
 std::vector<ScheduledPass> simulate_interleaved(long p, long m, long v) {
   if (m % p) throw std::invalid_argument("the interleaved schedule needs num_microbatches divisible by pp");
-  const long stages = p * v;
   const double forward_cost = 1.0 / static_cast<double>(v), backward_cost = 2.0 / static_cast<double>(v);
-  std::vector<std::vector<OrderedPass>> orders;
-  for (long d = 0; d < p; ++d) orders.push_back(interleaved_order(d, p, m, v));
-  std::map<std::tuple<long, char, long>, double> finished;  // (virtual stage, kind, micro-batch) -> end
-  std::vector<size_t> cursor(p, 0);
-  std::vector<double> free_at(p, 0.0);
-  std::vector<ScheduledPass> timeline;
-  for (size_t remaining = static_cast<size_t>(2 * m * v * p); remaining > 0;) {
-    bool progressed = false;
-    for (long d = 0; d < p; ++d) {
-      if (cursor[d] == orders[d].size()) continue;
-      const OrderedPass pass = orders[d][cursor[d]];
-      const long stage = pass.chunk * p + d;
-      std::vector<std::tuple<long, char, long>> inputs;
-      if (pass.kind == 'F' && stage > 0) inputs.emplace_back(stage - 1, 'F', pass.microbatch);
-      if (pass.kind == 'B') {
-        inputs.emplace_back(stage, 'F', pass.microbatch);
-        if (stage + 1 < stages) inputs.emplace_back(stage + 1, 'B', pass.microbatch);
-      }
-      double start = free_at[d];
-      bool ready = true;
-      for (const auto& input : inputs) {
-        const auto found = finished.find(input);
-        if (found == finished.end()) {
-          ready = false;
-          break;
-        }
-        start = std::max(start, found->second);
-      }
-      if (!ready) continue;
-      const double end = start + (pass.kind == 'F' ? forward_cost : backward_cost);
-      timeline.push_back({d, pass.kind, pass.microbatch, start, end, pass.chunk});
-      finished[{stage, pass.kind, pass.microbatch}] = end;
-      free_at[d] = end;
-      ++cursor[d];
-      --remaining;
-      progressed = true;
+  std::vector<std::vector<FixedPass>> orders(p);
+  for (long d = 0; d < p; ++d) {
+    for (const OrderedPass& pass : interleaved_order(d, p, m, v)) {
+      orders[d].push_back({pass.chunk * p + d, pass.kind, pass.microbatch, pass.chunk,
+                           pass.kind == 'F' ? forward_cost : backward_cost});
     }
-    if (!progressed) throw std::logic_error("simulate_schedule: the interleaved pass orders deadlock");
   }
-  return timeline;
+  return run_fixed_orders(orders, p * v, "simulate_schedule (interleaved)");
 }
 
 // ZB-V (Qi et al. 2024): device d holds chunk 0 = stage d (the way down) and chunk 1 = stage
@@ -232,57 +255,21 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
     }
   }
   auto cost_of = [](const std::vector<double>& costs, long stage) { return costs.size() == 1 ? costs[0] : costs[stage]; };
-  auto stage_of = [&](const ScheduledPass& pass) {
-    if (schedule == Schedule::kZbV) return pass.chunk == 0 ? pass.stage : 2 * p - 1 - pass.stage;
-    return pass.chunk * p + pass.stage;
-  };
-  std::vector<std::vector<ScheduledPass>> orders(p);
-  for (const auto& pass : simulated) orders[pass.stage].push_back(pass);
-  for (auto& order : orders) {
-    std::stable_sort(order.begin(), order.end(),
+  std::vector<std::vector<ScheduledPass>> simulated_orders(p);
+  for (const auto& pass : simulated) simulated_orders[pass.stage].push_back(pass);
+  std::vector<std::vector<FixedPass>> orders(p);
+  for (long d = 0; d < p; ++d) {
+    std::stable_sort(simulated_orders[d].begin(), simulated_orders[d].end(),
                      [](const ScheduledPass& a, const ScheduledPass& b) { return a.start < b.start; });
-  }
-  std::map<std::tuple<long, char, long>, double> finished;  // (virtual stage, kind, micro-batch) -> end
-  std::vector<size_t> cursor(p, 0);
-  std::vector<double> free_at(p, 0.0);
-  std::vector<ScheduledPass> timeline;
-  for (size_t remaining = simulated.size(); remaining > 0;) {
-    bool progressed = false;
-    for (long d = 0; d < p; ++d) {
-      if (cursor[d] == orders[d].size()) continue;
-      const ScheduledPass& pass = orders[d][cursor[d]];
-      const long stage = stage_of(pass);
-      std::vector<std::tuple<long, char, long>> inputs;
-      if (pass.kind == 'F' && stage > 0) inputs.emplace_back(stage - 1, 'F', pass.microbatch);
-      if (pass.kind == 'B') {
-        inputs.emplace_back(stage, 'F', pass.microbatch);
-        if (stage + 1 < stages) inputs.emplace_back(stage + 1, 'B', pass.microbatch);
-      }
-      if (pass.kind == 'W') inputs.emplace_back(stage, 'B', pass.microbatch);
-      double start = free_at[d];
-      bool ready = true;
-      for (const auto& input : inputs) {
-        const auto found = finished.find(input);
-        if (found == finished.end()) {
-          ready = false;
-          break;
-        }
-        start = std::max(start, found->second);
-      }
-      if (!ready) continue;
+    for (const ScheduledPass& pass : simulated_orders[d]) {
+      const long stage = schedule == Schedule::kZbV ? (pass.chunk == 0 ? d : 2 * p - 1 - d) : pass.chunk * p + d;
       const double cost = pass.kind == 'F'   ? cost_of(forward, stage)
                           : pass.kind == 'W' ? cost_of(weight, stage)
                                              : cost_of(backward, stage) + (split ? 0.0 : cost_of(weight, stage));
-      timeline.push_back({d, pass.kind, pass.microbatch, start, start + cost, pass.chunk});
-      finished[{stage, pass.kind, pass.microbatch}] = start + cost;
-      free_at[d] = start + cost;
-      ++cursor[d];
-      --remaining;
-      progressed = true;
+      orders[d].push_back({stage, pass.kind, pass.microbatch, pass.chunk, cost});
     }
-    if (!progressed) throw std::logic_error("replay_schedule: the simulated pass orders deadlock");
   }
-  return timeline;
+  return run_fixed_orders(orders, stages, "replay_schedule");
 }
 
 double idle_fraction(const std::vector<ScheduledPass>& timeline, long p) {

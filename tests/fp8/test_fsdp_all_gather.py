@@ -11,29 +11,10 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from tests.parallel.test_fsdp import Block, inputs, loss_fn, reference_model
+from tests.fp8.test_fsdp_checkpoint import fp8_fsdp_model, local_inputs
+from tests.parallel.test_fsdp import loss_fn
 from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, convert_to_fp8, fp8_modules, fp8_step
 from torchdist_ext.fp8.fsdp import Fp8AllGatherWeight, GatheredFp8Weight
-from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear
-from torchdist_ext.testing import cached_mesh
-
-
-def tp_fsdp_model(fp8_all_gather: bool):
-    """The dp=2 x tp=2 sequence-parallel MLP of the FSDP tests, fp8, each block and the root sharded."""
-    mesh = cached_mesh((2, 2), ("dp", "tp"))
-    tp = mesh["tp"]
-    model = nn.Sequential(*(Block(ColumnParallelLinear.from_linear(b.up, tp_mesh=tp, sequence_parallel=True),
-                                  RowParallelLinear.from_linear(b.down, tp_mesh=tp, sequence_parallel=True))
-                            for b in reference_model()))
-    convert_to_fp8(model, DelayedScaling(amax_history_len=4), fp8_all_gather=fp8_all_gather)
-    for block in model:
-        fully_shard(block, mesh=mesh["dp"])
-    return fully_shard(model, mesh=mesh["dp"]), mesh
-
-
-def local_inputs(mesh):
-    x = inputs().chunk(2, dim=0)[mesh["dp"].get_local_rank()]
-    return x.chunk(2, dim=1)[mesh["tp"].get_local_rank()]  # sequence-parallel shard
 
 
 def train(model, x, steps: int) -> list[torch.Tensor]:
@@ -62,7 +43,7 @@ def local_state(model) -> list[torch.Tensor]:
 def tp_training_matches(path):
     results = {}
     for gather in (False, True):
-        model, mesh = tp_fsdp_model(gather)
+        model, mesh = fp8_fsdp_model(gather)
         losses = train(model, local_inputs(mesh), steps=3)
         results[gather] = (losses, local_state(model))
     (losses, state), (gathered_losses, gathered_state) = results[False], results[True]
@@ -73,7 +54,7 @@ def tp_training_matches(path):
     dcp.save(get_model_state_dict(model), checkpoint_id=path)
     with torch.no_grad():
         expected = model(x)
-    fresh, _ = tp_fsdp_model(True)
+    fresh, _ = fp8_fsdp_model(True)
     loaded = get_model_state_dict(fresh)
     dcp.load(loaded, checkpoint_id=path)
     set_model_state_dict(fresh, loaded)

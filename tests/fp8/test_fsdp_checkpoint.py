@@ -14,13 +14,15 @@ from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear
 from torchdist_ext.testing import cached_mesh
 
 
-def fp8_fsdp_model():
+def fp8_fsdp_model(fp8_all_gather: bool = False):
+    """The dp=2 x tp=2 sequence-parallel MLP of the FSDP tests in fp8, each block and the root sharded."""
     mesh = cached_mesh((2, 2), ("dp", "tp"))
     tp = mesh["tp"]
     model = nn.Sequential(*(Block(ColumnParallelLinear.from_linear(b.up, tp_mesh=tp, sequence_parallel=True),
                                   RowParallelLinear.from_linear(b.down, tp_mesh=tp, sequence_parallel=True))
                             for b in reference_model()))
-    convert_to_fp8(model, DelayedScaling(amax_history_len=8))  # before FSDP2: it checks the tp shards' shapes
+    # Before FSDP2: it checks the tp shards' shapes.
+    convert_to_fp8(model, DelayedScaling(amax_history_len=8), fp8_all_gather=fp8_all_gather)
     for block in model:
         fully_shard(block, mesh=mesh["dp"])
     return fully_shard(model, mesh=mesh["dp"]), mesh

@@ -12,6 +12,21 @@ namespace {
 
 constexpr int kCastThreads = 256;
 
+// The max over the block's kCastThreads threads of each one's value (NaN if any is NaN), for thread 0.
+__device__ float block_amax(float value) {
+  __shared__ float values[kCastThreads];
+  values[threadIdx.x] = value;
+  __syncthreads();
+  for (int half = kCastThreads / 2; half > 0; half /= 2) {
+    if (static_cast<int>(threadIdx.x) < half) {
+      const float a = values[threadIdx.x], b = values[threadIdx.x + half];
+      values[threadIdx.x] = (a != a || b != b) ? NAN : (a > b ? a : b);
+    }
+    __syncthreads();
+  }
+  return values[0];
+}
+
 // One block per chunk: threads stride over its elements, then a block-wide max (NaN wins).
 template <typename T>
 __global__ void cast_amax_kernel(const T* __restrict__ x, const float* __restrict__ scale, Fp8Format format,
@@ -30,17 +45,8 @@ __global__ void cast_amax_kernel(const T* __restrict__ x, const float* __restric
     nan |= v != v;
     out[i] = to_fp8(v, s, format);
   }
-  __shared__ float block_amax[kCastThreads];
-  block_amax[threadIdx.x] = nan ? NAN : amax;
-  __syncthreads();
-  for (int half = kCastThreads / 2; half > 0; half /= 2) {
-    if (static_cast<int>(threadIdx.x) < half) {
-      const float a = block_amax[threadIdx.x], b = block_amax[threadIdx.x + half];
-      block_amax[threadIdx.x] = (a != a || b != b) ? NAN : (a > b ? a : b);
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partial_amax[item] = block_amax[0];
+  const float tile_amax = block_amax(nan ? NAN : amax);
+  if (threadIdx.x == 0) partial_amax[item] = tile_amax;
 }
 
 void cast_amax(const CastAmaxArgs& args, const Launch& launch) {
@@ -89,17 +95,8 @@ __global__ void cast_transpose_amax_kernel(const T* __restrict__ x, const float*
     const int64_t c = col_begin + j, r = row_begin + lane;
     if (r < rows && c < cols) out_t[c * ld_t + r] = tile[lane][j];
   }
-  __shared__ float block_amax[kCastThreads];
-  block_amax[threadIdx.x] = nan ? NAN : amax;
-  __syncthreads();
-  for (int half = kCastThreads / 2; half > 0; half /= 2) {
-    if (static_cast<int>(threadIdx.x) < half) {
-      const float a = block_amax[threadIdx.x], b = block_amax[threadIdx.x + half];
-      block_amax[threadIdx.x] = (a != a || b != b) ? NAN : (a > b ? a : b);
-    }
-    __syncthreads();
-  }
-  if (threadIdx.x == 0) partial_amax[item] = block_amax[0];
+  const float tile_amax = block_amax(nan ? NAN : amax);
+  if (threadIdx.x == 0) partial_amax[item] = tile_amax;
 }
 
 void cast_transpose_amax(const CastTransposeAmaxArgs& args, const Launch& launch) {
