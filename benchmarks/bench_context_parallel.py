@@ -2,6 +2,14 @@
 against an all-gather-K/V baseline and single-process SDPA on the full sequence.
 
     python benchmarks/bench_context_parallel.py [--worlds 2 4] [--seqs 4096 8192 16384] [--repeats 3]
+    python benchmarks/bench_context_parallel.py --packed [--worlds 4] [--seqs 16384]
+
+--packed: the sequence packs documents drawn from a long-tailed length mix
+(log-normal, median 400 tokens, clipped to [16, seq]; fixed seed), passed as
+``document_ids``; the baselines use the same block-diagonal causal mask. Its
+"spread" is that of the attention scores per rank (ops.context_attention_work:
+the ring's block plan cut by documents) and "skipped" the share of ring blocks
+no document spans.
 
 Shapes: batch 1, 8 query heads, 2 kv heads (GQA), head_dim 64, fp32; the total
 sequence is sharded over the ranks. Per case (the slowest rank's median):
@@ -34,6 +42,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from peak_memory import PeakMemory  # noqa: E402
 
 import torchdist_ext  # noqa: E402,F401
+from torchdist_ext.ops import context_attention_work  # noqa: E402
 from torchdist_ext.parallel import (  # noqa: E402
     hybrid_attention,
     ring_attention,
@@ -66,14 +75,27 @@ def chunk_positions(layout: str, n: int, rank: int, seq_local: int) -> list[tupl
     return [(order[2 * rank] * half, half), (order[2 * rank + 1] * half, half)]
 
 
-def causal_mask_for(layout: str, n: int, rank: int, seq_local: int) -> torch.Tensor:
-    """Boolean [seq_local, n * seq_local] mask of which full-sequence keys this rank's queries may see."""
+def causal_mask_for(layout: str, n: int, rank: int, seq_local: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean [seq_local, n * seq_local] mask of which full-sequence keys this rank's queries may see
+    (with ``ids`` [seq] of the full sequence: only keys of the query's document)."""
     q_pos = torch.cat([torch.arange(s, s + length) for s, length in chunk_positions(layout, n, rank, seq_local)])
     k_pos = torch.cat([
         torch.cat([torch.arange(s, s + length) for s, length in chunk_positions(layout, n, r, seq_local)])
         for r in range(n)
     ])
-    return q_pos[:, None] >= k_pos[None, :]
+    mask = q_pos[:, None] >= k_pos[None, :]
+    return mask if ids is None else mask & (ids[q_pos][:, None] == ids[k_pos][None, :])
+
+
+def packed_document_ids(seq_total: int, seed: int = 0) -> torch.Tensor:
+    """[seq_total] ids of documents with log-normal lengths (median 400 tokens), clipped to [16, seq_total]."""
+    gen = torch.Generator().manual_seed(seed)
+    lengths, total = [], 0
+    while total < seq_total:
+        length = int(torch.empty(1).log_normal_(6.0, 1.2, generator=gen).clamp(16, seq_total))
+        lengths.append(min(length, seq_total - total))
+        total += lengths[-1]
+    return torch.repeat_interleave(torch.arange(len(lengths)), torch.tensor(lengths))
 
 
 def allgather_kv_attention(q, k, v, mask):
@@ -138,16 +160,21 @@ def ring_comm_only(k, v):
         current = incoming
 
 
-def run_case(seq_total: int, method: str, repeats: int) -> dict:
+def run_case(seq_total: int, method: str, repeats: int, packed: bool = False) -> dict:
     """Runs on every rank; this rank's measurements."""
     torch.manual_seed(0)
     n, rank = dist.get_world_size(), dist.get_rank()
     full = [torch.randn(1, h, seq_total, HEAD_DIM) for h in (Q_HEADS, KV_HEADS, KV_HEADS)]
+    ids = packed_document_ids(seq_total) if packed else None
     result = {}
     if method == "single":
         if rank == 0:
             q, k, v = (t.clone().requires_grad_(True) for t in full)
+            if packed:
+                mask = (ids[:, None] == ids[None, :]) & torch.ones(seq_total, seq_total, dtype=torch.bool).tril()
             def fwd():
+                if packed:
+                    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
                 return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         else:
             def fwd():
@@ -160,20 +187,20 @@ def run_case(seq_total: int, method: str, repeats: int) -> dict:
         else:
             cp = cached_mesh((n,), ("cp",))
         q, k, v = (shard_sequence(t, cp_mesh=cp, dim=2, layout=layout).detach().requires_grad_(True) for t in full)
-        if method.startswith("ring"):
+        local_ids = shard_sequence(ids[None], cp_mesh=cp, dim=1, layout=layout) if packed else None
+        attention = {"ulysses": ulysses_attention, "hybrid": hybrid_attention}.get(method, ring_attention)
+        if method != "allgather_kv":
             def fwd():
-                return ring_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)
-        elif method == "ulysses":
-            def fwd():
-                return ulysses_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)
-        elif method == "hybrid":
-            def fwd():
-                return hybrid_attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)
+                return attention(q, k, v, cp_mesh=cp, causal=True, layout=layout, document_ids=local_ids)
         else:
-            mask = causal_mask_for(layout, n, rank, q.shape[2])
+            mask = causal_mask_for(layout, n, rank, q.shape[2], ids)
             def fwd():
                 return allgather_kv_autograd(q, k, v, mask)
-        if method.startswith("ring"):
+        if method.startswith("ring") and packed:
+            work = context_attention_work(ids[None], n, layout, True)
+            result.update(work_spread=float((work.sum(1).max() - work.sum(1).min()) / work.sum(1).max()),
+                          skipped=float((work == 0).float().mean()))
+        elif method.startswith("ring"):
             with torch.no_grad():
                 compute = median_seconds(lambda: ring_compute_only(q, k, v, layout), repeats)
                 comm = median_seconds(lambda: ring_comm_only(k, v), repeats)
@@ -198,6 +225,7 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--packed", action="store_true", help="packed documents of a long-tailed length mix")
     args = parser.parse_args()
     rows = []
     for world_size in args.worlds:
@@ -207,10 +235,11 @@ def main() -> None:
         with spawn_world(world_size, timeout=3600.0) as world:
             for seq in args.seqs:
                 for method in methods:
-                    per_rank = world.run(run_case, seq, method, args.repeats)
+                    per_rank = world.run(run_case, seq, method, args.repeats, args.packed)
                     ranks = per_rank if method != "single" else per_rank[:1]
                     row = {
-                        "bench": "context_parallel_causal_attention", "world": world_size, "seq": seq,
+                        "bench": "context_parallel_packed_documents" if args.packed
+                        else "context_parallel_causal_attention", "world": world_size, "seq": seq,
                         "method": method,
                         "fwd_ms": round(max(r["fwd_s"] for r in ranks) * 1e3, 1),
                         "fwd_bwd_ms": round(max(r["fwd_bwd_s"] for r in ranks) * 1e3, 1),
@@ -222,11 +251,14 @@ def main() -> None:
                         row["spread"] = round((max(compute) - min(compute)) / max(compute), 3)
                         hidden = (max(compute) + comm - row["fwd_ms"] / 1e3) / comm
                         row["hidden"] = round(min(1.0, max(0.0, hidden)), 3)
+                    if "work_spread" in per_rank[0]:
+                        row["spread"] = round(per_rank[0]["work_spread"], 3)
+                        row["skipped"] = round(per_rank[0]["skipped"], 3)
                     rows.append(row)
                     print(json.dumps(row), flush=True)
     print()
     header = (f"{'world':>5} {'seq':>6} {'method':>16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs single':>9} "
-              f"{'vs allgather':>12} {'peak MB':>8} {'spread':>7} {'hidden':>7}")
+              f"{'vs allgather':>12} {'peak MB':>8} {'spread':>7} {'hidden':>7} {'skipped':>7}")
     print(header)
     print("-" * len(header))
     for r in rows:
@@ -235,8 +267,9 @@ def main() -> None:
         vs_gather = r["fwd_bwd_ms"] / same["allgather_kv"]["fwd_bwd_ms"]
         spread = f"{r['spread']:7.3f}" if "spread" in r else f"{'-':>7}"
         hidden = f"{r['hidden']:7.3f}" if "hidden" in r else f"{'-':>7}"
+        skipped = f"{r['skipped']:7.3f}" if "skipped" in r else f"{'-':>7}"
         print(f"{r['world']:>5} {r['seq']:>6} {r['method']:>16} {r['fwd_ms']:9.1f} {r['fwd_bwd_ms']:11.1f} "
-              f"{vs_single:9.3f} {vs_gather:12.3f} {r['peak_mb']:8.1f} {spread} {hidden}")
+              f"{vs_single:9.3f} {vs_gather:12.3f} {r['peak_mb']:8.1f} {spread} {hidden} {skipped}")
 
 
 if __name__ == "__main__":

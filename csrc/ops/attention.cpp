@@ -1,4 +1,4 @@
-// Ring attention and lse_merge_, host side for every device.
+// Ring attention, document attention and lse_merge_, host side for every device.
 //
 // Each rank keeps its query block; key/value blocks (at kv heads, stacked into
 // one [2, B, Hkv, S, D] buffer) travel the ring (comm::for_each_ring_block), so
@@ -8,8 +8,15 @@
 // (comm::RingReduceScatter): a rank adds its contribution to a block's running
 // sum while the next one is in flight; one last hop returns each sum to its owner.
 //
-// The sequence is sharded in either layout of ops/sequence_layout.h. Causal blocks that are fully masked are skipped; only the diagonal block
-// uses the causal kernel.
+// The sequence is sharded in either layout of ops/sequence_layout.h. Each block
+// is attended as the tasks of ops/attention_plan.h: fully masked causal blocks
+// are skipped and only the diagonal block uses the causal kernel. With
+// document_ids (packed sequences, padding) every rank all-gathers the ring's
+// ids once per op (a few bytes per token) and each block is cut into the
+// rectangles where query and key documents agree: blocks no document spans are
+// skipped, padding rows are never touched (their output and gradients are 0).
+// document_attention_fwd / _bwd run the same tasks on one rank's whole sequence
+// (Ulysses' local attention).
 
 #include <ATen/ATen.h>
 
@@ -17,6 +24,7 @@
 
 #include "comm/ring_pipeline.h"
 #include "kernels/attention.h"
+#include "ops/attention_plan.h"
 #include "ops/device.h"
 #include "ops/sequence_layout.h"
 
@@ -26,6 +34,8 @@ namespace {
 constexpr const char* kForward = "ring_attention_fwd";
 constexpr const char* kBackward = "ring_attention_bwd";
 constexpr const char* kMerge = "lse_merge_";
+constexpr const char* kDocumentForward = "document_attention_fwd";
+constexpr const char* kDocumentBackward = "document_attention_bwd";
 
 using Layout = SequenceLayout;
 
@@ -171,69 +181,114 @@ void lse_merge_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& 
          16384 / std::max<int64_t>(1, layout.rows * layout.dim));
 }
 
-// ---- the ring ----
+// ---- tasks: block attention over row rectangles (ops/attention_plan.h) ----
 
-// Which query rows attend to which key rows of the block that came from rank
-// `source`, and whether with the causal kernel.
-struct BlockPlan {
-  bool skip = false;
-  int64_t q_start = 0, q_len = 0, kv_start = 0, kv_len = 0;
-  bool causal = false;
-};
-
-BlockPlan plan_block(bool causal, Layout layout, int rank, int source, int64_t seq) {
-  BlockPlan all{false, 0, seq, 0, seq, false};
-  if (!causal) return all;
-  if (source == rank) {
-    all.causal = true;  // the local chunks in sequence order: causal on their concatenation
-    return all;
-  }
-  const int64_t half = seq / 2;
-  if (layout == Layout::kContiguous) {
-    if (source < rank) return all;  // an earlier chunk: fully visible
-    return BlockPlan{true};         // a later chunk: fully masked
-  }
-  // zigzag: this rank holds chunks (r, 2N-1-r), the source (j, 2N-1-j).
-  if (source < rank) return BlockPlan{false, 0, seq, 0, half, false};  // every query sees chunk j only
-  return BlockPlan{false, half, half, 0, seq, false};                   // only chunk 2N-1-r sees both
+at::Tensor query_rows(const at::Tensor& t, const AttentionTask& task) {
+  const auto rows = task.batch < 0 ? t : t.narrow(0, task.batch, 1);
+  return rows.narrow(2, task.q_start, task.q_len);
 }
+
+at::Tensor key_rows(const at::Tensor& t, const AttentionTask& task) {
+  const auto rows = task.batch < 0 ? t : t.narrow(0, task.batch, 1);
+  return rows.narrow(2, task.kv_start, task.kv_len);
+}
+
+// Merges the task's attention into the accumulators out / lse (fp32 or fp64, like q's rows).
+void attend(const AttentionTask& task, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
+            const at::Tensor& out, const at::Tensor& lse, double scale) {
+  auto [block_out, block_lse] =
+      block_forward(query_rows(q, task), key_rows(k, task), key_rows(v, task), task.causal, scale);
+  lse_merge_(query_rows(out, task), query_rows(lse, task), block_out, block_lse);
+}
+
+// Adds the task's gradients to dq (at q's rows) and dk / dv (at k's rows).
+void attend_backward(const AttentionTask& task, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k,
+                     const at::Tensor& v, const at::Tensor& out, const at::Tensor& lse, const at::Tensor& dq,
+                     const at::Tensor& dk, const at::Tensor& dv, double scale) {
+  const auto rows = [&](const at::Tensor& t) { return query_rows(t, task); };
+  auto [dq_block, dk_block, dv_block] = block_backward(rows(grad_out), rows(q), key_rows(k, task),
+                                                       key_rows(v, task), rows(out), rows(lse), task.causal, scale);
+  rows(dq).add_(dq_block);
+  key_rows(dk, task).add_(dk_block);
+  key_rows(dv, task).add_(dv_block);
+}
+
+// ---- document ids ----
+
+void check_document_ids(const char* op, const at::Tensor& ids, const at::Tensor& q) {
+  TORCH_CHECK_TYPE(
+      at::isIntegralType(ids.scalar_type(), /*includeBool=*/false), op,
+      ": document_ids must be an integer tensor, got ", ids.scalar_type());
+  TORCH_CHECK(
+      ids.dim() == 2 && ids.size(0) == q.size(0) && ids.size(1) == q.size(2), op, ": document_ids ", ids.sizes(),
+      " must be [batch, seq_local] = [", q.size(0), ", ", q.size(2), "]");
+  TORCH_CHECK(ids.device() == q.device(), op, ": document_ids must be on q's device (", q.device(), "), got ",
+              ids.device());
+}
+
+// The document ids of every ring rank, [ring size, batch, seq_local] int64 on the host (one small all-gather;
+// a GPU's ids are copied to the host, which waits for them).
+at::Tensor gather_ring_document_ids(comm::Ring& ring, const at::Tensor& ids) {
+  auto local = ids.to(at::kLong).contiguous();
+  auto all = at::empty({ring.size() * local.size(0), local.size(1)}, local.options());  // rank-major rows
+  ring.group()._allgather_base(all, local)->wait();
+  return all.to(at::kCPU).contiguous().view({ring.size(), local.size(0), local.size(1)});
+}
+
+// The tasks of the key block of ring rank `source`, cut by documents when `ids` (gathered) is defined.
+std::vector<AttentionTask> ring_block_tasks(const comm::Ring& ring, int source, bool causal, Layout layout,
+                                            int64_t seq, const at::Tensor& ids) {
+  auto tasks = plan_ring_block(causal, layout == Layout::kZigzag, ring.rank(), source, seq);
+  if (!ids.defined()) return tasks;
+  return split_by_document(tasks, ids[ring.rank()].const_data_ptr<int64_t>(), ids[source].const_data_ptr<int64_t>(),
+                           ids.size(1), seq);
+}
+
+// ---- the ring ----
 
 std::tuple<at::Tensor, at::Tensor> ring_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       c10::string_view group_name, bool causal, double scale,
-                                                      c10::string_view layout_name) {
+                                                      c10::string_view layout_name,
+                                                      const std::optional<at::Tensor>& document_ids) {
   const Layout layout = parse_sequence_layout(kForward, layout_name);
   check_qkv(kForward, q, k, v, layout);
+  if (document_ids) check_document_ids(kForward, *document_ids, q);
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto out = at::zeros(q.sizes(), acc_options);
   auto lse = at::full({q.size(0), q.size(1), seq}, -std::numeric_limits<double>::infinity(), acc_options);
   if (q.numel() == 0) return {out.to(q.scalar_type()), lse};  // no rows (the ATen kernels reject them)
   comm::Ring ring(group_name);
+  const auto ids = document_ids ? gather_ring_document_ids(ring, *document_ids) : at::Tensor();
   comm::for_each_ring_block(ring, kForward, "k/v block", at::stack({k, v}), [&](const at::Tensor& kv, int source) {
-    const auto plan = plan_block(causal, layout, ring.rank(), source, seq);
-    if (plan.skip) return;
-    auto [block_out, block_lse] = block_forward(
-        q.narrow(2, plan.q_start, plan.q_len), kv[0].narrow(2, plan.kv_start, plan.kv_len),
-        kv[1].narrow(2, plan.kv_start, plan.kv_len), plan.causal, scale);
-    lse_merge_(out.narrow(2, plan.q_start, plan.q_len), lse.narrow(2, plan.q_start, plan.q_len), block_out,
-               block_lse);
+    for (const auto& task : ring_block_tasks(ring, source, causal, layout, seq, ids)) {
+      attend(task, q, kv[0], kv[1], out, lse, scale);
+    }
   });
   return {out.to(q.scalar_type()), lse};
 }
 
+void check_backward_operands(const char* op, const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& out,
+                             const at::Tensor& lse) {
+  TORCH_CHECK(
+      grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), op, ": grad_out ", grad_out.sizes(), " and out ",
+      out.sizes(), " must have q's shape ", q.sizes());
+  TORCH_CHECK(
+      lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2), op,
+      ": lse ", lse.sizes(), " must be [batch, q heads, seq] = [", q.size(0), ", ", q.size(1), ", ", q.size(2), "]");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, c10::string_view group_name, bool causal, double scale, c10::string_view layout_name) {
+    const at::Tensor& lse, c10::string_view group_name, bool causal, double scale, c10::string_view layout_name,
+    const std::optional<at::Tensor>& document_ids) {
   const Layout layout = parse_sequence_layout(kBackward, layout_name);
   check_qkv(kBackward, q, k, v, layout);
-  TORCH_CHECK(
-      grad_out.sizes() == q.sizes() && out.sizes() == q.sizes(), kBackward, ": grad_out ", grad_out.sizes(),
-      " and out ", out.sizes(), " must have q's shape ", q.sizes());
-  TORCH_CHECK(
-      lse.dim() == 3 && lse.size(0) == q.size(0) && lse.size(1) == q.size(1) && lse.size(2) == q.size(2), kBackward,
-      ": lse ", lse.sizes(), " must be [batch, q heads, seq] = [", q.size(0), ", ", q.size(1), ", ", q.size(2), "]");
+  check_backward_operands(kBackward, grad_out, q, out, lse);
+  if (document_ids) check_document_ids(kBackward, *document_ids, q);
   if (q.numel() == 0) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
   comm::Ring ring(group_name);
+  const auto ids = document_ids ? gather_ring_document_ids(ring, *document_ids) : at::Tensor();
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto dq = at::zeros(q.sizes(), acc_options);
@@ -243,15 +298,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
   comm::for_each_ring_block(ring, kBackward, "k/v block", kv_local, [&](const at::Tensor& kv, int source) {
     const auto& partial = dkv.contribution();
     partial.zero_();
-    const auto plan = plan_block(causal, layout, ring.rank(), source, seq);
-    if (!plan.skip) {
-      const auto rows = [&](const at::Tensor& t) { return t.narrow(2, plan.q_start, plan.q_len); };
-      const auto keys = [&](const at::Tensor& t) { return t.narrow(2, plan.kv_start, plan.kv_len); };
-      auto [dq_block, dk_block, dv_block] = block_backward(rows(grad_out), rows(q), keys(kv[0]), keys(kv[1]),
-                                                           rows(out), rows(lse), plan.causal, scale);
-      rows(dq).add_(dq_block);
-      keys(partial[0]).add_(dk_block);
-      keys(partial[1]).add_(dv_block);
+    for (const auto& task : ring_block_tasks(ring, source, causal, layout, seq, ids)) {
+      attend_backward(task, grad_out, q, kv[0], kv[1], out, lse, dq, partial[0], partial[1], scale);
     }
     dkv.pass();
   });
@@ -261,12 +309,77 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
           dkv_own[1].to(v.scalar_type(), false, /*copy=*/true)};
 }
 
+// ---- document attention on one rank (the Ulysses path: every token of the sequence, a head shard) ----
+
+std::vector<AttentionTask> document_tasks(const at::Tensor& document_ids, bool causal) {
+  const auto ids = document_ids.to(at::kCPU, at::kLong).contiguous();
+  const int64_t seq = ids.size(1);
+  return split_by_document(plan_ring_block(causal, false, 0, 0, seq), ids.const_data_ptr<int64_t>(),
+                           ids.const_data_ptr<int64_t>(), ids.size(0), seq);
+}
+
+std::tuple<at::Tensor, at::Tensor> document_attention_fwd(const at::Tensor& q, const at::Tensor& k,
+                                                          const at::Tensor& v, const at::Tensor& document_ids,
+                                                          bool causal, double scale) {
+  check_qkv(kDocumentForward, q, k, v, Layout::kContiguous);
+  check_document_ids(kDocumentForward, document_ids, q);
+  const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
+  auto out = at::zeros(q.sizes(), acc_options);
+  auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<double>::infinity(), acc_options);
+  if (q.numel() == 0) return {out.to(q.scalar_type()), lse};
+  for (const auto& task : document_tasks(document_ids, causal)) attend(task, q, k, v, out, lse, scale);
+  return {out.to(q.scalar_type()), lse};
+}
+
+std::tuple<at::Tensor, at::Tensor, at::Tensor> document_attention_bwd(
+    const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
+    const at::Tensor& lse, const at::Tensor& document_ids, bool causal, double scale) {
+  check_qkv(kDocumentBackward, q, k, v, Layout::kContiguous);
+  check_backward_operands(kDocumentBackward, grad_out, q, out, lse);
+  check_document_ids(kDocumentBackward, document_ids, q);
+  const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
+  auto dq = at::zeros(q.sizes(), acc_options);
+  auto dk = at::zeros(k.sizes(), acc_options);
+  auto dv = at::zeros(v.sizes(), acc_options);
+  if (q.numel() != 0) {
+    for (const auto& task : document_tasks(document_ids, causal)) {
+      attend_backward(task, grad_out, q, k, v, out, lse, dq, dk, dv, scale);
+    }
+  }
+  return {dq.to(q.scalar_type()), dk.to(k.scalar_type()), dv.to(v.scalar_type())};
+}
+
+// ---- the work report ----
+
+at::Tensor context_attention_work(const at::Tensor& document_ids, int64_t ranks, c10::string_view layout_name,
+                                  bool causal) {
+  constexpr const char* op = "context_attention_work";
+  const Layout layout = parse_sequence_layout(op, layout_name);
+  TORCH_CHECK_TYPE(
+      at::isIntegralType(document_ids.scalar_type(), /*includeBool=*/false), op,
+      ": document_ids must be an integer tensor, got ", document_ids.scalar_type());
+  TORCH_CHECK(document_ids.dim() == 2, op, ": document_ids must be [batch, seq], got ", document_ids.sizes());
+  TORCH_CHECK_VALUE(ranks > 0, op, ": ranks must be positive, got ", ranks);
+  const int64_t parts = layout == Layout::kZigzag ? 2 * ranks : ranks;
+  TORCH_CHECK_VALUE(
+      document_ids.size(1) % parts == 0, op, ": the sequence (", document_ids.size(1), ") must split into ", parts,
+      " equal chunks for the ", std::string(layout_name), " layout over ", ranks, " ranks");
+  const auto ids = document_ids.to(at::kCPU, at::kLong).contiguous();
+  const auto work = ring_attention_work(ids.const_data_ptr<int64_t>(), ids.size(0), ids.size(1),
+                                        static_cast<int>(ranks), layout == Layout::kZigzag, causal);
+  return at::tensor(work, at::kLong).view({ranks, ranks});
+}
+
 }  // namespace
 
 TDX_IMPL_ON_EVERY_DEVICE(register_attention) {
   m.impl("ring_attention_fwd", &ring_attention_fwd);
   m.impl("ring_attention_bwd", &ring_attention_bwd);
   m.impl("lse_merge_", &lse_merge_);
+  m.impl("document_attention_fwd", &document_attention_fwd);
+  m.impl("document_attention_bwd", &document_attention_bwd);
 }
+
+TORCH_LIBRARY_IMPL(tdx, CPU, m) { m.impl("context_attention_work", &context_attention_work); }
 
 }  // namespace tdx::ops

@@ -51,6 +51,26 @@ def ring_bwd_lse_shape():
     return tdx.ring_attention_bwd, (q, q, q, q, q, randn(1, 2, 3), group(), False, 0.5, "zigzag")
 
 
+def ring_document_ids_float():
+    q = randn(1, 2, 4, 8)
+    return tdx.ring_attention_fwd, (q, q, q, group(), True, 0.5, "zigzag", randn(1, 4))
+
+
+def ring_document_ids_shape():
+    q = randn(1, 2, 4, 8)
+    return tdx.ring_attention_fwd, (q, q, q, group(), True, 0.5, "zigzag", torch.zeros(1, 6, dtype=torch.long))
+
+
+def document_attention_ids_shape():
+    q = randn(2, 2, 4, 8)
+    return tdx.document_attention_fwd, (q, q, q, torch.zeros(1, 4, dtype=torch.long), True, 0.5)
+
+
+def document_attention_bwd_lse_shape():
+    q = randn(1, 2, 4, 8)
+    return tdx.document_attention_bwd, (q, q, q, q, q, randn(1, 2, 3), torch.zeros(1, 4, dtype=torch.long), True, 0.5)
+
+
 def merge_block_shape():
     return tdx.lse_merge_, (randn(2, 4, 8), randn(2, 4), randn(2, 4, 7), randn(2, 4))
 
@@ -120,6 +140,10 @@ CASES = [
     (ring_kv_length_mismatch, RuntimeError, "must agree in batch, local sequence and head_dim"),
     (ring_heads_do_not_divide, RuntimeError, r"q heads \(3\) must be a positive multiple of kv heads \(2\)"),
     (ring_bad_layout, ValueError, "layout must be 'contiguous' or 'zigzag'"),
+    (ring_document_ids_float, TypeError, "document_ids must be an integer tensor"),
+    (ring_document_ids_shape, RuntimeError, r"document_ids \[1, 6\] must be \[batch, seq_local\] = \[1, 4\]"),
+    (document_attention_ids_shape, RuntimeError, r"document_ids \[1, 4\] must be \[batch, seq_local\] = \[2, 4\]"),
+    (document_attention_bwd_lse_shape, RuntimeError, r"lse .* must be \[batch, q heads, seq\]"),
     (ring_odd_zigzag, RuntimeError, "the zigzag layout needs an even local sequence"),
     (ring_bwd_lse_shape, RuntimeError, r"must be \[batch, q heads, seq\]"),
     (merge_block_shape, RuntimeError, "block_out .* and block_lse .* must match out"),

@@ -7,7 +7,12 @@ every backward calls registered ops only.
 """
 
 from torchdist_ext.ops.all_to_all import all_to_all_heads_to_seq, all_to_all_seq_to_heads
-from torchdist_ext.ops.attention import lse_merge_, ring_attention_fwd
+from torchdist_ext.ops.attention import (
+    context_attention_work,
+    document_attention_fwd,
+    lse_merge_,
+    ring_attention_fwd,
+)
 from torchdist_ext.ops.collective_matmul import (
     all_gather_matmul,
     all_gather_weight_grad,
@@ -23,6 +28,8 @@ __all__ = [
     "all_gather_weight_grad",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
+    "context_attention_work",
+    "document_attention_fwd",
     "fp8_cast_amax",
     "fp8_cast_transpose_amax",
     "linear_dgrad",

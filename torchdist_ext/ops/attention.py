@@ -1,4 +1,4 @@
-"""Ring attention over a sequence-sharded group (``tdx::ring_attention_fwd`` family).
+"""Ring attention over a sequence-sharded group (``tdx::ring_attention_fwd`` family), and document attention.
 
 Tensors are in the SDPA layout ``[batch, heads, seq_local, head_dim]``: this
 rank's shard of the sequence in ``layout`` ("contiguous": rank r holds chunk r
@@ -7,26 +7,49 @@ than ``q`` (a divisor). Key/value blocks travel the ring at kv heads while the
 current block is computed; partial results merge by log-sum-exp
 (``tdx::lse_merge_``, our fused kernel). The backward reuses the saved global
 log-sum-exp and sends dK/dV around the ring with the key/value blocks.
+
+Packed sequences: ``document_ids`` ``[batch, seq_local]`` (any integer dtype) are
+the per-token documents of this rank's shard, sharded like the tokens. A token
+attends only to tokens of its own document; a negative id is padding, whose
+output and gradients are exactly 0. Blocks that no document spans are skipped.
+``document_attention_fwd`` is the same masked attention on one rank's whole
+sequence (Ulysses' local attention).
 """
 
 import torch
 from torch import Tensor
 
-__all__ = ["ring_attention_fwd", "lse_merge_"]
+__all__ = ["context_attention_work", "document_attention_fwd", "lse_merge_", "ring_attention_fwd"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _LAYOUTS = ("contiguous", "zigzag")
 
 
 def ring_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, layout: str
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, layout: str,
+    document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)``: attention of this rank's queries over the whole sequence.
 
     ``out`` is laid out like ``q``; ``lse`` is ``[batch, q_heads, seq_local]`` (fp32,
-    fp64 for fp64 inputs) and carries no gradient.
+    fp64 for fp64 inputs; -inf on padding rows) and carries no gradient.
     """
-    return torch.ops.tdx.ring_attention_fwd(q, k, v, group_name, causal, scale, layout)
+    return torch.ops.tdx.ring_attention_fwd(q, k, v, group_name, causal, scale, layout, document_ids)
+
+
+def document_attention_fwd(
+    q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, causal: bool, scale: float
+) -> tuple[Tensor, Tensor]:
+    """``(out, lse)``: attention over the whole local sequence ``[batch, heads, seq, head_dim]``, each token
+    over its own document (``document_ids`` ``[batch, seq]``), causal or not."""
+    return torch.ops.tdx.document_attention_fwd(q, k, v, document_ids, causal, scale)
+
+
+def context_attention_work(document_ids: Tensor, ranks: int, layout: str, causal: bool) -> Tensor:
+    """``[ranks, ranks]`` int64 (CPU): the attention scores (query, key pairs over the batch, per head) that
+    ring rank r computes for the key block of rank s, for ``document_ids`` ``[batch, seq]`` of the whole
+    sequence in order. Row sums are the per-rank work; zeros are skipped blocks."""
+    return torch.ops.tdx.context_attention_work(document_ids.cpu(), ranks, layout, causal)
 
 
 def lse_merge_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -79,18 +102,43 @@ def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
     )
 
 
-@torch.library.register_fake("tdx::ring_attention_fwd")
-def _(q, k, v, group_name, causal, scale, layout):
-    _check_qkv("ring_attention_fwd", q, k, v, layout)
+def _check_document_ids(op: str, ids: Tensor | None, q: Tensor) -> None:
+    if ids is None:
+        return
+    torch._check_type(
+        not ids.dtype.is_floating_point and not ids.dtype.is_complex and ids.dtype != torch.bool,
+        lambda: f"{op}: document_ids must be an integer tensor, got {ids.dtype}",
+    )
+    torch._check(
+        ids.dim() == 2 and ids.shape[0] == q.shape[0] and ids.shape[1] == q.shape[2],
+        lambda: f"{op}: document_ids {list(ids.shape)} must be [batch, seq_local] = [{q.shape[0]}, {q.shape[2]}]",
+    )
+    torch._check(ids.device == q.device, lambda: f"{op}: document_ids must be on q's device ({q.device}), got {ids.device}")
+
+
+def _forward_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
     return torch.empty_like(q, memory_format=torch.contiguous_format), q.new_empty(
         q.shape[:3], dtype=_accumulation_dtype(q)
     )
 
 
-@torch.library.register_fake("tdx::ring_attention_bwd")
-def _(grad_out, q, k, v, out, lse, group_name, causal, scale, layout):
-    op = "ring_attention_bwd"
+@torch.library.register_fake("tdx::ring_attention_fwd")
+def _(q, k, v, group_name, causal, scale, layout, document_ids=None):
+    _check_qkv("ring_attention_fwd", q, k, v, layout)
+    _check_document_ids("ring_attention_fwd", document_ids, q)
+    return _forward_outputs(q)
+
+
+@torch.library.register_fake("tdx::document_attention_fwd")
+def _(q, k, v, document_ids, causal, scale):
+    _check_qkv("document_attention_fwd", q, k, v, "contiguous")
+    _check_document_ids("document_attention_fwd", document_ids, q)
+    return _forward_outputs(q)
+
+
+def _check_backward(op, grad_out, q, k, v, out, lse, layout, document_ids):
     _check_qkv(op, q, k, v, layout)
+    _check_document_ids(op, document_ids, q)
     torch._check(
         grad_out.shape == q.shape and out.shape == q.shape,
         lambda: f"{op}: grad_out {tuple(grad_out.shape)} and out {tuple(out.shape)} must have q's shape "
@@ -100,6 +148,22 @@ def _(grad_out, q, k, v, out, lse, group_name, causal, scale, layout):
         lse.shape == q.shape[:3], lambda: f"{op}: lse {tuple(lse.shape)} must be [batch, q heads, seq] = {tuple(q.shape[:3])}"
     )
     return tuple(torch.empty_like(t, memory_format=torch.contiguous_format) for t in (q, k, v))
+
+
+@torch.library.register_fake("tdx::ring_attention_bwd")
+def _(grad_out, q, k, v, out, lse, group_name, causal, scale, layout, document_ids=None):
+    return _check_backward("ring_attention_bwd", grad_out, q, k, v, out, lse, layout, document_ids)
+
+
+@torch.library.register_fake("tdx::document_attention_bwd")
+def _(grad_out, q, k, v, out, lse, document_ids, causal, scale):
+    return _check_backward("document_attention_bwd", grad_out, q, k, v, out, lse, "contiguous", document_ids)
+
+
+@torch.library.register_fake("tdx::context_attention_work")
+def _(document_ids, ranks, layout, causal):
+    torch._check_value(layout in _LAYOUTS, lambda: f"context_attention_work: layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    return document_ids.new_empty((ranks, ranks), dtype=torch.int64)
 
 
 @torch.library.register_fake("tdx::lse_merge_")
@@ -145,18 +209,39 @@ def _(out, lse, block_out, block_lse):
     return None
 
 
-def _setup_context(ctx, inputs, output):
-    q, k, v, group_name, causal, scale, layout = inputs
+def _ring_setup_context(ctx, inputs, output):
+    q, k, v, group_name, causal, scale, layout, *document_ids = inputs
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse)
+    ctx.save_for_backward(q, k, v, out, lse, *document_ids)
     ctx.args = (group_name, causal, scale, layout)
     ctx.mark_non_differentiable(lse)
 
 
-def _backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse = ctx.saved_tensors
-    grad_q, grad_k, grad_v = torch.ops.tdx.ring_attention_bwd(grad_out.contiguous(), q, k, v, out, lse, *ctx.args)
-    return grad_q, grad_k, grad_v, None, None, None, None
+def _ring_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, *document_ids = ctx.saved_tensors
+    grad_q, grad_k, grad_v = torch.ops.tdx.ring_attention_bwd(
+        grad_out.contiguous(), q, k, v, out, lse, *ctx.args, *document_ids
+    )
+    return grad_q, grad_k, grad_v, None, None, None, None, None
 
 
-torch.library.register_autograd("tdx::ring_attention_fwd", _backward, setup_context=_setup_context)
+def _document_setup_context(ctx, inputs, output):
+    q, k, v, document_ids, causal, scale = inputs
+    out, lse = output
+    ctx.save_for_backward(q, k, v, out, lse, document_ids)
+    ctx.args = (causal, scale)
+    ctx.mark_non_differentiable(lse)
+
+
+def _document_backward(ctx, grad_out, _grad_lse):
+    q, k, v, out, lse, document_ids = ctx.saved_tensors
+    grad_q, grad_k, grad_v = torch.ops.tdx.document_attention_bwd(
+        grad_out.contiguous(), q, k, v, out, lse, document_ids, *ctx.args
+    )
+    return grad_q, grad_k, grad_v, None, None, None
+
+
+torch.library.register_autograd("tdx::ring_attention_fwd", _ring_backward, setup_context=_ring_setup_context)
+torch.library.register_autograd(
+    "tdx::document_attention_fwd", _document_backward, setup_context=_document_setup_context
+)

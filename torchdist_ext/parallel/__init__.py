@@ -13,9 +13,10 @@ Tensor parallelism (``tp_mesh``), Megatron semantics, optional sequence parallel
 
 Context parallelism (attention tensors [batch, heads, seq_local, head_dim]; ``cp_mesh`` 1-D, or 2-D
 ``[ring, ulysses]`` for the hybrid; shard with the same ``cp_mesh`` and ``layout``):
-    ring_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")
-    ulysses_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")
-    hybrid_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag")
+    ring_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag", document_ids=None)
+    ulysses_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag", document_ids=None)
+    hybrid_attention(q, k, v, *, cp_mesh, causal=False, scale=None, layout="zigzag", document_ids=None)
+    (document_ids [batch, seq_local]: packed documents, sharded like the tokens; negative = padding)
     shard_sequence(x, *, cp_mesh, dim, layout="zigzag") / unshard_sequence(x_local, *, cp_mesh, dim, layout="zigzag")
 
 Expert parallelism (``ep_mesh``: its ranks see different tokens):

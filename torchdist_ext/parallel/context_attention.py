@@ -17,17 +17,28 @@ For every layout, unsharding the output of the sharded computation equals
 
 ``layout`` ("zigzag", the default, or "contiguous") is how ``shard_sequence`` cut
 the sequence over the ring (or Ulysses) ranks; zigzag balances causal work.
+
+Packed sequences: ``document_ids`` ``[batch, seq_local]`` (integers) are the
+per-token documents of this rank's shard, cut by ``shard_sequence`` exactly like
+the tokens (same ``cp_mesh``, ``layout``, ``dim=1``). A token attends only to
+tokens of its own document (and, with ``causal``, only to earlier ones); a
+negative id marks padding, whose output and gradients are exactly 0. The ring
+skips blocks that no document spans (``ops.context_attention_work`` reports the
+per-rank work of a document mix); the ids may change every step without a
+recompile.
 """
 
 import math
 
+import torch
 import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext import ops
 from torchdist_ext.parallel.mesh_group import MeshGroup
-from torchdist_ext.parallel.sequence_sharding import check_layout, context_parallel_groups
+from torchdist_ext.parallel.regions import gather_from_region
+from torchdist_ext.parallel.sequence_sharding import check_layout, context_parallel_groups, unshard_sequence
 
 __all__ = ["hybrid_attention", "ring_attention", "ulysses_attention"]
 
@@ -54,6 +65,22 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
 
 
+def _check_document_ids(document_ids: Tensor | None, q: Tensor) -> None:
+    if document_ids is None:
+        return
+    if not isinstance(document_ids, Tensor):
+        raise TypeError(f"document_ids must be a torch.Tensor or None, got {type(document_ids).__name__}")
+    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
+        raise TypeError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
+    if tuple(document_ids.shape) != (q.shape[0], q.shape[2]):
+        raise ValueError(
+            f"document_ids has shape {tuple(document_ids.shape)}; it must be [batch, seq_local] = "
+            f"[{q.shape[0]}, {q.shape[2]}], this rank's shard of the ids (shard_sequence with dim=1)"
+        )
+    if document_ids.device != q.device:
+        raise ValueError(f"document_ids is on {document_ids.device}; it must be on q's device {q.device}")
+
+
 def _check_zigzag(q: Tensor, layout: str) -> None:
     if layout == "zigzag" and q.shape[2] % 2:
         raise ValueError(
@@ -73,9 +100,20 @@ def _one_dim(cp_mesh: DeviceMesh, function: str) -> MeshGroup:
     return ring
 
 
-def _ring(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, causal: bool, scale: float, layout: str) -> Tensor:
-    out, _ = ops.ring_attention_fwd(q, k, v, group.name, bool(causal), scale, layout)
+def _ring(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, causal: bool, scale: float, layout: str,
+          document_ids: Tensor | None) -> Tensor:
+    out, _ = ops.ring_attention_fwd(q, k, v, group.name, bool(causal), scale, layout, document_ids)
     return out
+
+
+def _local_documents(document_ids: Tensor, causal: bool, scale: float):
+    """Attention of a head shard of the whole sequence over the documents ``document_ids`` [batch, seq]."""
+
+    def attend(q_h: Tensor, k_h: Tensor, v_h: Tensor) -> Tensor:
+        out, _ = ops.document_attention_fwd(q_h, k_h, v_h, document_ids, bool(causal), scale)
+        return out
+
+    return attend
 
 
 def _local_sdpa(causal: bool, scale: float):
@@ -111,31 +149,41 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, arg: str, layout
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                   scale: float | None = None, layout: str = "zigzag") -> Tensor:
+                   scale: float | None = None, layout: str = "zigzag", document_ids: Tensor | None = None) -> Tensor:
     """Attention of this rank's sequence shard over the whole sequence, K/V passed around the 1-D ``cp_mesh``."""
     _check_qkv(q, k, v)
     check_layout(layout)
+    _check_document_ids(document_ids, q)
     group = _one_dim(cp_mesh, "ring_attention")
     _check_zigzag(q, layout)
-    return _ring(q, k, v, group, causal, _scale(q, scale), layout)
+    return _ring(q, k, v, group, causal, _scale(q, scale), layout, document_ids)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                      scale: float | None = None, layout: str = "zigzag") -> Tensor:
+                      scale: float | None = None, layout: str = "zigzag",
+                      document_ids: Tensor | None = None) -> Tensor:
     """Attention via one all-to-all to head shards over the 1-D ``cp_mesh`` and one back.
 
     The all-to-all puts the gathered sequence in order whatever ``layout`` cut it, so causal
-    attention is plain causal SDPA on every rank.
+    attention is plain causal SDPA on every rank; with ``document_ids`` the ids are all-gathered
+    (in order) and each rank attends document by document.
     """
     _check_qkv(q, k, v)
     check_layout(layout)
+    _check_document_ids(document_ids, q)
     group = _one_dim(cp_mesh, "ulysses_attention")
     _check_zigzag(q, layout)
-    return _ulysses(q, k, v, group, "cp_mesh", layout, _local_sdpa(causal, _scale(q, scale)))
+    if document_ids is None:
+        attend = _local_sdpa(causal, _scale(q, scale))
+    else:
+        attend = _local_documents(unshard_sequence(document_ids, cp_mesh=cp_mesh, dim=1, layout=layout), causal,
+                                  _scale(q, scale))
+    return _ulysses(q, k, v, group, "cp_mesh", layout, attend)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                     scale: float | None = None, layout: str = "zigzag") -> Tensor:
+                     scale: float | None = None, layout: str = "zigzag",
+                     document_ids: Tensor | None = None) -> Tensor:
     """Ulysses over dim 1 of the 2-D ``cp_mesh`` ``[ring, ulysses]`` around ring attention over dim 0.
 
     ``layout`` cuts the sequence over the ring ranks; each ring shard is split contiguously over the
@@ -143,6 +191,7 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, ca
     """
     _check_qkv(q, k, v)
     check_layout(layout)
+    _check_document_ids(document_ids, q)
     ring, ulysses = context_parallel_groups(cp_mesh)
     if ulysses is None:
         raise ValueError(
@@ -150,9 +199,11 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, ca
             f"got a 1-D mesh of size {ring.size}"
         )
     scale = _scale(q, scale)
+    # The ids of this ring rank's shard: the Ulysses ranks' contiguous pieces, in order.
+    ring_ids = None if document_ids is None else gather_from_region(document_ids, ulysses, 1)
 
     def ring_over_heads(q_h: Tensor, k_h: Tensor, v_h: Tensor) -> Tensor:
         _check_zigzag(q_h, layout)
-        return _ring(q_h, k_h, v_h, ring, causal, scale, layout)
+        return _ring(q_h, k_h, v_h, ring, causal, scale, layout, ring_ids)
 
     return _ulysses(q, k, v, ulysses, "cp_mesh dim 1 (ulysses)", "contiguous", ring_over_heads)

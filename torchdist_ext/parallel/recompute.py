@@ -30,7 +30,7 @@ _COMMUNICATING = [
     _c10d.reduce_scatter_tensor, _c10d.all_to_all_single, _c10d.wait_tensor,
 ]
 _COMPUTE_BOUND = [
-    _aten.mm, _aten.addmm, _aten.bmm, _aten._scaled_mm, _tdx.moe_grouped_mm,
+    _aten.mm, _aten.addmm, _aten.bmm, _aten._scaled_mm, _tdx.moe_grouped_mm, _tdx.document_attention_fwd,
     _aten._scaled_dot_product_flash_attention, _aten._scaled_dot_product_efficient_attention,
     _aten._scaled_dot_product_cudnn_attention, _aten._scaled_dot_product_flash_attention_for_cpu,
 ]
