@@ -46,11 +46,28 @@ class RMSNorm(nn.Module):
         self.weight = distribute_parameter(ones, self.tp, Replicate(), src_data_rank=None)
 
     @classmethod
-    def from_rms_norm(cls, norm: nn.RMSNorm, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> "RMSNorm":
-        """The parallel norm with ``norm``'s weight and eps (a 1-D ``normalized_shape`` with an affine weight)."""
-        if not isinstance(norm, nn.RMSNorm) or len(norm.normalized_shape) != 1 or norm.weight is None:
-            raise TypeError(f"norm must be an nn.RMSNorm over one dim with a weight, got {norm!r}")
-        layer = cls(norm.normalized_shape[0], tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, eps=norm.eps,
+    def from_rms_norm(cls, norm: nn.Module, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False) -> "RMSNorm":
+        """The parallel norm with ``norm``'s weight and eps.
+
+        ``norm`` is an ``nn.RMSNorm`` over one dim with a weight, or any RMSNorm-like module with a 1-D
+        ``weight`` and an ``eps`` or ``variance_epsilon`` attribute (Hugging Face's ``LlamaRMSNorm``,
+        ``Qwen2RMSNorm``, ...) that computes ``weight * x / sqrt(mean(x^2) + eps)``.
+        """
+        if isinstance(norm, nn.RMSNorm):
+            if len(norm.normalized_shape) != 1 or norm.weight is None:
+                raise TypeError(f"norm must be an nn.RMSNorm over one dim with a weight, got {norm!r}")
+            eps = norm.eps
+        elif isinstance(norm, (nn.LayerNorm, nn.GroupNorm)) or getattr(norm, "bias", None) is not None:
+            raise TypeError(f"norm must be an RMSNorm (no mean subtraction, no bias), got {type(norm).__name__}")
+        else:
+            weight = getattr(norm, "weight", None)
+            eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+            if not isinstance(weight, Tensor) or weight.dim() != 1 or not isinstance(eps, (int, float)):
+                raise TypeError(
+                    f"norm must be an nn.RMSNorm or an RMSNorm-like module with a 1-D weight and a float eps or "
+                    f"variance_epsilon, got {type(norm).__name__}"
+                )
+        layer = cls(norm.weight.shape[0], tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, eps=eps,
                     device="meta", dtype=norm.weight.dtype)
         layer.weight = distribute_parameter(norm.weight.detach(), layer.tp, Replicate(), src_data_rank=None)
         return layer
