@@ -14,10 +14,9 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_main_job(*flags: str, processes: int = 4) -> str:
+def run_main_job(*flags: str, processes: int = 4, script: Path = ROOT / "examples" / "train_llama.py") -> str:
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes),
-               str(ROOT / "examples" / "train_llama.py"), "--check", *flags]
+    command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes), str(script), "--check", *flags]
     # One inductor compile thread per rank: four ranks share two cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
