@@ -81,10 +81,11 @@ at::Tensor sum_head_groups(const at::Tensor& grad, int64_t kv_heads) {
 }
 
 void check_block_device(const at::Tensor& q) {
-  TORCH_CHECK(q.is_cpu() || q.is_cuda(), "ring_attention: no block attention kernel for ", q.device(), " tensors");
+  TORCH_CHECK(q.is_cpu() || q.is_cuda(), "ring_attention / document_attention: no block attention kernel for ",
+              q.device(), " tensors");
   TORCH_CHECK_TYPE(
-      q.is_cpu() || q.scalar_type() != at::kDouble, "ring_attention on CUDA: float64 is not supported by the ",
-      "block kernels; use float32, bfloat16 or float16");
+      q.is_cpu() || q.scalar_type() != at::kDouble, "ring_attention / document_attention on CUDA: float64 is not ",
+      "supported by the block kernels; use float32, bfloat16 or float16");
 }
 
 // (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] contiguous, in the accumulation dtype).
@@ -378,8 +379,7 @@ TDX_IMPL_ON_EVERY_DEVICE(register_attention) {
   m.impl("lse_merge_", &lse_merge_);
   m.impl("document_attention_fwd", &document_attention_fwd);
   m.impl("document_attention_bwd", &document_attention_bwd);
+  m.impl("context_attention_work", &context_attention_work);  // the plan runs on the host: a CPU result
 }
-
-TORCH_LIBRARY_IMPL(tdx, CPU, m) { m.impl("context_attention_work", &context_attention_work); }
 
 }  // namespace tdx::ops

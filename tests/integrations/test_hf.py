@@ -191,6 +191,9 @@ def check_from_rms_norm():
         RMSNorm.from_rms_norm(torch.nn.LayerNorm(8), tp_mesh=tp_mesh)
     with pytest.raises(TypeError, match="RMSNorm-like module with a 1-D weight and a float eps or variance_epsilon"):
         RMSNorm.from_rms_norm(torch.nn.Identity(), tp_mesh=tp_mesh)
+    gemma_norm = transformers.models.gemma.modeling_gemma.GemmaRMSNorm(8)  # scales by 1 + weight
+    with pytest.raises(TypeError, match=r"GemmaRMSNorm\) does not compute weight \* x / sqrt\(mean\(x\^2\) \+ eps\)"):
+        RMSNorm.from_rms_norm(gemma_norm, tp_mesh=tp_mesh)
     return True
 
 
@@ -218,6 +221,22 @@ def refuses(case: str):
     elif case == "output_attentions":
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)))
         model(input_ids=batches()["plain"]["input_ids"], output_attentions=True)
+    elif case == "gemma":
+        config = transformers.GemmaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=4, num_key_value_heads=2, head_dim=8)
+        parallelize_hf_model(transformers.GemmaForCausalLM(config), tp_mesh=cached_mesh((n,), ("tp",)))
+    elif case == "sliding_window":
+        config = transformers.MistralConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                            num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
+        parallelize_hf_model(transformers.MistralForCausalLM(config), tp_mesh=cached_mesh((n,), ("tp",)),
+                             sequence_parallel=True)
+    elif case == "layout_mismatch":
+        cp_mesh = cached_mesh((n,), ("cp",))
+        parallelize_hf_model(model, cp_mesh=cp_mesh, cp_layout="contiguous")
+        model(**shard_hf_batch(batches()["plain"], cp_mesh=cp_mesh))
+    elif case == "batch_shape":
+        shard_hf_batch({"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "attention_mask": torch.ones(1, SEQ)},
+                       cp_mesh=cached_mesh((n,), ("cp",)))
     elif case == "batch_key":
         shard_hf_batch({"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "pixel_values": 0},
                        cp_mesh=cached_mesh((n,), ("cp",)))
@@ -232,6 +251,11 @@ REFUSALS = [
     ("cp_unsharded_batch", ValueError, r"under context parallelism the model takes this rank's part .* shard_hf_batch"),
     ("four_d_mask", ValueError, r"attention_mask must be the 2-D \[batch, seq\] padding mask, got shape \(2, 1, 16, 16\)"),
     ("output_attentions", ValueError, "output_attentions=True is not supported"),
+    ("gemma", ValueError, r"config.model_type='gemma' is not one parallelize_hf_model knows"),
+    ("sliding_window", ValueError, r"sliding-window attention \(layers \[0, 1\], window 8\) is not supported"),
+    ("layout_mismatch", ValueError, r"sharded with shard_hf_batch\(layout='zigzag'\) but the model was parallelised "
+     r"with cp_layout='contiguous'"),
+    ("batch_shape", ValueError, r"batch\['attention_mask'\] has shape \(1, 16\); it must be \[batch, seq\] = \[2, 16\]"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
 ]
 

@@ -28,11 +28,12 @@
   parameters: the loss scales its gradient by the cp size, so FSDP's mean over dp x cp sums over cp
   and averages over dp (each dp rank's loss is the mean over its own tokens).
 
-Refused with a clear error instead of ignored: 4-D attention masks, attention dropout > 0,
-``output_attentions``, sliding-window or soft-capped attention, KV caches, and CP batches that did
-not come from ``shard_hf_batch``.
+Refused with a clear error instead of ignored: model types other than ``MODEL_TYPES`` (e.g. Gemma,
+whose norms scale by 1 + weight), 4-D attention masks, attention dropout > 0, ``output_attentions``,
+sliding-window or soft-capped attention, KV caches, CP batches that did not come from
+``shard_hf_batch`` or were cut in another layout.
 
-``transformers`` is not imported by this module: it works on any model with the Llama module names.
+``transformers`` is imported only to register the attention function.
 """
 
 import sys
@@ -60,10 +61,12 @@ from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.regions import reduce_from_region
 from torchdist_ext.parallel.sequence_sharding import check_layout, context_parallel_groups
 
-__all__ = ["ATTENTION_NAME", "CP_METHODS", "document_ids_from", "parallelize_hf_model", "shard_hf_batch"]
+__all__ = ["ATTENTION_NAME", "CP_METHODS", "MODEL_TYPES", "document_ids_from", "parallelize_hf_model",
+           "shard_hf_batch"]
 
 ATTENTION_NAME = "torchdist_ext"
 CP_METHODS = {"ring": ring_attention, "ulysses": ulysses_attention, "hybrid": hybrid_attention}
+MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
 IGNORE_INDEX = -100
 _BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
 
@@ -77,16 +80,16 @@ def document_ids_from(position_ids: Tensor, attention_mask: Tensor | None, batch
     return ids if attention_mask is None else ids.masked_fill(attention_mask == 0, -1)
 
 
-def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag",
-                   ignore_index: int = IGNORE_INDEX) -> dict:
+def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag") -> dict:
     """This rank's part of the batch a user would pass to the single-process model.
 
-    ``batch``: ``input_ids`` ``[batch, seq]``, optional ``labels`` (unshifted, HF's convention),
-    ``attention_mask`` (2-D padding mask) and ``position_ids``. Returns ``input_ids``,
-    ``position_ids`` (global), ``document_ids`` (padding and packed documents), and with labels
-    ``labels`` / ``shift_labels`` (shifted over the whole sequence before sharding) and
-    ``num_items_in_batch`` (the global count of target tokens): all sharded along the sequence
-    like ``shard_sequence(x, cp_mesh=cp_mesh, dim=1, layout=layout)``.
+    ``batch``: ``input_ids`` ``[batch, seq]``, optional ``labels`` (unshifted, HF's convention, -100
+    ignored), ``attention_mask`` (2-D padding mask) and ``position_ids``. Returns ``input_ids``,
+    ``position_ids`` (global), ``document_ids`` (padding and packed documents; None when every row is
+    one document without padding), and with labels ``labels`` / ``shift_labels`` (shifted over the
+    whole sequence before sharding) and ``num_items_in_batch`` (the global count of target tokens):
+    all sharded along the sequence like ``shard_sequence(x, cp_mesh=cp_mesh, dim=1, layout=layout)``;
+    and ``cp_layout``, which the model checks against its own.
     """
     if not isinstance(batch, dict):
         raise TypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
@@ -94,15 +97,23 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag",
     if unknown:
         raise ValueError(f"batch has keys {unknown} that shard_hf_batch does not know how to shard; it takes "
                          f"{list(_BATCH_KEYS)}")
+    check_layout(layout)
     input_ids = batch.get("input_ids")
-    if not isinstance(input_ids, Tensor) or input_ids.dim() != 2:
-        raise ValueError(f"batch['input_ids'] must be a [batch, seq] tensor, got {getattr(input_ids, 'shape', input_ids)}")
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"batch['input_ids'] must be a tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"batch['input_ids'] must be [batch, seq], got shape {tuple(input_ids.shape)}")
     size, seq = input_ids.shape
     for key in ("labels", "attention_mask", "position_ids"):
         value = batch.get(key)
-        if value is not None and (not isinstance(value, Tensor) or value.shape[-1] != seq or value.dim() != 2):
-            raise ValueError(f"batch[{key!r}] must be a [batch, seq] tensor like input_ids {tuple(input_ids.shape)}, "
-                             f"got {getattr(value, 'shape', type(value).__name__)}")
+        if value is None:
+            continue
+        if not isinstance(value, Tensor):
+            raise TypeError(f"batch[{key!r}] must be a tensor, got {type(value).__name__}")
+        allowed = ((size, seq), (1, seq)) if key == "position_ids" else ((size, seq),)
+        if tuple(value.shape) not in allowed:
+            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}; it must be [batch, seq] = "
+                             f"{[size, seq]} like input_ids")
     position_ids = batch.get("position_ids")
     if position_ids is None:
         position_ids = torch.arange(seq, device=input_ids.device)[None]
@@ -111,16 +122,19 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag",
     def shard(x: Tensor) -> Tensor:
         return shard_sequence(x.contiguous(), cp_mesh=cp_mesh, dim=1, layout=layout)
 
+    document_ids = document_ids_from(position_ids, batch.get("attention_mask"), size)
     local = {
         "input_ids": shard(input_ids),
         "position_ids": shard(position_ids),
-        "document_ids": shard(document_ids_from(position_ids, batch.get("attention_mask"), size)),
+        # One document per row and no padding: plain causal attention, one block call over the batch.
+        "document_ids": None if bool((document_ids == 0).all()) else shard(document_ids),
+        "cp_layout": layout,
     }
     labels = batch.get("labels")
     if labels is not None:
-        shifted = F.pad(labels, (0, 1), value=ignore_index)[:, 1:]
+        shifted = F.pad(labels, (0, 1), value=IGNORE_INDEX)[:, 1:]
         local["labels"] = local["shift_labels"] = shard(shifted)
-        local["num_items_in_batch"] = (shifted != ignore_index).sum()
+        local["num_items_in_batch"] = (shifted != IGNORE_INDEX).sum()
     return local
 
 
@@ -167,7 +181,7 @@ def _register_attention() -> None:
 
 # ---- the model's inputs ----
 
-def _inputs_hook(cp_mesh: DeviceMesh | None):
+def _inputs_hook(cp_mesh: DeviceMesh | None, cp_layout: str):
     """A forward pre-hook of the decoder (``model.model``): global positions, document ids, no HF mask."""
 
     def hook(decoder: nn.Module, args: tuple, kwargs: dict):
@@ -179,25 +193,30 @@ def _inputs_hook(cp_mesh: DeviceMesh | None):
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() != 2:
             raise ValueError(f"attention_mask must be the 2-D [batch, seq] padding mask, got shape {tuple(mask.shape)}")
+        layout = kwargs.pop("cp_layout", None)
         reference = kwargs.get("input_ids")
         if reference is None:
             reference = kwargs.get("inputs_embeds")
         if cp_mesh is not None:
-            if kwargs.get("position_ids") is None or kwargs.get("document_ids") is None or mask is not None:
-                raise ValueError(
-                    "under context parallelism the model takes this rank's part of the batch from "
-                    "shard_hf_batch(batch, cp_mesh=...): global position_ids and document_ids, no attention_mask"
-                )
-        else:
+            if layout is None or kwargs.get("position_ids") is None:
+                raise ValueError("under context parallelism the model takes this rank's part of the batch from "
+                                 "shard_hf_batch(batch, cp_mesh=...) (its global position_ids and cp_layout)")
+            if layout != cp_layout:
+                raise ValueError(f"the batch was sharded with shard_hf_batch(layout={layout!r}) but the model was "
+                                 f"parallelised with cp_layout={cp_layout!r}; use the same layout")
+            if mask is not None:
+                raise ValueError("under context parallelism pass the attention_mask to shard_hf_batch, which turns "
+                                 "it into document_ids, not to the model")
+        elif reference is not None:  # (neither input: HF's own check raises)
             position_ids = kwargs.get("position_ids")
+            packed = position_ids is not None
             if position_ids is None:
                 position_ids = torch.arange(reference.shape[1], device=reference.device)[None]
                 kwargs["position_ids"] = position_ids
-                packed = False
-            else:
-                packed = True
             if kwargs.get("document_ids") is None and (packed or mask is not None):
                 kwargs["document_ids"] = document_ids_from(position_ids, mask, reference.shape[0])
+            elif mask is not None:
+                kwargs["document_ids"] = kwargs["document_ids"].masked_fill(mask == 0, -1)
         kwargs["attention_mask"] = None
         kwargs["use_cache"] = False
         return (), kwargs
@@ -220,8 +239,14 @@ def _sequence_parallel_attention_forward(self, hidden_states: Tensor, position_e
     cos, sin = position_embeddings
     query, key = sys.modules[type(self).__module__].apply_rotary_pos_emb(query, key, cos, sin)
     out, _ = _attention(self, query, key, value, attention_mask, dropout=self.attention_dropout if self.training else 0.0,
-                        scaling=self.scaling, sliding_window=getattr(self, "sliding_window", None), **kwargs)
+                        scaling=self.scaling, sliding_window=_sliding_window(self), **kwargs)
     return self.o_proj(out.reshape(batch, seq, -1)), None
+
+
+def _sliding_window(attn: nn.Module) -> int | None:
+    """The window HF's forward passes the attention function: the module's (Qwen2: None on full-attention
+    layers), else the config's (Mistral)."""
+    return getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
 
 
 def _gradient_times(x: Tensor, factor: int) -> Tensor:
@@ -285,7 +310,16 @@ def _decoder_parts(model: nn.Module):
     return decoder
 
 
-def _check_config(config, tp_size: int) -> None:
+def _check_config(config, decoder: nn.Module, tp_size: int) -> None:
+    model_type = getattr(config, "model_type", None)
+    if model_type not in MODEL_TYPES:
+        raise ValueError(f"config.model_type={model_type!r} is not one parallelize_hf_model knows (its norms, "
+                         f"attention and MLP must be Llama's); supported: {sorted(MODEL_TYPES)}")
+    windowed = [i for i, layer in enumerate(decoder.layers) if _sliding_window(layer.self_attn) is not None]
+    if windowed:
+        raise ValueError(f"sliding-window attention (layers {windowed}, window "
+                         f"{_sliding_window(decoder.layers[windowed[0]].self_attn)}) is not supported; set "
+                         "config.sliding_window = None")
     dropout = getattr(config, "attention_dropout", 0.0) or 0.0
     if dropout:
         raise ValueError(f"config.attention_dropout={dropout} is not supported; set it to 0.0")
@@ -302,7 +336,16 @@ def _fsdp_mesh(dp_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None) -> Device
         mesh = dp_mesh if dp_mesh is not None else cp_mesh
         return mesh if mesh is None or mesh.ndim == 1 else mesh._flatten()
     names = (*dp_mesh.mesh_dim_names, *cp_mesh.mesh_dim_names)
-    return dp_mesh._get_root_mesh()[names]._flatten("_".join(names))
+    root = dp_mesh._get_root_mesh()
+    if root is not cp_mesh._get_root_mesh() or not _in_order(root.mesh_dim_names, names):
+        raise ValueError(f"dp_mesh {dp_mesh.mesh_dim_names} and cp_mesh {cp_mesh.mesh_dim_names} must be dims of one "
+                         f"init_device_mesh mesh, dp before cp (got the mesh dims {root.mesh_dim_names})")
+    return root[names]._flatten("_".join(names))
+
+
+def _in_order(all_names, names) -> bool:
+    positions = [all_names.index(name) if name in all_names else -1 for name in names]
+    return -1 not in positions and positions == sorted(positions)
 
 
 def _convert_layers(decoder: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
@@ -355,7 +398,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
                              f"cp_mesh, got a {cp_mesh.ndim}-D mesh")
         cp_groups = [ring] if ulysses is None else [ring, ulysses]
     tp = MeshGroup.of(tp_mesh) if tp_mesh is not None else None
-    _check_config(model.config, tp.size if tp is not None else 1)
+    _check_config(model.config, decoder, tp.size if tp is not None else 1)
 
     if tp is not None:
         tied = model.lm_head.weight is decoder.embed_tokens.weight
@@ -373,7 +416,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         layer.self_attn._tdx_context_parallel = context
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
-    decoder.register_forward_pre_hook(_inputs_hook(cp_mesh), with_kwargs=True)
+    decoder.register_forward_pre_hook(_inputs_hook(cp_mesh, cp_layout), with_kwargs=True)
     model.loss_function = ParallelCausalLMLoss(tp, tp_mesh, cp_groups)
 
     fsdp_mesh = _fsdp_mesh(dp_mesh, cp_mesh)

@@ -49,7 +49,7 @@ def context_attention_work(document_ids: Tensor, ranks: int, layout: str, causal
     """``[ranks, ranks]`` int64 (CPU): the attention scores (query, key pairs over the batch, per head) that
     ring rank r computes for the key block of rank s, for ``document_ids`` ``[batch, seq]`` of the whole
     sequence in order. Row sums are the per-rank work; zeros are skipped blocks."""
-    return torch.ops.tdx.context_attention_work(document_ids.cpu(), ranks, layout, causal)
+    return torch.ops.tdx.context_attention_work(document_ids, ranks, layout, causal)
 
 
 def lse_merge_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -97,8 +97,8 @@ def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
     )
     torch._check_type(
         q.device.type != "cuda" or q.dtype != torch.float64,
-        lambda: "ring_attention on CUDA: float64 is not supported by the block kernels; use float32, bfloat16 "
-        "or float16",
+        lambda: "ring_attention / document_attention on CUDA: float64 is not supported by the block kernels; use "
+        "float32, bfloat16 or float16",
     )
 
 
@@ -163,7 +163,7 @@ def _(grad_out, q, k, v, out, lse, document_ids, causal, scale):
 @torch.library.register_fake("tdx::context_attention_work")
 def _(document_ids, ranks, layout, causal):
     torch._check_value(layout in _LAYOUTS, lambda: f"context_attention_work: layout must be 'contiguous' or 'zigzag', got {layout!r}")
-    return document_ids.new_empty((ranks, ranks), dtype=torch.int64)
+    return torch.empty((ranks, ranks), dtype=torch.int64, device="cpu")
 
 
 @torch.library.register_fake("tdx::lse_merge_")

@@ -15,6 +15,20 @@ from torchdist_ext.weight_grad import split_scale
 __all__ = ["RMSNorm"]
 
 
+def _check_computes_rms_norm(norm: nn.Module, eps: float) -> None:
+    """Runs an RMSNorm-like module once on random rows: it must compute weight * x / sqrt(mean(x^2) + eps)
+    (a Gemma-style norm scales by 1 + weight and is refused)."""
+    weight = norm.weight
+    if weight.device.type == "meta":
+        return
+    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    with torch.no_grad():
+        got, want = norm(x), F.rms_norm(x, (weight.shape[0],), weight, eps)
+    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+        raise TypeError(f"norm ({type(norm).__name__}) does not compute weight * x / sqrt(mean(x^2) + eps); "
+                        "from_rms_norm takes RMSNorms only")
+
+
 class RMSNorm(nn.Module):
     """``F.rms_norm`` with its weight replicated over ``tp_mesh``.
 
@@ -67,6 +81,7 @@ class RMSNorm(nn.Module):
                     f"norm must be an nn.RMSNorm or an RMSNorm-like module with a 1-D weight and a float eps or "
                     f"variance_epsilon, got {type(norm).__name__}"
                 )
+            _check_computes_rms_norm(norm, float(eps))
         layer = cls(norm.weight.shape[0], tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, eps=eps,
                     device="meta", dtype=norm.weight.dtype)
         layer.weight = distribute_parameter(norm.weight.detach(), layer.tp, Replicate(), src_data_rank=None)
