@@ -10,6 +10,7 @@ parallelism.
     torchrun --nproc-per-node 4 examples/train_llama.py --experts 4 --ep 2 --check   # MoE FFNs: ep=2 of dp=2
     torchrun --nproc-per-node 4 examples/train_llama.py --fp8 delayed --check        # fp8 GEMMs, delayed scaling
     torchrun --nproc-per-node 4 examples/train_llama.py --pp 2 --schedule zb-h1 --microbatches 4 --check
+    torchrun --nproc-per-node 4 examples/train_llama.py --pp 2 --tp 1 --experts 4 --ep 2 --check  # MoE stages
 
 Every rank builds the same single-process model (same seed), converts it to
 tensor-parallel layers with the same weights and shards it with FSDP2 over
@@ -17,7 +18,7 @@ dp x cp. ``--experts E`` makes every FFN a mixture of E experts (top ``--top-k``
 dropless or ``--capacity-factor c``), split over ``--ep`` ranks carved out of the
 dp x cp ranks (ep divides dp x cp), each step printing the busiest expert's load
 over the mean; ``--check``'s single process then routes each rank's tokens as
-that rank does. Each step draws one global batch of byte windows (same generator on
+that rank does (with ``--pp``, each micro-batch's on their own). Each step draws one global batch of byte windows (same generator on
 every rank); data-parallel rank d trains on its slice, and context-parallel
 ranks split its sequence (tokens, targets and RoPE positions) zigzag, which
 balances causal work (for the hybrid: zigzag over the ring ranks, contiguous
@@ -149,8 +150,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"scale), got --fp8 {args.fp8}")
     if args.pp > 1 and args.device == "cuda":
         parser.error("--pp with --device cuda is not supported yet (the pipeline's messages go over gloo)")
-    if args.pp > 1 and args.experts:
-        parser.error("--pp with --experts is not supported yet (the MoE routes each micro-batch on its own)")
     if args.pp > 1 and args.compile and splits_weight_grad(args.schedule):
         parser.error(f"--compile with --schedule {args.schedule} is not supported yet (the weight-gradient split "
                      f"queues work from the backward, which a compiled graph cannot)")
@@ -221,30 +220,32 @@ def build_model(args, device: torch.device) -> Llama:
 
 
 def expert_parallel_meshes(args, dp: int, ring: int, ulysses: int):
-    """(ep mesh, expert data-parallel mesh): the dp x cp ranks of each tp index cut into groups of ep
-    consecutive ranks; the expert-dp mesh joins the ranks that hold the same experts."""
+    """(ep mesh, expert data-parallel mesh): the dp x cp ranks of each pipeline rank and tp index cut into
+    groups of ep consecutive ranks; the expert-dp mesh joins the ranks that hold the same experts."""
     if args.experts == 0:
         return None, None
     ranks = dp * ring * ulysses
     if ranks % args.ep or args.experts % args.ep:
         raise ValueError(f"--ep {args.ep} must divide dp x cp = {ranks} and --experts {args.experts}")
-    layout = torch.arange(ranks * args.tp).view(ranks // args.ep, args.ep, args.tp)
-    mesh = DeviceMesh(args.device, layout, mesh_dim_names=("expert_dp", "ep", "tp"))
+    layout = torch.arange(args.pp * ranks * args.tp).view(args.pp, ranks // args.ep, args.ep, args.tp)
+    mesh = DeviceMesh(args.device, layout, mesh_dim_names=("pp", "expert_dp", "ep", "tp"))
     mesh["expert_dp", "ep"]._flatten("experts")  # the experts' gradient norm in one all-reduce
     return mesh["ep"], mesh["expert_dp"]
 
 
 def expert_token_groups(args, dp: int, ring: int, ulysses: int) -> list[torch.Tensor]:
-    """The flattened ``[batch * seq]`` token indices each dp x cp rank routes, in that rank's order: its batch
-    rows, and its sequence shard (zigzag over the ring ranks, or over the Ulysses ranks for --cp-method
-    ulysses; the hybrid's Ulysses ranks take contiguous blocks of each ring shard)."""
+    """The flattened ``[batch * seq]`` token indices each dp x cp rank routes in one MoE call, in that rank's
+    order: its batch rows (with --pp, one micro-batch of them at a time), and its sequence shard (zigzag over
+    the ring ranks, or over the Ulysses ranks for --cp-method ulysses; the hybrid's Ulysses ranks take
+    contiguous blocks of each ring shard)."""
     zigzag, inner = (ulysses, 1) if args.cp_method == "ulysses" else (ring, ulysses)
     chunks = torch.arange(args.seq).chunk(2 * zigzag)
     groups = []
-    for rows in torch.arange(args.batch).chunk(dp):
-        for z in range(zigzag):
-            for positions in torch.cat([chunks[z], chunks[2 * zigzag - 1 - z]]).chunk(inner):
-                groups.append((rows.unsqueeze(1) * args.seq + positions).flatten())
+    for rank_rows in torch.arange(args.batch).chunk(dp):
+        for rows in rank_rows.chunk(microbatches(args) if args.pp > 1 else 1):
+            for z in range(zigzag):
+                for positions in torch.cat([chunks[z], chunks[2 * zigzag - 1 - z]]).chunk(inner):
+                    groups.append((rows.unsqueeze(1) * args.seq + positions).flatten())
     return groups
 
 
@@ -354,6 +355,11 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         pipe = Pipeline(stages, pp_mesh=mesh["pp"], schedule=args.schedule, num_microbatches=microbatches(args),
                         loss_fn=lambda logits, target: stages[last].loss_fn(logits, target),
                         virtual_stages=virtual_stages(args))
+        for moe in (m for stage in stages.values() for m in stage.modules() if isinstance(m, MoE)):
+            # The pipeline's loss is the mean over micro-batches, and each MoE call adds its auxiliary
+            # losses' gradient on its own: weigh them as one micro-batch's share.
+            moe.aux_loss_coef /= microbatches(args)
+            moe.z_loss_coef /= microbatches(args)
         model = torch.nn.ModuleList(pipe.stages.values())
     else:
         model = parallelize(single)
