@@ -23,13 +23,16 @@ from torchdist_ext.testing import cached_mesh
 VOCAB, SEQ = 64, 16
 FAMILIES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
             "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
+# Qwen3 adds per-head q/k norms (their gradients are sums over the tp ranks' heads).
+QWEN3 = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
 
 
 def tiny_model(family: str, tied: bool) -> torch.nn.Module:
-    config_class, model_class = FAMILIES[family]
+    config_class, model_class = QWEN3 if family == "qwen3" else FAMILIES[family]
+    extra = {"head_dim": 4} if family == "qwen3" else {}
     config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
                           num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
-                          tie_word_embeddings=tied, attn_implementation="sdpa")
+                          tie_word_embeddings=tied, attn_implementation="sdpa", **extra)
     torch.manual_seed(0)
     model = model_class(config)
     # Non-trivial norm weights, so that their gradients and the tp reductions over them are exercised.
@@ -122,6 +125,11 @@ LAYOUTS = {"tp2": "world2", "tp4": "world4", "tp2_sp": "world2", "cp2_ring": "wo
 def test_matches_single_process(family, layout, tied, request):
     world = request.getfixturevalue(LAYOUTS[layout])
     assert all(world.run(check_matches_single_process, family, layout, tied))
+
+
+@pytest.mark.parametrize("layout", ["tp2_sp", "cp2_ring"])
+def test_qwen3_matches_single_process(world2, layout):
+    assert all(world2.run(check_matches_single_process, "qwen3", layout, False))
 
 
 def check_one_optimizer_step_with_fsdp(family: str):
