@@ -21,7 +21,9 @@
 #include <ATen/ATen.h>
 
 #include <limits>
+#include <string>
 
+#include "comm/agreement.h"
 #include "comm/ring_pipeline.h"
 #include "kernels/attention.h"
 #include "ops/attention_plan.h"
@@ -229,11 +231,20 @@ void check_document_ids(const char* op, const at::Tensor& ids, const at::Tensor&
 
 // The document ids of every ring rank, [ring size, batch, seq_local] int64 on the host (one small all-gather;
 // a GPU's ids are copied to the host, which waits for them).
-at::Tensor gather_ring_document_ids(comm::Ring& ring, const at::Tensor& ids) {
+at::Tensor gather_ring_document_ids(comm::Ring& ring, const char* op, const at::Tensor& ids) {
   auto local = ids.to(at::kLong).contiguous();
+  comm::check_ranks_agree(ring.group(), op, "document_ids", local);
   auto all = at::empty({ring.size() * local.size(0), local.size(1)}, local.options());  // rank-major rows
   ring.group()._allgather_base(all, local)->wait();
   return all.to(at::kCPU).contiguous().view({ring.size(), local.size(0), local.size(1)});
+}
+
+// Under TORCH_DISTRIBUTED_DEBUG=DETAIL: every rank passes document ids, or none does (else one rank's
+// all-gather of the ids would meet another's first K/V exchange).
+void check_ids_given_everywhere(comm::Ring& ring, const char* op, bool given) {
+  if (!comm::checking_agreement()) return;
+  const std::string named = std::string(op) + (given ? " with document_ids" : " without document_ids");
+  comm::check_ranks_agree(ring.group(), named.c_str(), "document_ids", at::empty({0}, at::kLong));
 }
 
 // The tasks of the key block of ring rank `source`, cut by documents when `ids` (gathered) is defined.
@@ -260,7 +271,8 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_fwd(const at::Tensor& q, const
   auto lse = at::full({q.size(0), q.size(1), seq}, -std::numeric_limits<double>::infinity(), acc_options);
   if (q.numel() == 0) return {out.to(q.scalar_type()), lse};  // no rows (the ATen kernels reject them)
   comm::Ring ring(group_name);
-  const auto ids = document_ids ? gather_ring_document_ids(ring, *document_ids) : at::Tensor();
+  check_ids_given_everywhere(ring, kForward, document_ids.has_value());
+  const auto ids = document_ids ? gather_ring_document_ids(ring, kForward, *document_ids) : at::Tensor();
   comm::for_each_ring_block(ring, kForward, "k/v block", at::stack({k, v}), [&](const at::Tensor& kv, int source) {
     for (const auto& task : ring_block_tasks(ring, source, causal, layout, seq, ids)) {
       attend(task, q, kv[0], kv[1], out, lse, scale);
@@ -289,7 +301,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
   if (document_ids) check_document_ids(kBackward, *document_ids, q);
   if (q.numel() == 0) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
   comm::Ring ring(group_name);
-  const auto ids = document_ids ? gather_ring_document_ids(ring, *document_ids) : at::Tensor();
+  check_ids_given_everywhere(ring, kBackward, document_ids.has_value());
+  const auto ids = document_ids ? gather_ring_document_ids(ring, kBackward, *document_ids) : at::Tensor();
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto dq = at::zeros(q.sizes(), acc_options);
@@ -359,7 +372,7 @@ at::Tensor context_attention_work(const at::Tensor& document_ids, int64_t ranks,
   TORCH_CHECK_TYPE(
       at::isIntegralType(document_ids.scalar_type(), /*includeBool=*/false), op,
       ": document_ids must be an integer tensor, got ", document_ids.scalar_type());
-  TORCH_CHECK(document_ids.dim() == 2, op, ": document_ids must be [batch, seq], got ", document_ids.sizes());
+  TORCH_CHECK_VALUE(document_ids.dim() == 2, op, ": document_ids must be [batch, seq], got ", document_ids.sizes());
   TORCH_CHECK_VALUE(ranks > 0, op, ": ranks must be positive, got ", ranks);
   const int64_t parts = layout == Layout::kZigzag ? 2 * ranks : ranks;
   TORCH_CHECK_VALUE(

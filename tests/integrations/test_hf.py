@@ -200,8 +200,9 @@ def check_from_rms_norm():
     with pytest.raises(TypeError, match="RMSNorm-like module with a 1-D weight and a float eps or variance_epsilon"):
         RMSNorm.from_rms_norm(torch.nn.Identity(), tp_mesh=tp_mesh)
     gemma_norm = transformers.models.gemma.modeling_gemma.GemmaRMSNorm(8)  # scales by 1 + weight
-    with pytest.raises(TypeError, match=r"GemmaRMSNorm\) does not compute weight \* x / sqrt\(mean\(x\^2\) \+ eps\)"):
-        RMSNorm.from_rms_norm(gemma_norm, tp_mesh=tp_mesh)
+    for device in ("cpu", "meta"):
+        with pytest.raises(TypeError, match=r"GemmaRMSNorm\) does not compute weight \* x / sqrt\(mean\(x\^2\) \+ eps\)"):
+            RMSNorm.from_rms_norm(gemma_norm.to(device), tp_mesh=tp_mesh)
     return True
 
 
@@ -245,6 +246,13 @@ def refuses(case: str):
     elif case == "batch_shape":
         shard_hf_batch({"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "attention_mask": torch.ones(1, SEQ)},
                        cp_mesh=cached_mesh((n,), ("cp",)))
+    elif case == "twice":
+        cp_mesh = cached_mesh((n,), ("cp",))
+        parallelize_hf_model(model, cp_mesh=cp_mesh)
+        parallelize_hf_model(model, cp_mesh=cp_mesh)
+    elif case == "generate":
+        parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)))
+        model.generate(batches()["plain"]["input_ids"], max_new_tokens=2, use_cache=False)
     elif case == "batch_key":
         shard_hf_batch({"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "pixel_values": 0},
                        cp_mesh=cached_mesh((n,), ("cp",)))
@@ -264,6 +272,8 @@ REFUSALS = [
     ("layout_mismatch", ValueError, r"sharded with shard_hf_batch\(layout='zigzag'\) but the model was parallelised "
      r"with cp_layout='contiguous'"),
     ("batch_shape", ValueError, r"batch\['attention_mask'\] has shape \(1, 16\); it must be \[batch, seq\] = \[2, 16\]"),
+    ("twice", ValueError, "this model was already parallelised by parallelize_hf_model"),
+    ("generate", ValueError, "generate is not supported on a tensor- or context-parallel parallelize_hf_model model"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
 ]
 

@@ -29,6 +29,26 @@ def disagreeing_exchange(op):
         dist.set_debug_level(previous)
 
 
+def ids_on_one_rank_only():
+    """Rank 0 passes document_ids to ring attention, rank 1 does not."""
+    name = dist.group.WORLD.group_name
+    q = torch.randn(1, 2, 4, 8)
+    ids = torch.zeros(1, 4, dtype=torch.long) if dist.get_rank() == 0 else None
+    previous = dist.get_debug_level()
+    dist.set_debug_level(dist.DebugLevel.DETAIL)
+    try:
+        torch.ops.tdx.ring_attention_fwd(q, q, q, name, True, 0.5, "zigzag", ids)
+    finally:
+        dist.set_debug_level(previous)
+
+
+def test_document_ids_on_one_rank_only_are_refused_under_detail(world2):
+    with pytest.raises(RuntimeError, match=r"rank \d runs ring_attention_fwd with document_ids with Long \[0\], "
+                                           r"rank \d runs ring_attention_fwd without document_ids"):
+        world2.run(ids_on_one_rank_only)
+    assert world2.alive
+
+
 @pytest.mark.parametrize(
     "op, message",
     [

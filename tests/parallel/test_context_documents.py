@@ -267,3 +267,7 @@ def test_work_report_bad_input():
         ops.context_attention_work(torch.zeros(1, 30, dtype=torch.long), 4, "zigzag", True)
     with pytest.raises(TypeError, match="document_ids must be an integer tensor"):
         ops.context_attention_work(torch.zeros(1, 32), 4, "zigzag", True)
+    with pytest.raises(ValueError, match="cannot run on meta or fake tensors"):
+        ops.context_attention_work(torch.zeros(1, 32, dtype=torch.long, device="meta"), 4, "zigzag", True)
+    with pytest.raises(TypeError, match="ranks must be an int, got bool"):
+        ops.context_attention_work(torch.zeros(1, 32, dtype=torch.long), True, "zigzag", True)

@@ -38,6 +38,7 @@ sliding-window or soft-capped attention, KV caches, CP batches that did not come
 
 import sys
 import types
+from collections.abc import Mapping
 
 import torch
 import torch.nn.functional as F
@@ -91,8 +92,9 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag") 
     all sharded along the sequence like ``shard_sequence(x, cp_mesh=cp_mesh, dim=1, layout=layout)``;
     and ``cp_layout``, which the model checks against its own.
     """
-    if not isinstance(batch, dict):
-        raise TypeError(f"batch must be a dict of tensors, got {type(batch).__name__}")
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a mapping of tensors (a dict, a tokenizer's BatchEncoding), got "
+                        f"{type(batch).__name__}")
     unknown = sorted(set(batch) - set(_BATCH_KEYS))
     if unknown:
         raise ValueError(f"batch has keys {unknown} that shard_hf_batch does not know how to shard; it takes "
@@ -296,6 +298,12 @@ class ParallelCausalLMLoss:
 
 # ---- the conversion ----
 
+def _refuse_generate(*args, **kwargs):
+    raise ValueError("generate is not supported on a tensor- or context-parallel parallelize_hf_model model (its "
+                     "logits are vocab- and sequence-sharded, and it runs without a KV cache); generate with the "
+                     "single-process model")
+
+
 def _decoder_parts(model: nn.Module):
     decoder = getattr(model, "model", None)
     missing = [name for name, owner, attr in (("model.model", model, "model"), ("model.lm_head", model, "lm_head"),
@@ -381,6 +389,9 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+    if getattr(model, "_tdx_parallelized", False):
+        raise ValueError("this model was already parallelised by parallelize_hf_model; build a new one from the "
+                         "single-process model")
     decoder = _decoder_parts(model)
     for name, mesh in (("tp_mesh", tp_mesh), ("dp_mesh", dp_mesh), ("cp_mesh", cp_mesh)):
         if mesh is not None and not isinstance(mesh, DeviceMesh):
@@ -399,6 +410,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         cp_groups = [ring] if ulysses is None else [ring, ulysses]
     tp = MeshGroup.of(tp_mesh) if tp_mesh is not None else None
     _check_config(model.config, decoder, tp.size if tp is not None else 1)
+    fsdp_mesh = _fsdp_mesh(dp_mesh, cp_mesh)  # (checked before anything changes)
 
     if tp is not None:
         tied = model.lm_head.weight is decoder.embed_tokens.weight
@@ -419,7 +431,9 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     decoder.register_forward_pre_hook(_inputs_hook(cp_mesh, cp_layout), with_kwargs=True)
     model.loss_function = ParallelCausalLMLoss(tp, tp_mesh, cp_groups)
 
-    fsdp_mesh = _fsdp_mesh(dp_mesh, cp_mesh)
+    model._tdx_parallelized = True
+    if tp is not None or cp_mesh is not None:
+        model.generate = _refuse_generate
     if fsdp_mesh is not None:
         for layer in decoder.layers:
             fully_shard(layer, mesh=fsdp_mesh)

@@ -49,6 +49,8 @@ def context_attention_work(document_ids: Tensor, ranks: int, layout: str, causal
     """``[ranks, ranks]`` int64 (CPU): the attention scores (query, key pairs over the batch, per head) that
     ring rank r computes for the key block of rank s, for ``document_ids`` ``[batch, seq]`` of the whole
     sequence in order. Row sums are the per-rank work; zeros are skipped blocks."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int):
+        raise TypeError(f"ranks must be an int, got {type(ranks).__name__}")
     return torch.ops.tdx.context_attention_work(document_ids, ranks, layout, causal)
 
 
@@ -162,8 +164,8 @@ def _(grad_out, q, k, v, out, lse, document_ids, causal, scale):
 
 @torch.library.register_fake("tdx::context_attention_work")
 def _(document_ids, ranks, layout, causal):
-    torch._check_value(layout in _LAYOUTS, lambda: f"context_attention_work: layout must be 'contiguous' or 'zigzag', got {layout!r}")
-    return torch.empty((ranks, ranks), dtype=torch.int64, device="cpu")
+    raise ValueError("context_attention_work reads the ids' values on the host: it cannot run on meta or fake "
+                     "tensors (call it outside torch.compile)")
 
 
 @torch.library.register_fake("tdx::lse_merge_")

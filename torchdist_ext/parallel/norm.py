@@ -1,5 +1,7 @@
 """RMSNorm inside a tensor-parallel model, with or without sequence parallelism."""
 
+import copy
+
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -16,15 +18,18 @@ __all__ = ["RMSNorm"]
 
 
 def _check_computes_rms_norm(norm: nn.Module, eps: float) -> None:
-    """Runs an RMSNorm-like module once on random rows: it must compute weight * x / sqrt(mean(x^2) + eps)
-    (a Gemma-style norm scales by 1 + weight and is refused)."""
-    weight = norm.weight
-    if weight.device.type == "meta":
-        return
-    x = torch.randn(4, weight.shape[0], generator=torch.Generator().manual_seed(0)).to(weight.device, weight.dtype)
+    """Runs a CPU copy of an RMSNorm-like module (random weight in [0.5, 1.5]) once on random rows: it must
+    compute weight * x / sqrt(mean(x^2) + eps) (a Gemma-style norm scales by 1 + weight and is refused)."""
+    if not norm.weight.is_floating_point():
+        raise TypeError(f"norm.weight must be a floating-point tensor, got {norm.weight.dtype}")
+    probe = copy.deepcopy(norm).to_empty(device="cpu").float()
+    gen = torch.Generator().manual_seed(0)
+    dim = probe.weight.shape[0]
+    x = torch.randn(4, dim, generator=gen)
     with torch.no_grad():
-        got, want = norm(x), F.rms_norm(x, (weight.shape[0],), weight, eps)
-    if got.shape != want.shape or not torch.allclose(got.float(), want.float(), rtol=1e-2, atol=1e-2):
+        probe.weight.copy_(torch.rand(dim, generator=gen) + 0.5)
+        got, want = probe(x), F.rms_norm(x, (dim,), probe.weight, eps)
+    if not isinstance(got, Tensor) or got.shape != want.shape or not torch.allclose(got, want, rtol=1e-4, atol=1e-5):
         raise TypeError(f"norm ({type(norm).__name__}) does not compute weight * x / sqrt(mean(x^2) + eps); "
                         "from_rms_norm takes RMSNorms only")
 
