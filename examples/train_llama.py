@@ -76,7 +76,6 @@ from torchdist_ext.pipeline import (  # noqa: E402
     planner_name,
     plot_timeline,
     predicted_idle_fraction,
-    splits_weight_grad,
     stages_of_rank,
 )
 from torchdist_ext.planner import GPU_PRESETS, bubble_fraction  # noqa: E402
@@ -150,9 +149,6 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"scale), got --fp8 {args.fp8}")
     if args.pp > 1 and args.device == "cuda":
         parser.error("--pp with --device cuda is not supported yet (the pipeline's messages go over gloo)")
-    if args.pp > 1 and args.compile and splits_weight_grad(args.schedule):
-        parser.error(f"--compile with --schedule {args.schedule} is not supported yet (the weight-gradient split "
-                     f"queues work from the backward, which a compiled graph cannot)")
     if args.check_tolerance is None:
         args.check_tolerance = CHECK_TOLERANCE["fp8" if args.fp8 else precision(args)]
     return args

@@ -1,6 +1,7 @@
 """The weight-gradient split (torchdist_ext.weight_grad): B now and W later leave exactly the gradients
 of the unsplit backward, for SplitLinear and for our column / row linears with and without sequence
-parallelism on 2 ranks (with the vocab-parallel embedding and RMSNorm, and in fp8), over several micro-batches whose W steps run after all their B steps."""
+parallelism on 2 ranks (with the vocab-parallel embedding and RMSNorm, and in fp8), over several micro-batches
+whose W steps run after all their B steps; compiled with fullgraph=True, the split equals the eager one."""
 
 import pytest
 import torch
@@ -88,7 +89,57 @@ class Embedded(nn.Module):
         return self.rest(x + self.embedding(self.ids))
 
 
-def tp_split_matches(sequence_parallel: bool, fp8: bool = False):
+def test_compiled_split_linear_defers_and_equals_eager():
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16, bias=False))
+    inputs = [torch.randn(3, 5, 32) for _ in range(3)]
+    results = []
+    for compiled in (False, True):
+        model = nn.Sequential(SplitLinear.from_linear(reference[0]), nn.Tanh(), SplitLinear.from_linear(reference[2]))
+        for p in model.parameters():
+            p.grad = None
+        if compiled:
+            torch._dynamo.reset()
+            model.compile(fullgraph=True, backend="inductor")
+        results.append(train_microbatches(model, inputs, split=True))
+    for eager, compiled in zip(*(x + p for x, p in results)):
+        torch.testing.assert_close(compiled, eager, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_split_without_a_store_adds_into_grad():
+    torch.manual_seed(0)
+    reference = nn.Linear(32, 16)
+    model = SplitLinear.from_linear(nn.Linear(32, 16))
+    model.load_state_dict(reference.state_dict())
+    compiled = torch.compile(model, fullgraph=True)
+    x = torch.randn(4, 32)
+    for _ in range(2):  # the second backward accumulates
+        compiled(x).square().sum().backward()
+        reference(x).square().sum().backward()
+    torch.testing.assert_close(model.weight.grad, reference.weight.grad, rtol=1e-6, atol=1e-6)
+    torch.testing.assert_close(model.bias.grad, reference.bias.grad, rtol=1e-6, atol=1e-6)
+
+
+def test_compiled_split_needs_a_slot_and_refuses_fp8_and_the_embedding():
+    layer = nn.Linear(16, 16)
+    layer.__class__ = SplitLinear  # as a pipeline would, but without giving the slot
+    with pytest.raises(Exception, match="needs its weight-gradient slot"):
+        torch.compile(layer, fullgraph=True, backend="eager")(torch.randn(2, 16))
+    model = convert_to_fp8(nn.Sequential(nn.Linear(16, 16)), DelayedScaling(amax_history_len=4))
+    model[0].split_weight_grad = True
+    with pytest.raises(Exception, match="fp8 linears in split mode"):
+        torch.compile(model, fullgraph=True, backend="eager")(torch.randn(2, 16))
+    with pytest.raises(TypeError, match="split_weight_grad must be a bool"):
+        model[0].split_weight_grad = 1
+
+
+def test_split_weight_grad_slot_is_per_layer_and_not_in_the_state_dict():
+    a, b = SplitLinear(4, 4), SplitLinear(4, 4)
+    assert int(a._weight_grad_slot) != int(b._weight_grad_slot)
+    assert "_weight_grad_slot" not in a.state_dict()
+
+
+def tp_split_matches(sequence_parallel: bool, fp8: bool = False, compiled: bool = False):
     tp = cached_mesh((2,), ("tp",))
     torch.manual_seed(0)
     embedding, norm = nn.Embedding(10, 16), nn.RMSNorm(16, eps=1e-6)
@@ -111,8 +162,15 @@ def tp_split_matches(sequence_parallel: bool, fp8: bool = False):
         for layer in (model.embedding, *layers):
             if hasattr(layer, "split_weight_grad"):
                 layer.split_weight_grad = split
+        if compiled and split:  # the embedding stays eager, as in a pipeline's first stage
+            torch._dynamo.reset()
+            model.rest.compile(fullgraph=True)
         results.append(train_microbatches(model, inputs, split))
     (unsplit_x, unsplit_p), (split_x, split_p) = results
+    if compiled:
+        for a, b in zip(unsplit_x + unsplit_p, split_x + split_p):
+            torch.testing.assert_close(b, a, rtol=1e-5, atol=1e-6)
+        return True
     return all(torch.equal(a, b) for a, b in zip(unsplit_x + unsplit_p, split_x + split_p))
 
 
@@ -120,6 +178,11 @@ def tp_split_matches(sequence_parallel: bool, fp8: bool = False):
                          ids=["tp2", "tp2-sp", "tp2-sp-fp8"])
 def test_tensor_parallel_split_equals_unsplit_bit_for_bit(world2, sequence_parallel, fp8):
     assert all(world2.run(tp_split_matches, sequence_parallel, fp8))
+
+
+@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp2", "tp2-sp"])
+def test_compiled_tensor_parallel_split_equals_unsplit(world2, sequence_parallel):
+    assert all(world2.run(tp_split_matches, sequence_parallel, compiled=True))
 
 
 def test_fp8_linear_split_equals_unsplit_bit_for_bit():

@@ -1,6 +1,7 @@
 """Every schedule on 2 and 4 ranks trains exactly as one process running the whole model over the whole batch:
 the loss and every gradient (fp32, 1e-5 relative), for micro-batch counts p, 2p and one not divisible by p
-(interleaved-1f1b needs m divisible by p), over two steps (the second accumulates onto the first)."""
+(interleaved-1f1b needs m divisible by p), over two steps (the second accumulates onto the first); and the
+zero-bubble schedules with every block compiled (fullgraph=True: W queued from the compiled backward)."""
 
 import pytest
 import torch
@@ -28,7 +29,7 @@ def loss_fn(out, target):
 
 
 def pipeline_matches_one_process(schedule: str, num_microbatches: int, virtual_stages: int = 1,
-                                 recompute_mode: str = "none"):
+                                 recompute_mode: str = "none", compiled: bool = False):
     mesh = cached_mesh((torch.distributed.get_world_size(),), ("pp",))
     pp, rank = mesh.size(), mesh.get_local_rank()
     model = reference_model()
@@ -41,6 +42,11 @@ def pipeline_matches_one_process(schedule: str, num_microbatches: int, virtual_s
     expected_loss = loss_fn(model(inputs), targets).detach()
     for p in model.parameters():
         p.grad = None
+    if compiled:
+        torch._dynamo.reset()
+        for stage in mine.values():
+            for block in stage:
+                block.compile(fullgraph=True)
     pipe = Pipeline(mine, pp_mesh=mesh["pp"], schedule=schedule, num_microbatches=num_microbatches,
                     loss_fn=loss_fn, virtual_stages=virtual_stages)
     losses = [pipe.step(inputs, targets) for _ in range(2)]  # the second step accumulates onto the first
@@ -67,3 +73,9 @@ def test_schedule_matches_one_process(world_pool, pp, schedule, microbatches):
     for kinds, actions in outcomes:
         assert kinds == ({"F", "B", "W"} if schedule.startswith("zb") else {"F", "B"})
         assert actions == m * chunks * len(kinds)
+
+
+@pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
+def test_compiled_zero_bubble_stages_match_one_process(world_pool, schedule):
+    outcomes = world_pool.get(2).run(pipeline_matches_one_process, schedule, 4, compiled=True)
+    assert all(kinds == {"F", "B", "W"} for kinds, _ in outcomes)

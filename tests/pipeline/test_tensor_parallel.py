@@ -1,6 +1,7 @@
 """Pipeline x tensor parallelism on 4 ranks (pp=2 x tp=2): stages of column / row-parallel blocks with sequence
 parallelism (the ring-fused GEMMs; under zb-h1 in split mode, their weight gradients run in W) equal one
-process on the whole batch: the loss, every gradient, and the weights after an optimizer step."""
+process on the whole batch: the loss, every gradient, and the weights after an optimizer step; also with every
+block compiled (fullgraph=True) under zb-h1."""
 
 import pytest
 import torch
@@ -26,7 +27,7 @@ def loss_fn(out, target):
     return (out.sin() * out * target).sum() / (out.shape[0] * SEQ * HIDDEN)
 
 
-def pipeline_tp_matches(schedule: str):
+def pipeline_tp_matches(schedule: str, compiled: bool = False):
     mesh = cached_mesh((2, 2), ("pp", "tp"))
     tp, pp_rank, tp_rank = mesh["tp"], mesh["pp"].get_local_rank(), mesh["tp"].get_local_rank()
     reference = reference_model()
@@ -39,6 +40,10 @@ def pipeline_tp_matches(schedule: str):
     blocks = [Block(ColumnParallelLinear.from_linear(b.up, tp_mesh=tp, sequence_parallel=True),
                     RowParallelLinear.from_linear(b.down, tp_mesh=tp, sequence_parallel=True))
               for b in reference[2 * stage:2 * stage + 2]]
+    if compiled:
+        torch._dynamo.reset()
+        for block in blocks:
+            block.compile(fullgraph=True)
     pipe = Pipeline({stage: nn.Sequential(*blocks)}, pp_mesh=mesh["pp"], schedule=schedule, num_microbatches=4,
                     loss_fn=loss_fn)
     shard = lambda t: t.chunk(2, dim=1)[tp_rank]  # noqa: E731  (the sequence-parallel block)
@@ -60,7 +65,8 @@ def pipeline_tp_matches(schedule: str):
     return all(getattr(m, "split_weight_grad", False) for b in blocks for m in (b.up, b.down))
 
 
-@pytest.mark.parametrize("schedule", ["1f1b", "zb-h1"])
-def test_pp2_tp2_sequence_parallel_matches_one_process(world4, schedule):
-    split = world4.run(pipeline_tp_matches, schedule)
+@pytest.mark.parametrize("schedule, compiled", [("1f1b", False), ("zb-h1", False), ("zb-h1", True)],
+                         ids=["1f1b", "zb-h1", "zb-h1-compiled"])
+def test_pp2_tp2_sequence_parallel_matches_one_process(world4, schedule, compiled):
+    split = world4.run(pipeline_tp_matches, schedule, compiled)
     assert split == [schedule == "zb-h1"] * 4

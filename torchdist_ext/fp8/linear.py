@@ -23,7 +23,7 @@ from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.ops import fp8_cast_amax, fp8_cast_transpose_amax
-from torchdist_ext.weight_grad import deferred_weight_grad
+from torchdist_ext.weight_grad import SplitsWeightGrad, deferred_weight_grad
 
 __all__ = ["Fp8Linear", "fp8_all_gather_linear", "fp8_linear", "gathers_fp8"]
 
@@ -178,6 +178,12 @@ def gathers_fp8(recipe: Recipe) -> bool:
     return isinstance(recipe, DelayedScaling) and recipe.reduce_amax
 
 
+def _check_split_is_eager(split_param: nn.Parameter | None) -> None:
+    if split_param is not None and torch.compiler.is_compiling():
+        raise RuntimeError("fp8 linears in split mode (zero-bubble schedules) run eagerly: compile them without "
+                           "the weight-gradient split, or run the schedule eagerly")
+
+
 def fp8_all_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, amax_history: Tensor,
                           recipe: Recipe, group_name: str, group_size: int, dim: int,
                           split_param: nn.Parameter | None = None) -> Tensor:
@@ -185,6 +191,7 @@ def fp8_all_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale:
     ``_Fp8AllGatherLinearFunction``): ``x [.., S/n, .., in]`` this rank's block along ``dim``,
     ``weight [out, in]``; returns ``[.., S, .., out]``. Needs ``gathers_fp8(recipe)``. ``split_param``: as for
     ``fp8_linear``."""
+    _check_split_is_eager(split_param)
     return _Fp8AllGatherLinearFunction.apply(x, weight, bias, scale, amax_history, recipe, group_name, group_size,
                                              dim, (split_param,))
 
@@ -195,18 +202,17 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, am
     ``weight [out, in]`` (plain tensors: the local shard under tensor parallelism). ``split_param``: the
     weight's Parameter in split mode (``torchdist_ext.weight_grad``: the weight-gradient GEMM runs
     in W), or None."""
+    _check_split_is_eager(split_param)
     return _Fp8LinearFunction.apply(x, weight, bias, scale, amax_history, recipe, (split_param,))
 
 
-class Fp8Linear(Fp8State, nn.Linear):
+class Fp8Linear(SplitsWeightGrad, Fp8State, nn.Linear):
     """``nn.Linear`` in fp8 with the state of ``recipe`` (see the module docstring).
 
     Shapes as ``nn.Linear``: ``[..., in_features] -> [..., out_features]``; both features divisible by 16
     (the fp8 GEMMs' alignment). ``amax_reduction_mesh``: the ranks whose amaxes ``fp8_step`` reduces
     (None: the default process group).
     """
-
-    split_weight_grad: bool = False  # set by a zero-bubble pipeline: the weight-gradient GEMM runs in W
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Recipe,
                  amax_reduction_mesh=None, device=None, dtype=None):

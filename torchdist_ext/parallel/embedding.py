@@ -11,12 +11,12 @@ from torchdist_ext.parallel.input_checks import check_divisible, check_floating_
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
-from torchdist_ext.weight_grad import split_embedding
+from torchdist_ext.weight_grad import SplitsWeightGrad, split_embedding
 
 __all__ = ["VocabParallelEmbedding"]
 
 
-class VocabParallelEmbedding(nn.Module):
+class VocabParallelEmbedding(SplitsWeightGrad, nn.Module):
     """``nn.Embedding`` with rows ``[r * V/tp, (r+1) * V/tp)`` on tensor-parallel rank r.
 
     Every rank looks up the ids that fall in its rows (zeros elsewhere) and the
@@ -44,7 +44,6 @@ class VocabParallelEmbedding(nn.Module):
     backward) to W.
     """
 
-    split_weight_grad: bool = False
 
     def __init__(self, num_embeddings: int, embedding_dim: int, *, tp_mesh: DeviceMesh,
                  sequence_parallel: bool = False, seq_dim: int = 1, padding_idx: int | None = None,
@@ -105,7 +104,7 @@ class VocabParallelEmbedding(nn.Module):
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= weight.shape[0])
         if self.split_weight_grad:
-            rows = split_embedding(local_ids.masked_fill(outside, 0), weight, self.weight, self._local_padding_idx)
+            rows = split_embedding(local_ids.masked_fill(outside, 0), weight, self, self._local_padding_idx)
         else:
             rows = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self._local_padding_idx)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)

@@ -48,7 +48,7 @@ from torchdist_ext.parallel.regions import (
     reduce_scatter_to_sequence_region,
     scatter_to_region,
 )
-from torchdist_ext.weight_grad import split_linear
+from torchdist_ext.weight_grad import SplitsWeightGrad, split_linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -66,7 +66,7 @@ def _linear_init(out_features: int, in_features: int, bias: bool, device, dtype)
     return weight, full_bias
 
 
-class _ParallelLinear(Fp8State, nn.Module):
+class _ParallelLinear(SplitsWeightGrad, Fp8State, nn.Module):
     """Shared parameter handling (full tensors in, DTensor parameters out) and the local GEMM, in the
     parameters' dtype or, once ``enable_fp8`` ran, in fp8. ``split_weight_grad = True`` (set by a
     zero-bubble pipeline) splits the weight gradient off the backward (``torchdist_ext.weight_grad``;
@@ -74,7 +74,6 @@ class _ParallelLinear(Fp8State, nn.Module):
 
     weight_placement: Shard
     bias_placement: Shard | Replicate
-    split_weight_grad: bool = False
 
     def __init__(self, in_features: int, out_features: int, bias: bool, tp: MeshGroup, seq_dim: int,
                  sequence_parallel: bool, device, dtype):
@@ -121,7 +120,7 @@ class _ParallelLinear(Fp8State, nn.Module):
             return fp8_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe,
                               self.weight if self.split_weight_grad else None)
         if self.split_weight_grad:
-            out = split_linear(x, weight, self.weight)
+            out = split_linear(x, weight, self)
             return out if bias is None else out + bias.to(out.dtype)
         return F.linear(x, weight, bias)
 
@@ -172,7 +171,7 @@ class ColumnParallelLinear(_ParallelLinear):
             out = self._local_linear(gather_from_sequence_region(x, self.tp, sequence_dim(x, self.seq_dim)),
                                      weight, bias)
         elif self.sequence_parallel and self.split_weight_grad:
-            out = split_linear(x, weight, self.weight, "gather", self.tp.name, sequence_dim(x, self.seq_dim))
+            out = split_linear(x, weight, self, "gather", self.tp.name, sequence_dim(x, self.seq_dim))
             if bias is not None:
                 out = out + bias
         elif self.sequence_parallel:
@@ -231,7 +230,7 @@ class RowParallelLinear(_ParallelLinear):
             dim = sequence_dim(x, self.seq_dim)
             check_divisible(f"input.size({dim})", x.shape[dim], self.tp)
             if self.fp8_recipe is None and self.split_weight_grad:
-                out = split_linear(x, weight, self.weight, "scatter", self.tp.name, dim)
+                out = split_linear(x, weight, self, "scatter", self.tp.name, dim)
             elif self.fp8_recipe is None:
                 out = ops.matmul_reduce_scatter(x, weight, self.tp.name, dim)
             else:

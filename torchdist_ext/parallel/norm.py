@@ -12,7 +12,7 @@ from torchdist_ext.parallel.input_checks import check_features, check_floating_d
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import copy_to_region
-from torchdist_ext.weight_grad import split_scale
+from torchdist_ext.weight_grad import SplitsWeightGrad, split_scale
 
 __all__ = ["RMSNorm"]
 
@@ -34,7 +34,7 @@ def _check_computes_rms_norm(norm: nn.Module, eps: float) -> None:
                         "from_rms_norm takes RMSNorms only")
 
 
-class RMSNorm(nn.Module):
+class RMSNorm(SplitsWeightGrad, nn.Module):
     """``F.rms_norm`` with its weight replicated over ``tp_mesh``.
 
     Without sequence parallelism every rank normalises the same activations
@@ -48,8 +48,6 @@ class RMSNorm(nn.Module):
     Parameters: ``weight`` DTensor ``[dim]`` ``Replicate()``, initialised to ones.
     ``split_weight_grad = True`` (a zero-bubble pipeline sets it) splits the weight gradient off the backward.
     """
-
-    split_weight_grad: bool = False
 
     def __init__(self, dim: int, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False,
                  eps: float | None = 1e-6, device=None, dtype=None):
@@ -97,8 +95,8 @@ class RMSNorm(nn.Module):
         check_floating_input(x, "input", weight.dtype)
         check_features(x, "input", self.dim, "dim")
         if self.split_weight_grad:  # the normalisation in B, the weight's scaling split (its gradient in W)
-            group = self.tp.name if self.sequence_parallel else None
-            return split_scale(F.rms_norm(x, (self.dim,), None, self.eps), weight, self.weight, group)
+            group = self.tp.name if self.sequence_parallel else ""
+            return split_scale(F.rms_norm(x, (self.dim,), None, self.eps), weight, self, group)
         if self.sequence_parallel:
             weight = copy_to_region(weight, self.tp)
         return F.rms_norm(x, (self.dim,), weight, self.eps)

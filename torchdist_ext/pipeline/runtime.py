@@ -43,7 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
-from torchdist_ext.weight_grad import SplitLinear, WeightGradStore
+from torchdist_ext.weight_grad import SplitLinear, WeightGradStore, give_weight_grad_slot
 from torchdist_ext.pipeline.schedule import (
     Action,
     num_stages,
@@ -76,6 +76,7 @@ def enable_weight_grad_split(module: nn.Module) -> nn.Module:
     for child in module.modules():
         if type(child) is nn.Linear:
             child.__class__ = SplitLinear
+            give_weight_grad_slot(child)
         elif hasattr(child, "split_weight_grad"):
             child.split_weight_grad = True
     return module
