@@ -38,6 +38,7 @@ PYBIND11_MODULE(_planner, m) {
   options[OptionTable<Precision>::kField] = option_names<Precision>();
   options[OptionTable<Fp8GradFormat>::kField] = option_names<Fp8GradFormat>();
   options[OptionTable<AttentionKernel>::kField] = option_names<AttentionKernel>();
+  options[OptionTable<NormKernel>::kField] = option_names<NormKernel>();
   m.attr("OPTIONS") = options;
 
   py::class_<ModelSpec>(m, "ModelSpec")
@@ -101,6 +102,7 @@ PYBIND11_MODULE(_planner, m) {
   def_option(layout, "precision", &Layout::precision);
   def_option(layout, "fp8_grad_format", &Layout::fp8_grad_format);
   def_option(layout, "attention", &Layout::attention);
+  def_option(layout, "norm", &Layout::norm);
 
   py::class_<ModelStateBytes>(m, "ModelStateBytes")
       .def_readonly("params", &ModelStateBytes::params)
@@ -122,6 +124,8 @@ PYBIND11_MODULE(_planner, m) {
       },
       py::arg("seq_len"), py::arg("micro_batch"), py::arg("hidden"), py::arg("num_heads"), py::arg("tp"),
       py::arg("sequence_parallel"), py::arg("recompute"), py::arg("attention") = "flash");
+  m.def("layer_activation_bytes", &layer_activation_bytes, py::arg("model"), py::arg("layout"),
+        py::arg("moe_layer"));
   m.def(
       "bubble_fraction",
       [](long pp, long m, const std::string& schedule, long v) {

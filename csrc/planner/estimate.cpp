@@ -96,10 +96,11 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   e.grads = dense_states.grads + expert_states.grads;
   e.optimizer = dense_states.optimizer + expert_states.optimizer;
 
-  // Activations: Korthikanti et al. per layer on the local sequence s / cp, times the stage's layers and
-  // the micro-batches in flight. The first stage is the fullest.
-  const double per_layer = activation_bytes_per_layer(s_local, b, h, static_cast<double>(model.num_heads), l.tp,
-                                                      l.sequence_parallel, l.recompute, l.attention);
+  // Activations: what one layer stores (the mean over dense and MoE layers) on the local sequence s / cp,
+  // times the stage's layers and the micro-batches in flight. The first stage is the fullest.
+  const double moe_layers = static_cast<double>(model.num_moe_layers());
+  const double per_layer = ((layers - moe_layers) * layer_activation_bytes(model, l, false) +
+                            moe_layers * layer_activation_bytes(model, l, true)) / layers;
   e.activations = per_layer * layers_per_stage *
                   in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages);
   // Buffers: the last stage's fp32 logits of one micro-batch (vocab split over tp), ZeRO-3's two
@@ -110,14 +111,14 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   e.gpu_memory = cluster.min_memory_bytes();
 
   // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
-  // half of the score matrix, forward + backward). Recomputation adds forward work: selective the
-  // attention's forward (a third of its FLOPs), full the whole forward (a third of everything).
+  // half of the score matrix, forward + backward). Recomputation adds forward work: full the whole
+  // forward (a third of everything); selective keeps the GEMMs' and the attention's outputs and reruns
+  // only element-wise work (no FLOPs counted).
   e.tokens_per_step = static_cast<double>(l.sequences_per_step()) * s;
   const double gemm_flops = 6 * params.active * e.tokens_per_step;
   const double attention_flops = 6 * layers * s * h * e.tokens_per_step;
   e.model_flops_per_step = gemm_flops + attention_flops;
   double recompute_gemm = 0, recompute_attention = 0;
-  if (l.recompute == Recompute::kSelective) recompute_attention = attention_flops / 3;
   if (l.recompute == Recompute::kFull) {
     recompute_gemm = gemm_flops / 3;
     recompute_attention = attention_flops / 3;

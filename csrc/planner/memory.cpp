@@ -34,6 +34,35 @@ double activation_bytes_per_layer(double s, double b, double h, double a, long t
   return sbh * (linear + 5 * a * s / (h * t));
 }
 
+double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
+  const double e = 2;
+  const double tokens = static_cast<double>(layout.micro_batch) * static_cast<double>(layout.seq_len) /
+                        static_cast<double>(layout.cp);
+  const double h = static_cast<double>(model.hidden), a = static_cast<double>(model.num_heads);
+  const double g = static_cast<double>(model.num_kv_heads), t = static_cast<double>(layout.tp);
+  const double replicated = layout.sequence_parallel ? 1 / t : 1.0;
+  const double attention_heads = (2 + 2 * g / a) * h / t;  // q, k, v and the attention output
+  const double lse = 4 * tokens * a / t;
+  const double k = static_cast<double>(model.experts_per_token);
+  const double f_moe = static_cast<double>(model.moe_ffn_hidden);
+  const double shared = static_cast<double>(model.num_shared_experts);
+  if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated;
+  if (layout.recompute == Recompute::kSelective) {
+    const double mlp = moe_layer ? 2 * f_moe * (k + shared) : 2 * static_cast<double>(model.ffn_hidden) / t;
+    const double all_reduces = layout.tp > 1 && !layout.sequence_parallel ? 2 * h : 0;
+    return tokens * e * (3 * h * replicated + attention_heads + mlp + all_reduces) + lse;
+  }
+  const double mlp = moe_layer ? k * (h + 4 * f_moe) + 4 * f_moe * shared : 4 * static_cast<double>(model.ffn_hidden) / t;
+  double bytes = tokens * e * (4 * h * replicated + attention_heads + h / t + mlp) + 4 * tokens * 2 * replicated;
+  if (layout.norm == NormKernel::kComposite) bytes += 2 * tokens * h * replicated * (e + 4);
+  if (layout.attention == AttentionKernel::kEager) {
+    bytes += tokens * e * a * static_cast<double>(layout.seq_len) / static_cast<double>(layout.cp) / t;
+  } else {
+    bytes += lse;
+  }
+  return bytes;
+}
+
 double in_flight_microbatches(long pp, long m, Schedule schedule, long v) {
   const double held = static_cast<double>(std::min(pp, m));
   if (schedule == Schedule::kGPipe) return static_cast<double>(m);

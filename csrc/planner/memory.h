@@ -2,6 +2,7 @@
 // Per-GPU memory: model states (ZeRO) and activations (Korthikanti et al. 2022).
 
 #include "planner/options.h"
+#include "planner/specs.h"
 
 namespace tdx::planner {
 
@@ -30,6 +31,29 @@ ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Pr
 double activation_bytes_per_layer(double seq_len, double micro_batch, double hidden, double num_heads, long tp,
                                   bool sequence_parallel, Recompute recompute,
                                   AttentionKernel attention = AttentionKernel::kFlash);
+
+// Bytes of activations one layer of `model` (RMSNorm, grouped-query attention with RoPE, SwiGLU MLP; no
+// dropout, no biases) stores for the backward per micro-batch, as autograd runs it with our layers and
+// recompute policies. T = micro_batch x seq_len / cp tokens, e = 2 bytes (16-bit activations), h hidden,
+// a heads, g kv heads, f the MLP width, t = tp, R = 1/t with sequence parallelism (the tensors outside the
+// tensor-parallel region are sequence-sharded), else 1:
+//   none       T e [4hR (both norms' inputs and outputs) + (3 + 2g/a) h/t (q, k, v, the attention output
+//              and its head-merged copy, the output projection's input) + 4f/t (w1 x, w3 x, silu(w1 x),
+//              their product)] + 4T (2R + a/t) (the norms' fp32 1/rms, the attention's fp32 log-sum-exp)
+//              attention="eager" stores the a x s softmax probabilities (T e a s / t) instead of the
+//              log-sum-exp; norm="composite" (torch's CPU RMSNorm) also stores each norm's input
+//              in fp32 and its normalised input before the weight (2 T h R (e + 4)).
+//   selective  torchdist_ext's policy: the outputs of the GEMMs, the attention kernel and the collectives
+//              are kept, the element-wise rest recomputed: T e [3hR (the layer input, both output
+//              projections) + (2 + 2g/a) h/t (q, k, v, the attention output) + 2f/t (w1 x, w3 x)] + 4T a/t,
+//              plus, with tp > 1 and no sequence parallelism, both all-reduces' outputs (2 T e h).
+//   full       the layer input: T e h R.
+// An MoE layer replaces the MLP term by its routed tokens' (k per token, their dispatched copies and
+// SwiGLU activations: k (h + 4 f_moe)) and its shared experts' (4 f_moe each) at T e, not divided by t
+// (experts are not tensor-parallel); under recompute they keep the GEMM outputs (2 f_moe per token and
+// expert). The MoE terms are not checked against a measurement; the dense ones are
+// (tests/planner/test_activation_memory.py).
+double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
 // Micro-batches whose activations a pipeline stage holds at its peak.
 //   gpipe: all m;  1f1b, zb-h1, zb-v: min(p, m) (the first stage warms up p; the zero-bubble

@@ -16,6 +16,7 @@ enum class Schedule { kGPipe, k1F1B, kInterleaved, kZbH1, kZbV };
 enum class Precision { kBf16Mixed, kFp8Mixed };
 enum class Fp8GradFormat { kE5M2, kE4M3 };
 enum class AttentionKernel { kFlash, kEager };
+enum class NormKernel { kFused, kComposite };
 
 template <typename Option>
 struct OptionTable;
@@ -56,6 +57,13 @@ struct OptionTable<AttentionKernel> {
   static constexpr const char* kField = "attention";
   static constexpr std::array<std::pair<AttentionKernel, const char*>, 2> kNames{
       {{AttentionKernel::kFlash, "flash"}, {AttentionKernel::kEager, "eager"}}};
+};
+
+template <>
+struct OptionTable<NormKernel> {
+  static constexpr const char* kField = "norm";
+  static constexpr std::array<std::pair<NormKernel, const char*>, 2> kNames{
+      {{NormKernel::kFused, "fused"}, {NormKernel::kComposite, "composite"}}};
 };
 
 template <typename Option>

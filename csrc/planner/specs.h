@@ -80,6 +80,7 @@ struct Layout {
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
   AttentionKernel attention = AttentionKernel::kFlash;  // what the attention stores for the backward
+  NormKernel norm = NormKernel::kFused;  // RMSNorm's kernel: CUDA's fused one, or torch's CPU composite
   int64_t micro_batch = 1;
   int64_t num_microbatches = 1;
   Schedule schedule = Schedule::k1F1B;

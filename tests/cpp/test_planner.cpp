@@ -81,6 +81,38 @@ TEST(Activations, KorthikantiTable2) {
   }
 }
 
+TEST(Activations, LlamaLayerAsAutogradRunsIt) {
+  // Llama-3 70B (h = 8192, a = 64, g = 8, f = 28672), s = 4096, b = 1: T = 4096 tokens, e = 2 bytes.
+  const ModelSpec model = llama3_70b();
+  const double T = 4096, e = 2, h = 8192, a = 64, g = 8, f = 28672;
+  Layout l;
+  // none, flash, fused norms: T e [4h + (3 + 2g/a) h + 4f] + 4T (2 + a).
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false), T * e * (4 * h + (3 + 2 * g / a) * h + 4 * f) + 4 * T * (2 + a));
+  // eager attention: the softmax probabilities T e a s instead of the log-sum-exp.
+  l.attention = AttentionKernel::kEager;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false),
+                   T * e * (4 * h + (3 + 2 * g / a) * h + 4 * f + a * 4096) + 4 * T * 2);
+  // torch's composite CPU norm also keeps each norm's input in fp32 and its normalised input: 2 T h (e + 4) more.
+  l.attention = AttentionKernel::kFlash, l.norm = NormKernel::kComposite;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false),
+                   T * e * (4 * h + (3 + 2 * g / a) * h + 4 * f) + 4 * T * (2 + a) + 2 * T * h * (e + 4));
+  // tp = 8 with SP: the norms' tensors and the 1/rms split over t too (R = 1/8); cp = 2 halves T.
+  l.norm = NormKernel::kFused, l.tp = 8, l.sequence_parallel = true, l.cp = 2;
+  const double t = 8, Tc = T / 2;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false),
+                   Tc * e * (4 * h / t + (3 + 2 * g / a) * h / t + 4 * f / t) + 4 * Tc * (2 / t + a / t));
+  // selective: the layer input, both output projections, q k v, the attention output, w1 x and w3 x.
+  l.recompute = Recompute::kSelective;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false),
+                   Tc * e * (3 * h / t + (2 + 2 * g / a) * h / t + 2 * f / t) + 4 * Tc * a / t);
+  // without SP the two all-reduces' outputs are kept too, and the layer input is whole.
+  l.sequence_parallel = false;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false),
+                   Tc * e * (3 * h + (2 + 2 * g / a) * h / t + 2 * f / t + 2 * h) + 4 * Tc * a / t);
+  l.recompute = Recompute::kFull;
+  EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false), Tc * e * h);
+}
+
 TEST(Pipeline, BubbleOf8StagesAnd4MicroBatches) {
   // (p - 1) / (m + p - 1) = 7 / 11 = 63.6%. The commonly quoted "46%" (docs/planner.md) is not this formula's value
   // (nor (p-1)/m = 175%): it is the wrong figure there.
@@ -229,7 +261,10 @@ TEST(Estimate, MemoryBreakdownOfZero3Tp8OnH100) {
   const double per_gpu = params.total / 8;  // pp = 1: every layer and both embeddings, split over tp
   EXPECT_NEAR(e.params_per_gpu, per_gpu, 1);
   EXPECT_NEAR(e.params + e.grads + e.optimizer, per_gpu * 16 / 4, 1);
-  EXPECT_NEAR(e.activations, 80 * 4096.0 * 8192 * 34 / 8, 1);  // one micro-batch in flight without pp
+  // One micro-batch in flight without pp; selective with SP: T e [3h/t + (2 + 2g/a) h/t + 2f/t] + 4 T a/t.
+  const double selective = 4096.0 * 2 * (3 * 8192 / 8.0 + (2 + 2 * 8 / 64.0) * 8192 / 8 + 2 * 28672 / 8.0) +
+                           4 * 4096.0 * 64 / 8;
+  EXPECT_NEAR(e.activations, 80 * selective, 1);
   EXPECT_TRUE(e.fits());
   EXPECT_GT(e.mfu, 0.2);
   EXPECT_LT(e.mfu, 0.7);

@@ -9,7 +9,9 @@ this package is its Python face, and ``python -m torchdist_ext.plan`` its CLI.
     ModelSpec.count_params()              total, active, expert, embedding, per_layer_dense
     ClusterSpec.preset("h100-80gb", 32)   a100-80gb, h100-80gb, h200-141gb, b200-192gb, gb200-nvl72
     Layout(tp=1, pp=1, dp=1, cp=1, ep=1, *, zero_stage=0, sequence_parallel=False, recompute="none", ...)
-    model_state_bytes, activation_bytes_per_layer, bubble_fraction, training_flops, gpu_hours
+    model_state_bytes, bubble_fraction, training_flops, gpu_hours
+    layer_activation_bytes(model, layout)   what one layer stores for the backward (the estimate's model)
+    activation_bytes_per_layer               Korthikanti et al.'s published GPT formula
     estimate(model, cluster, layout) -> Estimate
     check(model, cluster, layout) -> list[Finding];  lint(path) -> list[Finding]
     search(model, cluster, *, seq_len, global_batch, top=10) -> list[(Layout, Estimate)]
@@ -20,6 +22,7 @@ from torchdist_ext.planner.formulas import (
     activation_bytes_per_layer,
     bubble_fraction,
     gpu_hours,
+    layer_activation_bytes,
     model_state_bytes,
     simulate_schedule,
     training_flops,
@@ -42,6 +45,7 @@ __all__ = [
     "check",
     "estimate",
     "gpu_hours",
+    "layer_activation_bytes",
     "lint",
     "model_state_bytes",
     "search",

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 from torchdist_ext import _planner
-from torchdist_ext.planner.specs import ClusterSpec
+from torchdist_ext.planner.specs import ClusterSpec, Layout, ModelSpec
 
 __all__ = [
     "activation_bytes_per_layer",
+    "layer_activation_bytes",
     "bubble_fraction",
     "gpu_hours",
     "model_state_bytes",
@@ -34,6 +35,15 @@ def activation_bytes_per_layer(seq_len: int, micro_batch: int, hidden: int, num_
     published 5as/h score term)."""
     return _planner.activation_bytes_per_layer(seq_len, micro_batch, hidden, num_heads, tp, sequence_parallel,
                                                recompute, attention)
+
+
+def layer_activation_bytes(model: ModelSpec, layout: Layout, *, moe_layer: bool = False) -> float:
+    """Activation bytes one layer of ``model`` stores per micro-batch under ``layout`` as our layers and
+    recompute policies run it (16-bit activations; the estimate's model, written out in
+    csrc/planner/memory.h): with ``layout.recompute="none"``, flash attention and fused norms,
+    ``T e [4hR + (3 + 2g/a) h/t + 4f/t] + 4T (2R + a/t)`` for T tokens per micro-batch and rank of the cp group,
+    e = 2, R = 1/tp with sequence parallelism, else 1."""
+    return _planner.layer_activation_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
 
 
 def bubble_fraction(pp: int, num_microbatches: int, *, schedule: str = "1f1b", virtual_stages: int = 1) -> float:

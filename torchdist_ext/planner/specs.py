@@ -180,6 +180,7 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str = "none"
     attention: str = "flash"
+    norm: str = "fused"
     micro_batch: int = 1
     num_microbatches: int = 1
     schedule: str = "1f1b"
