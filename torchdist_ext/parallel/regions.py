@@ -105,6 +105,8 @@ def copy_to_region(x: Tensor, group: MeshGroup) -> Tensor:
 
 def reduce_from_region(x: Tensor, group: MeshGroup) -> Tensor:
     """Leaves a region with the sum of the ranks' partial results (replicated)."""
+    if group.size == 1:  # a one-rank collective is a copy
+        return x
     return _ReduceFromRegion.apply(x, group)
 
 
@@ -115,14 +117,20 @@ def scatter_to_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
 
 def gather_from_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
     """Leaves a region with the concatenated blocks (replicated)."""
+    if group.size == 1:  # a one-rank collective is a copy
+        return x
     return _GatherFromRegion.apply(x, group, dim)
 
 
 def reduce_scatter_to_sequence_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
     """Sums the ranks' partial results and keeps this rank's block along the sequence ``dim``."""
+    if group.size == 1:  # a one-rank collective is a copy
+        return x
     return _ReduceScatterToSequenceRegion.apply(x, group, dim)
 
 
 def gather_from_sequence_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
     """All-gathers sequence blocks; each rank's use of the full sequence sends gradient back to every block."""
+    if group.size == 1:  # a one-rank collective is a copy
+        return x
     return _GatherFromSequenceRegion.apply(x, group, dim)

@@ -4,14 +4,17 @@
     World.run(fn, *args, **kwargs) -> list                 one result per rank
     shard_replicated(x, *, mesh, dim) / gather_replicated(x, *, mesh, dim)   (see replicated.py)
     cached_mesh(shape, names)                              a DeviceMesh built once per process
+    RetainedMemory()                                       bytes a forward keeps alive (see retained_memory.py)
 pytest fixtures ``world2`` / ``world4``: ``pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]``.
 """
 
 from torchdist_ext.testing.mesh_cache import cached_mesh
 from torchdist_ext.testing.replicated import gather_replicated, shard_replicated
+from torchdist_ext.testing.retained_memory import RetainedMemory
 from torchdist_ext.testing.world import World, WorldError, WorldTimeoutError, spawn_world
 
 __all__ = [
+    "RetainedMemory",
     "World",
     "WorldError",
     "WorldTimeoutError",

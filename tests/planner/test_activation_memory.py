@@ -1,0 +1,102 @@
+"""The planner's activation model (``layer_activation_bytes``, the estimate's per-layer term) against what one
+Llama layer built from our layers keeps for its backward, measured on CPU in bf16 with ``RetainedMemory`` (the
+storages alive after the forward: two stacked layers minus one, so a layer's own input counts): equal to the
+byte for recompute none, selective and full, on one rank and at tp=2 with and without sequence parallelism.
+CPU runs torch's composite RMSNorm (the planner's ``norm="composite"``); the activations are bf16, the planner's
+16-bit e = 2."""
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from torchdist_ext.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from torchdist_ext.parallel.recompute import recompute
+from torchdist_ext.planner import Layout, ModelSpec, layer_activation_bytes
+from torchdist_ext.testing import RetainedMemory, cached_mesh
+
+DIM, HEADS, KV_HEADS, FFN, BATCH, SEQ = 128, 8, 4, 256, 2, 64
+HEAD_DIM = DIM // HEADS
+
+
+def rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """The main job's rotary embedding (examples/llama.py): pairs rotated in fp32."""
+    pairs = x.float().unflatten(-1, (-1, 2))
+    real, imag = pairs[..., 0], pairs[..., 1]
+    return torch.stack((real * cos - imag * sin, real * sin + imag * cos), dim=-1).flatten(-2).type_as(x)
+
+
+class LlamaLayer(nn.Module):
+    """The main job's transformer block over our tensor-parallel layers (examples/llama.py after
+    parallelize_llama): RMSNorm, grouped-query attention with RoPE and SDPA, SwiGLU."""
+
+    def __init__(self, tp_mesh, sequence_parallel: bool):
+        super().__init__()
+        kw = dict(tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, dtype=torch.bfloat16)
+        self.attention_norm, self.ffn_norm = RMSNorm(DIM, **kw), RMSNorm(DIM, **kw)
+        self.wq = ColumnParallelLinear(DIM, HEADS * HEAD_DIM, False, **kw)
+        self.wk = ColumnParallelLinear(DIM, KV_HEADS * HEAD_DIM, False, **kw)
+        self.wv = ColumnParallelLinear(DIM, KV_HEADS * HEAD_DIM, False, **kw)
+        self.wo = RowParallelLinear(HEADS * HEAD_DIM, DIM, False, **kw)
+        self.w1 = ColumnParallelLinear(DIM, FFN, False, **kw)
+        self.w3 = ColumnParallelLinear(DIM, FFN, False, **kw)
+        self.w2 = RowParallelLinear(FFN, DIM, False, **kw)
+        angles = torch.outer(torch.arange(SEQ, dtype=torch.float64),
+                             1.0 / 10000 ** (torch.arange(0, HEAD_DIM, 2, dtype=torch.float64) / HEAD_DIM))
+        self.cos, self.sin = angles.cos().float(), angles.sin().float()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.attention_norm(x)
+        q, k, v = (proj(h).unflatten(-1, (-1, HEAD_DIM)).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
+        q, k = rope(q, self.cos, self.sin), rope(k, self.cos, self.sin)
+        attention = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+        x = x + self.wo(attention.transpose(1, 2).flatten(-2))
+        h = self.ffn_norm(x)
+        return x + self.w2(F.silu(self.w1(h)) * self.w3(h))
+
+
+def retained_bytes(num_layers: int, tp_mesh, sequence_parallel: bool, mode: str) -> int:
+    torch.manual_seed(0)
+    layers = [recompute(LlamaLayer(tp_mesh, sequence_parallel), mode) for _ in range(num_layers)]
+    seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
+    x = torch.randn(BATCH, seq, DIM, dtype=torch.bfloat16, requires_grad=True)
+    with RetainedMemory() as meter:
+        out = x
+        for layer in layers:
+            out = layer(out)
+    retained = meter.retained_bytes()
+    out.float().square().mean().backward()  # the backward runs: what was kept is what it needed
+    return retained
+
+
+def measured_and_planned(sequence_parallel: bool) -> list[tuple[str, int, float]]:
+    tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
+    model = ModelSpec(2, DIM, HEADS, num_kv_heads=KV_HEADS, ffn_hidden=FFN, vocab_size=256)
+    results = []
+    for mode in ("none", "selective", "full"):
+        measured = (retained_bytes(2, tp_mesh, sequence_parallel, mode)
+                    - retained_bytes(1, tp_mesh, sequence_parallel, mode))
+        layout = Layout(tp=tp_mesh.size(), sequence_parallel=sequence_parallel, recompute=mode, norm="composite",
+                        seq_len=SEQ, micro_batch=BATCH)
+        results.append((mode, measured, layer_activation_bytes(model, layout)))
+    return results
+
+
+@pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
+                         ids=["tp1", "tp2", "tp2-sp"])
+def test_planner_activations_equal_what_a_llama_layer_keeps(world_pool, world_size, sequence_parallel):
+    for rank_results in world_pool.get(world_size).run(measured_and_planned, sequence_parallel):
+        for mode, measured, planned in rank_results:
+            assert measured == planned, (mode, measured, planned)
+
+
+def test_flash_attention_and_fused_norms_are_the_gpu_default():
+    """On a GPU the fused RMSNorm keeps its input and fp32 1/rms only: 2 T h (e + 4) less than torch's CPU
+    composite; attention="eager" keeps the softmax probabilities instead of the log-sum-exp."""
+    model = ModelSpec(2, DIM, HEADS, num_kv_heads=KV_HEADS, ffn_hidden=FFN, vocab_size=256)
+    tokens = SEQ * BATCH
+    fused = layer_activation_bytes(model, Layout(seq_len=SEQ, micro_batch=BATCH))
+    composite = layer_activation_bytes(model, Layout(seq_len=SEQ, micro_batch=BATCH, norm="composite"))
+    eager = layer_activation_bytes(model, Layout(seq_len=SEQ, micro_batch=BATCH, attention="eager"))
+    assert composite - fused == 2 * tokens * DIM * (2 + 4)
+    assert eager - fused == tokens * 2 * HEADS * SEQ - 4 * tokens * HEADS
