@@ -56,7 +56,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import Llama, LlamaConfig, LlamaStage, MixtureOfExperts, parallelize_llama  # noqa: E402
 
-import torchdist_ext  # noqa: E402,F401
+from torchdist_ext import clip_grad_norm_  # noqa: E402
 from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_modules, fp8_step  # noqa: E402
 from torchdist_ext.parallel import (  # noqa: E402
     MoE,
@@ -185,27 +185,6 @@ def batches(steps: int, batch: int, seq: int, seed: int):
         starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=generator)
         windows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
         yield windows[:, :-1], windows[:, 1:]
-
-
-def clip_grad_norm_(parameters, max_norm: float, pp_group=None) -> torch.Tensor:
-    """Clips by the norm of the *whole* gradient: DTensor shards are reduced over every dim of their mesh
-    first, one norm per mesh (the experts' gradients live on their own), then combined, and over the
-    pipeline ranks (``pp_group``; each holds other stages' parameters)."""
-    grads = [p.grad for p in parameters if p.grad is not None]
-    by_mesh: dict = {}
-    for g in grads:
-        by_mesh.setdefault(g.device_mesh if isinstance(g, torch.distributed.tensor.DTensor) else None, []).append(g)
-    norms = []
-    for group in by_mesh.values():
-        norm = torch.nn.utils.get_total_norm(group)
-        norms.append(norm.full_tensor() if isinstance(norm, torch.distributed.tensor.DTensor) else norm)
-    total = torch.linalg.vector_norm(torch.stack(norms))
-    if pp_group is not None:
-        squared = total.square()
-        dist.all_reduce(squared, group=pp_group)
-        total = squared.sqrt()
-    torch.nn.utils.clip_grads_with_norm_(grads, max_norm, total)
-    return total
 
 
 def build_model(args, device: torch.device) -> Llama:
@@ -389,8 +368,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             for stage in pipe.stages.values():
                 stage.positions = positions
             loss = pipe.step(tokens, target)
-        grad_norm = clip_grad_norm_(model.parameters(), args.max_grad_norm,
-                                    None if pipe is None else mesh["pp"].get_group())
+        # The norm of the whole model's gradient (every mesh, every stage), as one process would clip.
+        grad_norm = clip_grad_norm_(model, args.max_grad_norm, pp_mesh=mesh["pp"])
         optimizer.step()
         optimizer.zero_grad()
         for part in model if pipe is not None else (model,):
@@ -426,7 +405,7 @@ def train_single_process(args, device: torch.device, dp: int, ring: int, ulysses
     for tokens, target in batches(args.steps, args.batch, args.seq, args.seed):
         loss = model(tokens.to(device), target.to(device))
         (loss + sum(moe.auxiliary for moe in experts)).backward()
-        clip_grad_norm_(model.parameters(), args.max_grad_norm)
+        clip_grad_norm_(model, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
         losses.append(loss.item())
