@@ -61,7 +61,9 @@ def _sampler_findings(tree: ast.AST, path: str) -> list[Finding]:
         return []
     return [Finding("TDX003", "warning",
                     "DistributedSampler without set_epoch(epoch): every epoch sees the same shuffle. Call "
-                    "sampler.set_epoch(epoch) at the start of each epoch.", path, n.lineno) for n in samplers]
+                    "sampler.set_epoch(epoch) at the start of each epoch, or use "
+                    "torchdist_ext.data.DataParallelSampler (a new shuffle each epoch by itself, sharded by the "
+                    "dp mesh).", path, n.lineno) for n in samplers]
 
 
 def _no_sync_findings(tree: ast.AST, path: str, sharded: bool) -> list[Finding]:
@@ -84,9 +86,9 @@ def _local_norm_findings(tree: ast.AST, path: str, sharded: bool) -> list[Findin
     if not sharded:
         return []
     message = ("gradient norm of local shards: under FSDP / tensor parallelism each rank holds part of each "
-               "gradient, so this norm is smaller than the global one and clipping under-clips. Clip the DTensor "
-               "gradients with torch.nn.utils.clip_grad_norm_ (it reduces over every mesh dim), or all-reduce the "
-               "squared norms (full_tensor() of the total) before scaling.")
+               "gradient, so this norm is smaller than the global one and clipping under-clips. Clip with "
+               "torchdist_ext.clip_grad_norm_(model_parts, max_norm, pp_mesh=...): it reduces every mesh's DTensor "
+               "gradients and the pipeline stages.")
     in_loops = {id(n) for loop in ast.walk(tree) if isinstance(loop, (ast.For, ast.ListComp, ast.GeneratorExp))
                 for n in ast.walk(loop)}
     findings = []
