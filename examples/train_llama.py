@@ -11,6 +11,8 @@ parallelism.
     torchrun --nproc-per-node 4 examples/train_llama.py --fp8 delayed --check        # fp8 GEMMs, delayed scaling
     torchrun --nproc-per-node 4 examples/train_llama.py --pp 2 --schedule zb-h1 --microbatches 4 --check
     torchrun --nproc-per-node 4 examples/train_llama.py --pp 2 --tp 1 --experts 4 --ep 2 --check  # MoE stages
+    torchrun --nproc-per-node 8 examples/train_llama.py --pp 2 --steps 2 --save ckpt  # dp2 x tp2 x pp2, saved
+    torchrun --nproc-per-node 4 examples/train_llama.py --steps 4 --resume ckpt      # continued at dp2 x tp2
 
 Every rank builds the same single-process model (same seed), converts it to
 tensor-parallel layers with the same weights and shards it with FSDP2 over
@@ -18,8 +20,9 @@ dp x cp. ``--experts E`` makes every FFN a mixture of E experts (top ``--top-k``
 dropless or ``--capacity-factor c``), split over ``--ep`` ranks carved out of the
 dp x cp ranks (ep divides dp x cp), each step printing the busiest expert's load
 over the mean; ``--check``'s single process then routes each rank's tokens as
-that rank does (with ``--pp``, each micro-batch's on their own). Each step draws one global batch of byte windows (same generator on
-every rank); data-parallel rank d trains on its slice, and context-parallel
+that rank does (with ``--pp``, each micro-batch's on their own). The corpus is cut into byte windows read
+in global batches, a new permutation each epoch (``torchdist_ext.data.DataParallelSampler``); data-parallel
+rank d reads its block of each, and context-parallel
 ranks split its sequence (tokens, targets and RoPE positions) zigzag, which
 balances causal work (for the hybrid: zigzag over the ring ranks, contiguous
 over the Ulysses ranks inside each ring shard). The loss printed is
@@ -33,7 +36,10 @@ all-gathers, fp32 gradient reduction, master weights and optimizer state.
 (``torchdist_ext.pipeline``; the embedding on the first, the norm and head on the last)
 over P ranks, each stage tensor-/context-parallel and sharded by FSDP2 as above, and
 prints the last step's measured bubble next to the planner's (``--timeline out.png``
-draws it); the gradient norm is taken over every stage.
+draws it); the gradient norm is taken over every stage and mesh (``torchdist_ext.clip_grad_norm_``).
+``--save DIR`` writes a distributed checkpoint after the last step (model, optimizer, fp8 histories, data
+position, step: ``torchdist_ext.checkpoint``), and ``--resume DIR`` continues it at any layout up to ``--steps``:
+the losses equal the uninterrupted run's.
 ``--device cuda`` runs one process per GPU (NCCL, gloo for the few CPU
 tensors), in bf16 unless ``--fp32``, and prints each step's tokens/s and model
 FLOPs utilisation (MFU, against the GPU's dense bf16 peak from the planner's
@@ -56,7 +62,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import Llama, LlamaConfig, LlamaStage, MixtureOfExperts, parallelize_llama  # noqa: E402
 
-from torchdist_ext import clip_grad_norm_  # noqa: E402
+from torchdist_ext import checkpoint, clip_grad_norm_  # noqa: E402
+from torchdist_ext.data import DataParallelSampler  # noqa: E402
 from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_modules, fp8_step  # noqa: E402
 from torchdist_ext.parallel import (  # noqa: E402
     MoE,
@@ -138,6 +145,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --fp8 delayed: FSDP2 all-gathers the fp8 linears' weights as fp8 bytes")
     parser.add_argument("--losses", type=Path, default=None,
                         help="write the per-step global losses here as JSON (examples/plot_losses.py plots runs)")
+    parser.add_argument("--save", type=Path, default=None,
+                        help="write a distributed checkpoint here after the last step (model, optimizer, fp8 "
+                             "histories, data position, step)")
+    parser.add_argument("--resume", type=Path, default=None,
+                        help="continue from this checkpoint (written at any layout) up to --steps")
     parser.add_argument("--check", action="store_true", help="also train in one process (fp32) and compare losses")
     parser.add_argument("--check-tolerance", type=float, default=None,
                         help=f"largest relative loss difference allowed by --check (default: "
@@ -149,6 +161,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"scale), got --fp8 {args.fp8}")
     if args.pp > 1 and args.device == "cuda":
         parser.error("--pp with --device cuda is not supported yet (the pipeline's messages go over gloo)")
+    if args.check and args.resume is not None:
+        parser.error("--check trains a whole run in one process: it cannot start from --resume")
     if args.check_tolerance is None:
         args.check_tolerance = CHECK_TOLERANCE["fp8" if args.fp8 else precision(args)]
     return args
@@ -177,14 +191,19 @@ def gpu_peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def batches(steps: int, batch: int, seq: int, seed: int):
-    """(tokens, target) ``[batch, seq]`` byte windows; the same sequence on every rank."""
+def corpus_windows(seq: int) -> torch.Tensor:
+    """The corpus cut into byte windows of ``seq + 1`` (the tokens and their next-byte targets): ``[n, seq + 1]``."""
     data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
-    generator = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        starts = torch.randint(0, data.numel() - seq - 1, (batch,), generator=generator)
-        windows = torch.stack([data[s : s + seq + 1] for s in starts.tolist()])
-        yield windows[:, :-1], windows[:, 1:]
+    count = data.numel() // (seq + 1)
+    return data[: count * (seq + 1)].view(count, seq + 1)
+
+
+def batches(windows: torch.Tensor, sampler: DataParallelSampler):
+    """(tokens, target) ``[sampler.batch_size, seq]``: this dp rank's rows of each global batch, epoch after
+    epoch (each pass over the sampler reads a new permutation)."""
+    while True:
+        for rows in torch.tensor(list(sampler), dtype=torch.long).split(sampler.batch_size):
+            yield windows[rows, :-1], windows[rows, 1:]
 
 
 def build_model(args, device: torch.device) -> Llama:
@@ -338,8 +357,18 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         model = torch.nn.ModuleList(pipe.stages.values())
     else:
         model = parallelize(single)
-    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
-    dp_rank, fsdp_group = mesh["dp"].get_local_rank(), fsdp_mesh.get_group()
+    # One optimizer per part (pipeline stage), so that a checkpoint names each state by its parameter's name in
+    # the whole model and loads at any other split.
+    parts = list(model) if pipe is not None else [model]
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr) for part in parts]
+    fsdp_group = fsdp_mesh.get_group()
+    windows = corpus_windows(args.seq)
+    sampler = DataParallelSampler(len(windows), dp_mesh=mesh["dp"], batch_size=args.batch // dp, seed=args.seed)
+    first_step = 0
+    if args.resume is not None:
+        saved = checkpoint.load(args.resume, parts, optimizers, extra={"step": 0, "sampler": sampler.state_dict()})
+        sampler.load_state_dict(saved["sampler"])
+        first_step = saved["step"]
     if rank == 0:
         print(f"world {world_size}: "
               f"{f'pp={args.pp} ({args.schedule}, {microbatches(args)} micro-batches) x ' if args.pp > 1 else ''}"
@@ -356,9 +385,10 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     if cp_mesh is not None:
         positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")
     losses = []
-    for step, (tokens, target) in enumerate(batches(args.steps, args.batch, args.seq, args.seed)):
+    data = batches(windows, sampler)
+    for step in range(first_step, args.steps):
         start = time.perf_counter()
-        tokens, target = tokens.chunk(dp)[dp_rank].to(device), target.chunk(dp)[dp_rank].to(device)
+        tokens, target = (t.to(device) for t in next(data))
         if cp_mesh is not None:
             tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, layout="zigzag") for t in (tokens, target))
         if pipe is None:
@@ -369,11 +399,12 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
                 stage.positions = positions
             loss = pipe.step(tokens, target)
         # The norm of the whole model's gradient (every mesh, every stage), as one process would clip.
-        grad_norm = clip_grad_norm_(model, args.max_grad_norm, pp_mesh=mesh["pp"])
-        optimizer.step()
-        optimizer.zero_grad()
-        for part in model if pipe is not None else (model,):
+        grad_norm = clip_grad_norm_(parts, args.max_grad_norm, pp_mesh=mesh["pp"])
+        for part, optimizer in zip(parts, optimizers):
+            optimizer.step()
+            optimizer.zero_grad()
             fp8_step(part)  # no-op without --fp8; one amax all-reduce per stage
+        sampler.advance()
         # Every dp x cp rank's loss is the mean over the same number of tokens.
         global_loss = loss.detach().to(torch.float32, copy=True)  # with --bf16 the loss is bf16
         dist.all_reduce(global_loss, group=fsdp_group)
@@ -392,7 +423,11 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             print(line, flush=True)
     if pipe is not None:
         report_bubble(args, pipe, rank)
-    return losses
+    if args.save is not None:
+        checkpoint.save(args.save, parts, optimizers, extra={"step": args.steps, "sampler": sampler.state_dict()})
+        if rank == 0:
+            print(f"saved step {args.steps} to {args.save}", flush=True)
+    return first_step, losses
 
 
 def train_single_process(args, device: torch.device, dp: int, ring: int, ulysses: int) -> list[float]:
@@ -401,8 +436,11 @@ def train_single_process(args, device: torch.device, dp: int, ring: int, ulysses
     for moe in experts:  # route as the parallel ranks do: each rank's tokens on their own
         moe.groups = [group.to(device) for group in expert_token_groups(args, dp, ring, ulysses)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    windows = corpus_windows(args.seq)
+    data = batches(windows, DataParallelSampler(len(windows), batch_size=args.batch, seed=args.seed))
     losses = []
-    for tokens, target in batches(args.steps, args.batch, args.seq, args.seed):
+    for _ in range(args.steps):
+        tokens, target = next(data)
         loss = model(tokens.to(device), target.to(device))
         (loss + sum(moe.auxiliary for moe in experts)).backward()
         clip_grad_norm_(model, args.max_grad_norm)
@@ -427,9 +465,10 @@ def main(argv=None) -> int:
         dist.init_process_group("gloo")
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
-        losses = train_parallel(args, world_size, rank, device)
+        first_step, losses = train_parallel(args, world_size, rank, device)
         if args.losses is not None and rank == 0:
-            args.losses.write_text(json.dumps({"command": " ".join(sys.argv), "losses": losses}))
+            args.losses.write_text(json.dumps({"command": " ".join(sys.argv), "first_step": first_step,
+                                               "losses": losses}))
         status = 0
         if args.check and rank == 0:
             reference = train_single_process(args, device, *data_and_context_split(args, world_size))

@@ -14,9 +14,11 @@ import torch
 ROOT = Path(__file__).resolve().parents[2]
 
 
-def run_main_job(*flags: str, processes: int = 4, script: Path = ROOT / "examples" / "train_llama.py") -> str:
+def run_main_job(*flags: str, processes: int = 4, script: Path = ROOT / "examples" / "train_llama.py",
+                 check: bool = True) -> str:
     torchrun = Path(sys.executable).with_name("torchrun")
-    command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes), str(script), "--check", *flags]
+    command = [str(torchrun), "--standalone", "--nproc-per-node", str(processes), str(script),
+               *(["--check"] if check else []), *flags]
     # One inductor compile thread per rank: four ranks share two cores.
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TORCHINDUCTOR_COMPILE_THREADS": "1"}
     result = subprocess.run(command, capture_output=True, text=True, timeout=600, env=env, cwd=ROOT)
@@ -109,6 +111,38 @@ def test_pipeline_zero_bubble_matches_one_process_and_reports_its_bubble(tmp_pat
                      r"planner 0\.\d+ for the measured F/B/W times \(closed form 0\.077\)", output), output
     assert largest_relative_difference(output) < 1e-4
     assert png.stat().st_size > 0
+
+
+def losses_of_run(*flags: str, processes: int, path: Path) -> tuple[int, list[float]]:
+    run_main_job(*flags, "--losses", str(path), processes=processes, check=False)
+    written = json.loads(path.read_text())
+    return written["first_step"], written["losses"]
+
+
+def test_resumes_at_another_layout_as_if_uninterrupted(tmp_path):
+    """Saved after 2 of 4 steps at dp2 x tp2 x pp2 (SP, zb-h1) on 8 ranks; resumed at dp4 x tp2 and in one
+    process: steps 2 and 3 equal the uninterrupted run's (measured: equal at dp4 x tp2, about 1e-7 in one process)."""
+    layout = ("--pp", "2", "--schedule", "zb-h1", "--microbatches", "4")
+    _, uninterrupted = losses_of_run("--steps", "4", *layout, processes=8, path=tmp_path / "whole.json")
+    run_main_job("--steps", "2", *layout, "--save", str(tmp_path / "ckpt"), processes=8, check=False)
+    for flags, processes in [(("--tp", "2"), 8), (("--tp", "1"), 1)]:
+        first, resumed = losses_of_run("--steps", "4", *flags, "--resume", str(tmp_path / "ckpt"),
+                                       processes=processes, path=tmp_path / f"resumed{processes}.json")
+        assert first == 2 and resumed == pytest.approx(uninterrupted[2:], rel=1e-5), (flags, resumed, uninterrupted)
+
+
+def test_fp8_histories_resume_with_the_model(tmp_path):
+    """--fp8 delayed saved after 2 of 4 steps: resumed at the same layout, the fp8 amax histories and scales
+    come back and the losses equal the uninterrupted run's exactly; at tp1 x pp2 within 1e-4 (measured 1.0e-5:
+    fp8 rounding of sums in another order)."""
+    _, uninterrupted = losses_of_run("--steps", "4", "--fp8", "delayed", processes=4, path=tmp_path / "whole.json")
+    run_main_job("--steps", "2", "--fp8", "delayed", "--save", str(tmp_path / "ckpt"), check=False)
+    _, same = losses_of_run("--steps", "4", "--fp8", "delayed", "--resume", str(tmp_path / "ckpt"), processes=4,
+                            path=tmp_path / "same.json")
+    assert same == uninterrupted[2:]
+    _, other = losses_of_run("--steps", "4", "--fp8", "delayed", "--tp", "1", "--pp", "2", "--resume",
+                             str(tmp_path / "ckpt"), processes=4, path=tmp_path / "other.json")
+    assert other == pytest.approx(uninterrupted[2:], rel=1e-4)
 
 
 def test_pipeline_refuses_a_batch_its_microbatches_do_not_divide():

@@ -1,0 +1,51 @@
+"""torchdist_ext.checkpoint: a model saved as two parts (pipeline stages, one optimizer each) loads into another
+split of the same model (here one part holding both), parameters and Adam state alike; bad arguments are refused.
+The multi-rank resharding (dp2 x tp2 x pp2 saved, dp4 x tp2 and one process loaded) is the main job's test
+(tests/examples/test_train_llama.py::test_resumes_at_another_layout_as_if_uninterrupted)."""
+
+import pytest
+import torch
+from torch import nn
+
+from torchdist_ext import checkpoint
+
+
+def model() -> nn.ModuleDict:
+    torch.manual_seed(0)
+    return nn.ModuleDict({"first": nn.Linear(4, 8), "second": nn.Linear(8, 2)})
+
+
+def trained_parts() -> tuple[list[nn.Module], list[torch.optim.Optimizer]]:
+    whole = model()
+    parts = [nn.ModuleDict({"first": whole["first"]}), nn.ModuleDict({"second": whole["second"]})]
+    optimizers = [torch.optim.AdamW(part.parameters(), lr=0.1) for part in parts]
+    whole["second"](whole["first"](torch.randn(3, 4))).square().sum().backward()
+    for optimizer in optimizers:
+        optimizer.step()
+    return parts, optimizers
+
+
+def test_parts_load_into_another_split(tmp_path):
+    parts, optimizers = trained_parts()
+    checkpoint.save(tmp_path, parts, optimizers, extra={"step": 7})
+    whole = nn.ModuleDict({"first": nn.Linear(4, 8), "second": nn.Linear(8, 2)})  # other weights
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    assert checkpoint.load(tmp_path, [whole], [optimizer], extra={"step": 0}) == {"step": 7}
+    for name, param in whole.named_parameters():
+        saved = next(p for part in parts for n, p in part.named_parameters() if n == name)
+        assert torch.equal(param, saved)
+        state = next(o.state[saved] for o in optimizers if saved in o.state)
+        for key in ("exp_avg", "exp_avg_sq", "step"):
+            assert torch.equal(optimizer.state[param][key], state[key]), (name, key)
+
+
+def test_bad_arguments_are_refused(tmp_path):
+    parts, optimizers = trained_parts()
+    with pytest.raises(ValueError, match="one optimizer per part: got 2 parts and 1 optimizers"):
+        checkpoint.save(tmp_path, parts, optimizers[:1])
+    with pytest.raises(TypeError, match="parts must be nn.Modules"):
+        checkpoint.save(tmp_path, ["first", parts[1]], optimizers)
+    with pytest.raises(TypeError, match="optimizers must be torch.optim.Optimizers"):
+        checkpoint.save(tmp_path, parts, [optimizers[0], None])
+    with pytest.raises(ValueError, match=r"parts must not share parameters or buffers: \['first.bias', 'first.weight'\]"):
+        checkpoint.save(tmp_path, [parts[0], parts[0]], [optimizers[0], torch.optim.AdamW(parts[0].parameters())])
