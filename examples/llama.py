@@ -271,32 +271,12 @@ class ExpertParallelFeedForward(nn.Module):
         return scatter_to_region(self.moe(gather_from_region(x, self.tp, 1)), self.tp, 1)
 
 
-def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool,
-                      attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
-                      compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
-                      ep_mesh: DeviceMesh | None = None, expert_dp_mesh: DeviceMesh | None = None,
-                      fp8: Recipe | None = None, fp8_all_gather: bool = False,
-                      fp8_amax_mesh: DeviceMesh | None = None, recompute_mode: str = "none") -> nn.Module:
-    """Tensor-parallel layers with ``model``'s weights (in place), an optional context-parallel
-    attention ``attend``, optional per-block compile, then FSDP2 over ``dp_mesh`` (with its
-    mixed-precision policy ``mp_policy``, e.g. bf16 parameters with fp32 gradient reduction).
-    With experts, each block's ``MixtureOfExperts`` becomes the expert-parallel ``MoE`` over
-    ``ep_mesh`` (ranks of ``dp_mesh`` that see different tokens), its experts sharded by FSDP2 over
-    ``expert_dp_mesh`` (the ranks holding the same experts). With an fp8 ``Recipe`` every linear but the
-    output head runs its GEMMs in fp8 (``convert_to_fp8``, before FSDP2 so that the shapes it checks
-    are the tensor-parallel shards); call ``fp8_step(model)`` after each optimizer step. ``fp8_all_gather``:
-    FSDP2 gathers those linears' weights as fp8 bytes (a delayed recipe with ``reduce_amax``);
-    ``fp8_amax_mesh``: the ranks that reduce the amaxes (None: the world; a pipeline stage's ranks under
-    pipeline parallelism, whose stages hold different linears). ``model`` is a ``Llama`` or a ``LlamaStage``
-    (whose missing embedding or head is skipped). ``recompute_mode``: activation recompute of every block
-    ("none", "selective": keep the communicating ops' and GEMMs' outputs, or "full").
-
-    With sequence parallelism the residual stream between blocks is sharded
-    along the sequence over tp; the embedding reduce-scatters into it and the
-    column projections all-gather out of it inside their GEMM rings. With
-    context parallelism ``dp_mesh`` must span the context-parallel ranks too
-    (they hold the same parameters and their gradients must be summed).
-    """
+def apply_tp(model: Llama, tp_mesh: DeviceMesh, sequence_parallel: bool) -> None:
+    """Tensor (and sequence) parallelism, in place: the embedding, every attention projection, the dense
+    FFNs' linears, the norms and the output head become our tensor-parallel layers with the same weights, and
+    the loss the vocab-parallel cross-entropy. With sequence parallelism the residual stream between blocks is
+    sharded along the sequence over tp; the embedding reduce-scatters into it and the column projections
+    all-gather out of it inside their GEMM rings."""
     check_layout(model.cfg, tp_mesh.size())
     kw = dict(tp_mesh=tp_mesh, sequence_parallel=sequence_parallel)
     if model.tok_embeddings is not None:
@@ -306,18 +286,10 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         for name in ("wq", "wk", "wv"):
             setattr(attention, name, ColumnParallelLinear.from_linear(getattr(attention, name), **kw))
         attention.wo = RowParallelLinear.from_linear(attention.wo, **kw)
-        if isinstance(ffn, MixtureOfExperts):
-            cfg = model.cfg
-            moe = MoE.from_experts(ffn.gate, ffn.w1, ffn.w3, ffn.w2, ep_mesh=ep_mesh, top_k=cfg.top_k,
-                                   capacity_factor=cfg.capacity_factor, aux_loss_coef=cfg.aux_loss_coef)
-            fully_shard_moe(moe, dp_mesh=dp_mesh, expert_dp_mesh=expert_dp_mesh, mp_policy=mp_policy)
-            block.feed_forward = ExpertParallelFeedForward(moe, MeshGroup.of(tp_mesh), sequence_parallel)
-        else:
+        if not isinstance(ffn, MixtureOfExperts):  # experts are apply_ep's
             ffn.w1 = ColumnParallelLinear.from_linear(ffn.w1, **kw)
             ffn.w3 = ColumnParallelLinear.from_linear(ffn.w3, **kw)
             ffn.w2 = RowParallelLinear.from_linear(ffn.w2, **kw)
-        if attend is not None:
-            attention.attend = attend
         block.attention_norm = RMSNorm.from_rms_norm(block.attention_norm, **kw)
         block.ffn_norm = RMSNorm.from_rms_norm(block.ffn_norm, **kw)
     if model.output is not None:
@@ -325,19 +297,82 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         model.output = ColumnParallelLinear.from_linear(model.output, **kw)
     # The logits feed nothing but the loss: their gradient can take their memory.
     model.loss_fn = partial(vocab_parallel_cross_entropy, tp_mesh=tp_mesh, inplace_backward=True)
-    if fp8 is not None:  # the output head stays in the activation dtype, as TransformerEngine recipes keep it
-        convert_to_fp8(model, fp8, amax_reduction_mesh=fp8_amax_mesh, filter_fn=lambda name, module: name != "output",
-                       fp8_all_gather=fp8_all_gather)
+
+
+def apply_cp(model: Llama, attend: Callable[[Tensor, Tensor, Tensor], Tensor]) -> None:
+    """Context parallelism: every block's attention runs ``attend`` (ring, Ulysses or hybrid attention over the
+    cp mesh) on the sequence shards the caller feeds. FSDP2's mesh must then span the cp ranks too (they hold
+    the same parameters and their gradients are summed)."""
+    for block in model.layers.values():
+        block.attention.attend = attend
+
+
+def apply_ep(model: Llama, *, ep_mesh: DeviceMesh, dp_mesh: DeviceMesh, expert_dp_mesh: DeviceMesh | None,
+             tp_mesh: DeviceMesh, sequence_parallel: bool, mp_policy: MixedPrecisionPolicy) -> None:
+    """Expert parallelism: each block's ``MixtureOfExperts`` becomes the expert-parallel ``MoE`` over ``ep_mesh``
+    (ranks of ``dp_mesh`` that see different tokens) with the same weights, its experts sharded by FSDP2 over
+    ``expert_dp_mesh`` (the ranks holding the same experts) and its router over ``dp_mesh``."""
+    cfg = model.cfg
+    for block in model.layers.values():
+        ffn = block.feed_forward
+        if isinstance(ffn, MixtureOfExperts):
+            moe = MoE.from_experts(ffn.gate, ffn.w1, ffn.w3, ffn.w2, ep_mesh=ep_mesh, top_k=cfg.top_k,
+                                   capacity_factor=cfg.capacity_factor, aux_loss_coef=cfg.aux_loss_coef)
+            fully_shard_moe(moe, dp_mesh=dp_mesh, expert_dp_mesh=expert_dp_mesh, mp_policy=mp_policy)
+            block.feed_forward = ExpertParallelFeedForward(moe, MeshGroup.of(tp_mesh), sequence_parallel)
+
+
+def apply_fp8(model: Llama, recipe: Recipe, *, all_gather: bool, amax_mesh: DeviceMesh | None) -> None:
+    """fp8 GEMMs in every linear but the output head (which stays in the activation dtype, as
+    TransformerEngine recipes keep it); before FSDP2, so that the shapes it checks are the tensor-parallel
+    shards. ``all_gather``: FSDP2 gathers those weights as fp8 bytes (a delayed recipe); ``amax_mesh``: the
+    ranks that reduce the amaxes (a pipeline stage's: other stages hold other linears). Call
+    ``fp8_step(model)`` after each optimizer step."""
+    convert_to_fp8(model, recipe, amax_reduction_mesh=amax_mesh, filter_fn=lambda name, module: name != "output",
+                   fp8_all_gather=all_gather)
+
+
+def apply_recompute_and_compile(model: Llama, recompute_mode: str, compile: bool) -> None:
+    """Activation recompute of every block ("none", "selective": keep the communicating ops' and GEMMs'
+    outputs, or "full"), then ``torch.compile(fullgraph=True)`` of every block when ``compile``. A block with
+    experts is compiled around its MoE, in place (names unchanged): the experts carry FSDP2 hooks of their own,
+    which dynamo runs eagerly and a fullgraph graph cannot hold; the MoE's own work is native ops."""
     for index, block in list(model.layers.items()):
         recompute(block, recompute_mode)
         if compile and isinstance(block.feed_forward, ExpertParallelFeedForward):
-            # The experts carry FSDP2 hooks of their own, which dynamo runs eagerly: a fullgraph graph cannot
-            # hold them. Compile everything around the MoE instead, in place (names unchanged); the MoE's
-            # own work is native ops.
             for part in (block.attention_norm, block.attention, block.ffn_norm):
                 part.compile(fullgraph=True)
         elif compile:
-            block = torch.compile(block, fullgraph=True)
-            model.layers[index] = block
+            model.layers[index] = torch.compile(block, fullgraph=True)
+
+
+def apply_fsdp(model: Llama, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> nn.Module:
+    """FSDP2 over ``dp_mesh`` (dp x cp), one unit per block and one for the rest, with the mixed-precision
+    policy ``mp_policy`` (e.g. bf16 parameters with fp32 gradient reduction)."""
+    for block in model.layers.values():
         fully_shard(block, mesh=dp_mesh, mp_policy=mp_policy)
     return fully_shard(model, mesh=dp_mesh, mp_policy=mp_policy)
+
+
+def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh, sequence_parallel: bool,
+                      attend: Callable[[Tensor, Tensor, Tensor], Tensor] | None = None,
+                      compile: bool = False, mp_policy: MixedPrecisionPolicy = MixedPrecisionPolicy(),
+                      ep_mesh: DeviceMesh | None = None, expert_dp_mesh: DeviceMesh | None = None,
+                      fp8: Recipe | None = None, fp8_all_gather: bool = False,
+                      fp8_amax_mesh: DeviceMesh | None = None, recompute_mode: str = "none") -> nn.Module:
+    """Every axis in the order that composes: ``apply_tp``, ``apply_cp`` (with ``attend``), ``apply_ep`` (with
+    ``ep_mesh``), ``apply_fp8`` (with a recipe), ``apply_recompute_and_compile``, then ``apply_fsdp``.
+    ``model`` is a ``Llama`` or a pipeline stage (``LlamaStage``, whose missing embedding or head is skipped;
+    the pipeline itself is the caller's). Each function's docstring says what its axis does."""
+    if ep_mesh is None and any(isinstance(b.feed_forward, MixtureOfExperts) for b in model.layers.values()):
+        raise ValueError("the model has MixtureOfExperts FFNs: parallelize_llama needs their ep_mesh")
+    apply_tp(model, tp_mesh, sequence_parallel)
+    if attend is not None:
+        apply_cp(model, attend)
+    if ep_mesh is not None:
+        apply_ep(model, ep_mesh=ep_mesh, dp_mesh=dp_mesh, expert_dp_mesh=expert_dp_mesh, tp_mesh=tp_mesh,
+                 sequence_parallel=sequence_parallel, mp_policy=mp_policy)
+    if fp8 is not None:
+        apply_fp8(model, fp8, all_gather=fp8_all_gather, amax_mesh=fp8_amax_mesh)
+    apply_recompute_and_compile(model, recompute_mode, compile)
+    return apply_fsdp(model, dp_mesh, mp_policy)
