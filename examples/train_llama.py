@@ -60,7 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from llama import Llama, LlamaConfig, LlamaStage, MixtureOfExperts, parallelize_llama  # noqa: E402
+from llama import Llama, LlamaConfig, LlamaStage, MixtureOfExperts, check_layout, parallelize_llama  # noqa: E402
 
 from torchdist_ext import checkpoint, clip_grad_norm_  # noqa: E402
 from torchdist_ext.data import DataParallelSampler  # noqa: E402
@@ -85,7 +85,7 @@ from torchdist_ext.pipeline import (  # noqa: E402
     predicted_idle_fraction,
     stages_of_rank,
 )
-from torchdist_ext.planner import GPU_PRESETS, bubble_fraction  # noqa: E402
+from torchdist_ext.planner import GPU_PRESETS, ClusterSpec, Layout, ModelSpec, bubble_fraction, check  # noqa: E402
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 # fp32: summation order only. bf16 against the fp32 run: every GEMM input and the loss
@@ -163,9 +163,46 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error("--pp with --device cuda is not supported yet (the pipeline's messages go over gloo)")
     if args.check and args.resume is not None:
         parser.error("--check trains a whole run in one process: it cannot start from --resume")
+    refusals = layout_refusals(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if refusals:  # before any process group is built
+        parser.error("this layout cannot run:\n  " + "\n  ".join(refusals))
     if args.check_tolerance is None:
         args.check_tolerance = CHECK_TOLERANCE["fp8" if args.fp8 else precision(args)]
     return args
+
+
+def planner_model(args) -> ModelSpec:
+    """The main job's model as the planner sees it."""
+    cfg = LlamaConfig()
+    experts = (dict(num_experts=args.experts, experts_per_token=args.top_k, moe_ffn_hidden=cfg.ffn_dim)
+               if args.experts else {})
+    return ModelSpec(cfg.num_layers, cfg.dim, cfg.num_heads, num_kv_heads=cfg.num_kv_heads, ffn_hidden=cfg.ffn_dim,
+                     vocab_size=cfg.vocab_size, **experts)
+
+
+def layout_refusals(args, world_size: int) -> list[str]:
+    """Why this run's layout cannot run on ``world_size`` processes: the world and batch split, the planner's
+    TDX008 findings (sizes that do not divide the model, a schedule without the micro-batches it needs) and the
+    model's and experts' own divisibility rules. Empty when it can run."""
+    try:
+        dp, ring, ulysses = data_and_context_split(args, world_size)
+        check_layout(LlamaConfig(), args.tp)
+        expert_parallel_sizes(args, dp * ring * ulysses)
+    except ValueError as error:
+        return [str(error)]
+    # The planner's ep ranks are data-parallel ranks; an ep that also spans cp ranks is checked above.
+    ep = args.ep if args.experts and dp % args.ep == 0 else 1
+    m = microbatches(args) if args.pp > 1 else 1
+    try:
+        layout = Layout(tp=args.tp, pp=args.pp, dp=dp // ep, cp=args.cp, ep=ep,
+                        sequence_parallel=args.sequence_parallel, recompute=args.recompute, seq_len=args.seq,
+                        micro_batch=args.batch // dp // m, num_microbatches=m,
+                        schedule=planner_name(args.schedule) if args.pp > 1 else "1f1b",
+                        virtual_stages=virtual_stages(args) if args.pp > 1 else 1)
+        findings = check(planner_model(args), ClusterSpec.preset("h100-80gb", world_size), layout)
+    except ValueError as error:
+        return [str(error)]
+    return [f"{f.code} {f.severity}: {f.message}" for f in findings if f.code == "TDX008"]
 
 
 def precision(args: argparse.Namespace) -> str:
@@ -213,14 +250,19 @@ def build_model(args, device: torch.device) -> Llama:
     return Llama(config).to(device)
 
 
+def expert_parallel_sizes(args, ranks: int) -> int:
+    """``ranks`` (dp x cp), checked: --ep must divide it and --experts."""
+    if args.experts and (ranks % args.ep or args.experts % args.ep):
+        raise ValueError(f"--ep {args.ep} must divide dp x cp = {ranks} and --experts {args.experts}")
+    return ranks
+
+
 def expert_parallel_meshes(args, dp: int, ring: int, ulysses: int):
     """(ep mesh, expert data-parallel mesh): the dp x cp ranks of each pipeline rank and tp index cut into
     groups of ep consecutive ranks; the expert-dp mesh joins the ranks that hold the same experts."""
     if args.experts == 0:
         return None, None
-    ranks = dp * ring * ulysses
-    if ranks % args.ep or args.experts % args.ep:
-        raise ValueError(f"--ep {args.ep} must divide dp x cp = {ranks} and --experts {args.experts}")
+    ranks = expert_parallel_sizes(args, dp * ring * ulysses)
     layout = torch.arange(args.pp * ranks * args.tp).view(args.pp, ranks // args.ep, args.ep, args.tp)
     mesh = DeviceMesh(args.device, layout, mesh_dim_names=("pp", "expert_dp", "ep", "tp"))
     mesh["expert_dp", "ep"]._flatten("experts")  # the experts' gradient norm in one all-reduce

@@ -32,8 +32,14 @@ bool axis_mixes_gpu_types(const Layout& l, const ClusterSpec& cluster, const std
 }  // namespace
 
 std::vector<Finding> check(const ModelSpec& model, const ClusterSpec& cluster, const Layout& l) {
-  l.validate_for(model, cluster);
+  l.validate();
+  model.validate();
+  cluster.validate();
   std::vector<Finding> findings;
+  for (const std::string& problem : l.problems_for(model, cluster)) {
+    findings.push_back({"TDX008", "error", problem + ": this layout cannot run. Change the sizes."});
+  }
+  if (!findings.empty()) return findings;  // the checks below assume a layout that runs
   if (l.tp > 1 && !axis_intra_domain(l, cluster, "tp")) {
     findings.push_back({"TDX001", "error",
                         format("tensor parallelism of %g spans NVLink domains of %g GPUs: its per-layer "

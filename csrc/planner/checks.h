@@ -7,6 +7,8 @@
 //   TDX005          gradient clipping on local shard norms         (training code: lint only)
 //   TDX006 error    mixed GPU types inside a tensor- or pipeline-parallel group
 //   TDX007 warning  fp8 settings prone to loss spikes
+//   TDX008 error    a layout that cannot run: sizes that do not multiply to the cluster or divide the model,
+//                   a schedule without the micro-batches it needs (Layout::problems_for)
 
 #include <string>
 #include <vector>

@@ -56,7 +56,8 @@ std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const Cl
             for (int zero : {1, 3}) {
               for (const auto& [recompute, recompute_name] : OptionTable<Recompute>::kNames) {
                 for (long virtual_stages : {1L, 2L}) {
-                  if (virtual_stages == 2 && (pp == 1 || model.num_layers % (pp * 2))) continue;
+                  // interleaved: layers split evenly into 2p chunks, micro-batches in rounds of p
+                  if (virtual_stages == 2 && (pp == 1 || model.num_layers % (pp * 2) || microbatches % pp)) continue;
                   Layout l;
                   l.tp = tp, l.pp = pp, l.cp = cp, l.ep = ep, l.dp = dp;
                   l.zero_stage = zero;

@@ -159,29 +159,42 @@ void Layout::validate() const {
   }
 }
 
+std::vector<std::string> Layout::problems_for(const ModelSpec& model, const ClusterSpec& cluster) const {
+  std::vector<std::string> problems;
+  if (world_size() != cluster.num_gpus()) {
+    problems.push_back("Layout: tp x pp x dp x cp x ep = " + str(tp) + " x " + str(pp) + " x " + str(dp) + " x " +
+                       str(cp) + " x " + str(ep) + " = " + str(world_size()) + " must equal the cluster's " +
+                       str(cluster.num_gpus()) + " GPUs");
+  }
+  if (model.num_heads % tp) {
+    problems.push_back("Layout.tp=" + str(tp) + " must divide ModelSpec.num_heads=" + str(model.num_heads));
+  }
+  if (pp * virtual_stages > model.num_layers) {
+    problems.push_back("Layout: pp x virtual_stages = " + str(pp * virtual_stages) +
+                       " must not exceed ModelSpec.num_layers=" + str(model.num_layers));
+  }
+  if (model.num_experts % ep) {
+    problems.push_back("Layout.ep=" + str(ep) + " must divide ModelSpec.num_experts=" + str(model.num_experts));
+  }
+  if (seq_len % cp) problems.push_back("Layout.cp=" + str(cp) + " must divide Layout.seq_len=" + str(seq_len));
+  if (sequence_parallel && (seq_len / cp) % tp) {
+    problems.push_back("Layout: with sequence_parallel, tp=" + str(tp) + " must divide seq_len / cp = " +
+                       str(seq_len / cp));
+  }
+  // Interleaved 1F1B runs its micro-batches in rounds of pp (Narayanan et al. 2021; Megatron and our runtime).
+  if (schedule == Schedule::kInterleaved && pp > 1 && num_microbatches % pp) {
+    problems.push_back("Layout: schedule 'interleaved' needs num_microbatches divisible by pp=" + str(pp) +
+                       ", got " + str(num_microbatches));
+  }
+  return problems;
+}
+
 void Layout::validate_for(const ModelSpec& model, const ClusterSpec& cluster) const {
   validate();
   model.validate();
   cluster.validate();
-  if (world_size() != cluster.num_gpus()) {
-    invalid("Layout: tp x pp x dp x cp x ep = " + str(tp) + " x " + str(pp) + " x " + str(dp) + " x " + str(cp) +
-            " x " + str(ep) + " = " + str(world_size()) + " must equal the cluster's " + str(cluster.num_gpus()) +
-            " GPUs");
-  }
-  if (model.num_heads % tp) {
-    invalid("Layout.tp=" + str(tp) + " must divide ModelSpec.num_heads=" + str(model.num_heads));
-  }
-  if (pp * virtual_stages > model.num_layers) {
-    invalid("Layout: pp x virtual_stages = " + str(pp * virtual_stages) + " must not exceed ModelSpec.num_layers=" +
-            str(model.num_layers));
-  }
-  if (model.num_experts % ep) {
-    invalid("Layout.ep=" + str(ep) + " must divide ModelSpec.num_experts=" + str(model.num_experts));
-  }
-  if (seq_len % cp) invalid("Layout.cp=" + str(cp) + " must divide Layout.seq_len=" + str(seq_len));
-  if (sequence_parallel && (seq_len / cp) % tp) {
-    invalid("Layout: with sequence_parallel, tp=" + str(tp) + " must divide seq_len / cp = " + str(seq_len / cp));
-  }
+  const std::vector<std::string> problems = problems_for(model, cluster);
+  if (!problems.empty()) invalid(problems.front());
 }
 
 }  // namespace tdx::planner

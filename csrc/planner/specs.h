@@ -97,6 +97,12 @@ struct Layout {
   // Stride of an axis in the mesh order: the product of the inner axes' sizes.
   int64_t stride(const std::string& axis) const;
   void validate() const;
+  // What keeps this layout from running `model` on `cluster` at all (sizes that do not multiply to the
+  // cluster or do not divide the model, a schedule without the micro-batches it needs): one message per
+  // problem, empty when it can run. check() reports them as TDX008 errors.
+  std::vector<std::string> problems_for(const ModelSpec& model, const ClusterSpec& cluster) const;
+  // validate() and the model and cluster's own checks, then throws std::invalid_argument with the first of
+  // problems_for().
   void validate_for(const ModelSpec& model, const ClusterSpec& cluster) const;
 };
 

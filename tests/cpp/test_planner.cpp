@@ -239,6 +239,23 @@ TEST(Checks, TensorParallelismAcrossNodesIsAnError) {
   EXPECT_TRUE(check(llama3_70b(), cluster_of(h100(), 32), l).empty());
 }
 
+TEST(Checks, ALayoutThatCannotRunIsOneErrorPerProblem) {
+  Layout l;
+  l.tp = 3, l.pp = 2, l.dp = 2;  // 12 ranks on 16 GPUs; 64 heads % 3
+  l.schedule = Schedule::kInterleaved, l.virtual_stages = 2, l.num_microbatches = 3;  // 3 % pp = 2
+  const auto findings = check(llama3_70b(), cluster_of(h100(), 16), l);
+  ASSERT_EQ(findings.size(), 3u);
+  for (const auto& finding : findings) {
+    EXPECT_EQ(finding.code, "TDX008");
+    EXPECT_EQ(finding.severity, "error");
+  }
+  EXPECT_NE(findings[0].message.find("= 12 must equal the cluster's 16 GPUs"), std::string::npos);
+  EXPECT_NE(findings[1].message.find("tp=3 must divide ModelSpec.num_heads=64"), std::string::npos);
+  EXPECT_NE(findings[2].message.find("needs num_microbatches divisible by pp=2, got 3"), std::string::npos);
+  l.tp = 4, l.num_microbatches = 4;
+  EXPECT_TRUE(l.problems_for(llama3_70b(), cluster_of(h100(), 16)).empty());
+}
+
 TEST(Checks, MixedGpuTypesInsideATensorParallelGroup) {
   ClusterSpec mixed;
   mixed.groups = {{h100(), 12}, {a100(), 4}};  // the second node is half H100, half A100

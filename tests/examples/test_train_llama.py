@@ -145,15 +145,21 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
     assert other == pytest.approx(uninterrupted[2:], rel=1e-4)
 
 
-def test_pipeline_refuses_a_batch_its_microbatches_do_not_divide():
-    torchrun = Path(sys.executable).with_name("torchrun")
-    result = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "4",
-                             str(ROOT / "examples" / "train_llama.py"), "--steps", "1", "--pp", "2",
-                             "--microbatches", "3"],
-                            capture_output=True, text=True, timeout=300, cwd=ROOT,
-                            env={**os.environ, "OMP_NUM_THREADS": "1"})
-    message = "must be divisible by --microbatches 3"
-    assert result.returncode != 0 and message in result.stderr + result.stdout, result.stderr[-2000:]
+@pytest.mark.parametrize("flags, message", [
+    (("--pp", "2", "--microbatches", "3"), "--batch 8 / dp=1 must be divisible by --microbatches 3"),
+    (("--pp", "2", "--schedule", "interleaved-1f1b", "--microbatches", "3", "--batch", "6"),
+     "TDX008 error: Layout: schedule 'interleaved' needs num_microbatches divisible by pp=2, got 3"),
+    (("--tp", "4", "--seq", "66"), "TDX008 error: Layout: with sequence_parallel, tp=4 must divide seq_len / cp = 66"),
+    (("--experts", "3", "--ep", "2"), "--ep 2 must divide dp x cp = 2 and --experts 3"),
+    (("--tp", "3", "--dp", "1", "--pp", "1"), "--dp 1 x --cp 1 x --tp 3 x --pp 1 must equal the world size 4"),
+], ids=["batch", "interleaved", "sequence-parallel", "experts", "world"])
+def test_a_layout_that_cannot_run_is_refused_before_any_process_group(flags, message):
+    """Run without torchrun (WORLD_SIZE set, no rendezvous address): building a process group would fail
+    differently; the refusal comes first, with the planner's finding code where the planner sees the problem."""
+    result = subprocess.run([sys.executable, str(ROOT / "examples" / "train_llama.py"), *flags],
+                            capture_output=True, text=True, timeout=120, cwd=ROOT,
+                            env={**os.environ, "WORLD_SIZE": "4", "OMP_NUM_THREADS": "1"})
+    assert result.returncode == 2 and message in result.stderr, result.stderr[-2000:]
 
 
 def test_device_cuda_without_a_gpu_says_so():

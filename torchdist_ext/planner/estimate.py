@@ -16,7 +16,7 @@ __all__ = ["AxisComm", "Estimate", "Finding", "estimate", "check", "search"]
 
 @dataclass(frozen=True)
 class Finding:
-    """A failure mode found in a layout or a script: a stable ``code`` (TDX001..TDX007),
+    """A failure mode found in a layout or a script: a stable ``code`` (TDX001..TDX008),
     ``severity`` ("error" or "warning") and a message that says what to do."""
 
     code: str
@@ -85,7 +85,8 @@ def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate
 
 
 def check(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> list[Finding]:
-    """The layout's failure modes (TDX001, TDX002, TDX006, TDX007); the code-level ones come from ``lint``."""
+    """The layout's failure modes (TDX001, TDX002, TDX006, TDX007; TDX008 alone when it cannot run at all); the
+    code-level ones come from ``lint``."""
     return [Finding(f.code, f.severity, f.message)
             for f in _planner.check(model.to_cpp(), cluster.to_cpp(), layout.to_cpp())]
 
