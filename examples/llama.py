@@ -334,16 +334,23 @@ def apply_fp8(model: Llama, recipe: Recipe, *, all_gather: bool, amax_mesh: Devi
 
 def apply_recompute_and_compile(model: Llama, recompute_mode: str, compile: bool) -> None:
     """Activation recompute of every block ("none", "selective": keep the communicating ops' and GEMMs'
-    outputs, or "full"), then ``torch.compile(fullgraph=True)`` of every block when ``compile``. A block with
-    experts is compiled around its MoE, in place (names unchanged): the experts carry FSDP2 hooks of their own,
-    which dynamo runs eagerly and a fullgraph graph cannot hold; the MoE's own work is native ops."""
+    outputs, or "full"), then ``torch.compile(fullgraph=True)`` of every block when ``compile``.
+
+    A block with experts is recomputed and compiled around its MoE (norms and attention, each in place, names
+    unchanged): the experts and router are FSDP2 units of their own, whose hooks (all-gathers, frees) would run
+    inside a checkpoint and again in its rerun, in whatever state FSDP2 is in by then (under 1F1B another
+    micro-batch's), and which dynamo runs eagerly, so that a fullgraph graph cannot hold them. The MoE keeps
+    its activations; its own work is native ops."""
     for index, block in list(model.layers.items()):
-        recompute(block, recompute_mode)
-        if compile and isinstance(block.feed_forward, ExpertParallelFeedForward):
+        if isinstance(block.feed_forward, ExpertParallelFeedForward):
             for part in (block.attention_norm, block.attention, block.ffn_norm):
-                part.compile(fullgraph=True)
-        elif compile:
-            model.layers[index] = torch.compile(block, fullgraph=True)
+                recompute(part, recompute_mode)
+                if compile:
+                    part.compile(fullgraph=True)
+        else:
+            recompute(block, recompute_mode)
+            if compile:
+                model.layers[index] = torch.compile(block, fullgraph=True)
 
 
 def apply_fsdp(model: Llama, dp_mesh: DeviceMesh, mp_policy: MixedPrecisionPolicy) -> nn.Module:

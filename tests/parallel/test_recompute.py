@@ -7,6 +7,7 @@ from collections import Counter
 import pytest
 import torch
 from torch import nn
+from torch.distributed.fsdp import fully_shard
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.parallel.test_fsdp import BATCH, HIDDEN, SEQ, Block, loss_fn, reference_model
@@ -63,6 +64,21 @@ def test_recompute_refuses_unknown_modes():
         recompute(nn.Linear(2, 2), "some")
     with pytest.raises(TypeError, match="module must be an nn.Module"):
         recompute(lambda x: x, "full")
+
+
+def recompute_around_a_nested_fsdp_unit() -> str:
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    fully_shard(model[1], mesh=cached_mesh((torch.distributed.get_world_size(),), ("dp",)))
+    with pytest.raises(ValueError) as refused:
+        recompute(model, "selective")
+    return str(refused.value)
+
+
+def test_recompute_refuses_a_module_holding_fsdp_units_of_its_own(world2):
+    """Their all-gathers would run inside the checkpoint and again in its rerun (SAC finds them mismatched
+    under a 1F1B pipeline)."""
+    for message in world2.run(recompute_around_a_nested_fsdp_unit):
+        assert message.startswith("module holds FSDP2 units of its own (1)"), message
 
 
 @pytest.mark.parametrize("mode", ["selective", "full"])

@@ -9,13 +9,15 @@ Selective recompute never repeats a collective: the outputs of every op that tal
 GEMMs, ring attention, all-to-alls, MoE dispatch / combine, vocab-parallel cross-entropy, torch's functional
 collectives) are kept from the forward and handed back to the rerun. It composes with the pipeline schedules
 and their weight-gradient split (the rerun happens inside B; W uses what the rerun saved), with FSDP2 (the
-module's own hooks are outside the checkpoint) and with ``torch.compile``.
+module's own hooks are outside the checkpoint; a module holding FSDP2 units of its own is refused: recompute the
+parts around them) and with ``torch.compile``.
 """
 
 import functools
 
 import torch
 from torch import nn
+from torch.distributed.fsdp import FSDPModule
 from torch.utils.checkpoint import CheckpointPolicy, checkpoint, create_selective_checkpoint_contexts
 
 __all__ = ["RECOMPUTE_MODES", "SAVED_BY_SELECTIVE_RECOMPUTE", "recompute"]
@@ -56,6 +58,11 @@ def recompute(module: nn.Module, mode: str) -> nn.Module:
         raise TypeError(f"module must be an nn.Module, got {type(module).__name__}")
     if mode == "none":
         return module
+    nested = [name for name, child in module.named_modules() if name and isinstance(child, FSDPModule)]
+    if nested:
+        raise ValueError(f"module holds FSDP2 units of its own ({', '.join(nested)}): their hooks would run inside "
+                         f"the checkpoint and again in its rerun, in whatever state FSDP2 is in by then. Recompute "
+                         f"the parts around them instead")
     forward = module.forward
     context_fn = _selective_contexts if mode == "selective" else None
 
