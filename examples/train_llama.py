@@ -130,6 +130,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=50)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
     parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
+    parser.add_argument("--grad-accum", type=int, default=1,
+                        help="micro-steps per step: each rank's rows in this many forward/backward passes, FSDP2 "
+                             "reducing the gradients once, after the last (set_requires_gradient_sync)")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
@@ -172,6 +175,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"scale), got --fp8 {args.fp8}")
     if args.pp > 1 and args.device == "cuda":
         parser.error("--pp with --device cuda is not supported yet (the pipeline's messages go over gloo)")
+    if args.grad_accum < 1:
+        parser.error(f"--grad-accum must be at least 1, got {args.grad_accum}")
+    if args.grad_accum > 1 and args.pp > 1:
+        parser.error("--grad-accum with --pp: the pipeline's --microbatches already accumulate; use those")
     if args.check and args.resume is not None:
         parser.error("--check trains a whole run in one process: it cannot start from --resume")
     refusals = layout_refusals(args, int(os.environ.get("WORLD_SIZE", "1")))
@@ -296,7 +303,7 @@ def expert_token_groups(args, dp: int, ring: int, ulysses: int) -> list[torch.Te
     chunks = torch.arange(args.seq).chunk(2 * zigzag)
     groups = []
     for rank_rows in torch.arange(args.batch).chunk(dp):
-        for rows in rank_rows.chunk(microbatches(args) if args.pp > 1 else 1):
+        for rows in rank_rows.chunk(microbatches(args) if args.pp > 1 else args.grad_accum):
             for z in range(zigzag):
                 for positions in torch.cat([chunks[z], chunks[2 * zigzag - 1 - z]]).chunk(inner):
                     groups.append((rows.unsqueeze(1) * args.seq + positions).flatten())
@@ -377,9 +384,25 @@ def data_and_context_split(args, world_size: int) -> tuple[int, int, int]:
                          f"{world_size}")
     if args.batch % dp:
         raise ValueError(f"--batch {args.batch} must be divisible by dp={dp}")
+    if (args.batch // dp) % args.grad_accum:
+        raise ValueError(f"--batch {args.batch} / dp={dp} must be divisible by --grad-accum {args.grad_accum}")
     if args.pp > 1 and (args.batch // dp) % microbatches(args):
         raise ValueError(f"--batch {args.batch} / dp={dp} must be divisible by --microbatches {microbatches(args)}")
     return dp, ring, ulysses
+
+
+def accumulate_gradients(model, tokens: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
+                         micro_steps: int) -> torch.Tensor:
+    """Forward and backward of this rank's rows in ``micro_steps`` equal parts, each loss weighed 1/micro_steps;
+    FSDP2 reduces the accumulated gradients once, in the last backward (``set_requires_gradient_sync``, its
+    own accumulation API: no manual ``no_sync``). Returns the mean loss."""
+    total = torch.zeros((), device=tokens.device)
+    for index, (rows, targets) in enumerate(zip(tokens.chunk(micro_steps), target.chunk(micro_steps))):
+        model.set_requires_gradient_sync(index == micro_steps - 1)
+        loss = model(rows, targets, positions) / micro_steps
+        loss.backward()
+        total += loss.detach().float()
+    return total
 
 
 def train_parallel(args, world_size: int, rank: int, device: torch.device) -> list[float]:
@@ -409,17 +432,18 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         pipe = Pipeline(stages, pp_mesh=mesh["pp"], schedule=args.schedule, num_microbatches=microbatches(args),
                         loss_fn=lambda logits, target: stages[last].loss_fn(logits, target),
                         virtual_stages=virtual_stages(args))
-        for moe in (m for stage in stages.values() for m in stage.modules() if isinstance(m, MoE)):
-            # The pipeline's loss is the mean over micro-batches, and each MoE call adds its auxiliary
-            # losses' gradient on its own: weigh them as one micro-batch's share.
-            moe.aux_loss_coef /= microbatches(args)
-            moe.z_loss_coef /= microbatches(args)
         model = torch.nn.ModuleList(pipe.stages.values())
     else:
         model = parallelize(single)
     # One optimizer per part (pipeline stage), so that a checkpoint names each state by its parameter's name in
     # the whole model and loads at any other split.
     parts = list(model) if pipe is not None else [model]
+    # The loss is the mean over the pipeline's micro-batches (or --grad-accum's micro-steps), and each MoE call
+    # adds its auxiliary losses' gradient on its own: weigh them as one call's share.
+    calls_per_step = microbatches(args) if pipe is not None else args.grad_accum
+    for moe in (m for part in parts for m in part.modules() if isinstance(m, MoE)):
+        moe.aux_loss_coef /= calls_per_step
+        moe.z_loss_coef /= calls_per_step
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr) for part in parts]
     fsdp_group = fsdp_mesh.get_group()
     windows = corpus_windows(args.seq)
@@ -452,8 +476,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         if cp_mesh is not None:
             tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, layout="zigzag") for t in (tokens, target))
         if pipe is None:
-            loss = model(tokens, target, positions)
-            loss.backward()
+            loss = accumulate_gradients(model, tokens, target, positions, args.grad_accum)
         else:
             for stage in pipe.stages.values():
                 stage.positions = positions

@@ -53,11 +53,13 @@ def largest_relative_difference(output: str) -> float:
         ("--steps", "3", "--pp", "2", "--tp", "1", "--experts", "4", "--ep", "2", "--schedule", "zb-h1",
          "--microbatches", "4", "--capacity-factor", "1.0"),
         ("--steps", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "4", "--compile"),
+        ("--steps", "3", "--grad-accum", "2", "--experts", "4", "--ep", "2"),
     ],
     ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled", "cp2-ring-tp2", "cp2-ulysses-tp2", "cp4-hybrid",
          "cp2-ring-tp2-compiled", "dp2-tp2-sp-ep2", "cp2-ulysses-tp2-ep2-capacity", "dp4-ep4-top1",
          "dp2-tp2-sp-ep2-compiled", "pp2-dp2-zb-v-recompute-selective",
-         "pp2-tp2-sp-interleaved-recompute-full", "pp2-dp2-ep2-zb-h1-capacity", "pp2-tp2-sp-zb-h1-compiled"],
+         "pp2-tp2-sp-interleaved-recompute-full", "pp2-dp2-ep2-zb-h1-capacity", "pp2-tp2-sp-zb-h1-compiled",
+         "dp2-tp2-sp-ep2-grad-accum2"],
 )
 def test_matches_single_process(flags):
     output = run_main_job(*flags)
@@ -172,7 +174,9 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
     (("--tp", "4", "--seq", "66"), "TDX008 error: Layout: with sequence_parallel, tp=4 must divide seq_len / cp = 66"),
     (("--experts", "3", "--ep", "2"), "--ep 2 must divide dp x cp = 2 and --experts 3"),
     (("--tp", "3", "--dp", "1", "--pp", "1"), "--dp 1 x --cp 1 x --tp 3 x --pp 1 must equal the world size 4"),
-], ids=["batch", "interleaved", "sequence-parallel", "experts", "world"])
+    (("--grad-accum", "3"), "--batch 8 / dp=2 must be divisible by --grad-accum 3"),
+    (("--grad-accum", "2", "--pp", "2"), "--grad-accum with --pp: the pipeline's --microbatches already accumulate"),
+], ids=["batch", "interleaved", "sequence-parallel", "experts", "world", "grad-accum", "grad-accum-pp"])
 def test_a_layout_that_cannot_run_is_refused_before_any_process_group(flags, message):
     """Run without torchrun (WORLD_SIZE set, no rendezvous address): building a process group would fail
     differently; the refusal comes first, with the planner's finding code where the planner sees the problem."""
