@@ -52,3 +52,51 @@ def test_bad_arguments_are_refused(tmp_path):
         checkpoint.save(tmp_path, parts, [optimizers[0], None])
     with pytest.raises(ValueError, match=r"parts must not share parameters or buffers: \['first.bias', 'first.weight'\]"):
         checkpoint.save(tmp_path, [parts[0], parts[0]], [optimizers[0], torch.optim.AdamW(parts[0].parameters())])
+
+
+def test_load_with_gradients_present_still_loads_the_optimizer_state(tmp_path):
+    parts, optimizers = trained_parts()
+    checkpoint.save(tmp_path, parts, optimizers)
+    whole = model()
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    whole["second"](whole["first"](torch.randn(3, 4))).sum().backward()  # gradients of the step in progress
+    checkpoint.load(tmp_path, [whole], [optimizer])
+    assert all(int(optimizer.state[p]["step"]) == 1 for p in whole.parameters())
+    assert all(p.grad is not None for p in whole.parameters())
+
+
+def test_a_never_stepped_optimizer_is_saved_and_loaded_without_state(tmp_path):
+    whole = model()
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    checkpoint.save(tmp_path, [whole], [optimizer])
+    assert not optimizer.state  # saving did not step it
+    stepped = torch.optim.AdamW(whole.parameters(), lr=0.1)
+    whole["first"].weight.grad = torch.ones_like(whole["first"].weight)
+    stepped.step()
+    checkpoint.load(tmp_path, [whole], [stepped])
+    assert not stepped.state
+
+
+def test_parameters_saved_with_different_hyperparameters_do_not_merge_silently(tmp_path):
+    parts, _ = trained_parts()
+    optimizers = [torch.optim.AdamW(parts[0].parameters(), lr=0.1), torch.optim.AdamW(parts[1].parameters(), lr=0.2)]
+    checkpoint.save(tmp_path, parts, optimizers)
+    whole = model()
+    with pytest.raises(ValueError, match=r"optimizers\[0\]: one param group would get the saved lr values"):
+        checkpoint.load(tmp_path, [whole], [torch.optim.AdamW(whole.parameters(), lr=0.9)])
+
+
+def test_bad_checkpoint_arguments_name_the_problem(tmp_path):
+    parts, optimizers = trained_parts()
+    with pytest.raises(ValueError, match=r"optimizers\[0\] holds parameters that are not in parts\[0\]"):
+        checkpoint.save(tmp_path, parts, optimizers[::-1])
+    with pytest.raises(TypeError, match=r"extra\['k'\] keys must be strings, got 1"):
+        checkpoint.save(tmp_path, parts, optimizers, extra={"k": {1: "a"}})
+    with pytest.raises(TypeError, match="parts and optimizers must be sequences"):
+        checkpoint.save(tmp_path, parts[0], optimizers[0])
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        checkpoint.load(tmp_path / "missing", parts, optimizers)
+    checkpoint.save(tmp_path, parts, optimizers)
+    bigger = nn.ModuleDict({"first": nn.Linear(4, 8), "second": nn.Linear(8, 2), "third": nn.Linear(2, 2)})
+    with pytest.raises(ValueError, match="third.weight"):
+        checkpoint.load(tmp_path, [bigger], [torch.optim.AdamW(bigger.parameters())])

@@ -103,3 +103,15 @@ def test_bad_arguments_are_refused():
         sampler.load_state_dict({"epoch": 0, "position": 0, "seed": 1, "num_samples": 4})
     with pytest.raises(ValueError, match="state position 1 must be divisible by the global batch 2"):
         sampler.load_state_dict({"epoch": 0, "position": 1, "seed": 0, "num_samples": 4})
+    with pytest.raises(ValueError, match="state must be a mapping with the keys epoch, position, seed, num_samples"):
+        sampler.load_state_dict({"epoch": 0})
+    with pytest.raises(TypeError, match="shuffle must be a bool, got 'no'"):
+        DataParallelSampler(4, shuffle="no")
+
+
+def test_seeds_do_not_share_orders_one_epoch_apart():
+    """Seeding with seed + epoch would give seed 0's epoch 1 the order of seed 1's epoch 0."""
+    zero, one = DataParallelSampler(SAMPLES, seed=0), DataParallelSampler(SAMPLES, seed=1)
+    list(zero)
+    assert list(zero) != list(one)
+    assert len(list(DataParallelSampler(SAMPLES, seed=2**80))) == SAMPLES  # any int seeds the generator

@@ -92,12 +92,42 @@ def test_clip_grad_norm_equals_one_process(world_pool, pp, dp, tp, norm_type):
             assert local_norm < 0.9 * expected
 
 
+def inf_norm_with_an_empty_shard() -> tuple[float, float, float]:
+    """A [1, 4] weight sharded by FSDP2 over 2 ranks: rank 1's shard is empty."""
+    torch.manual_seed(0)
+    reference = nn.Sequential(nn.Linear(4, 1), nn.Linear(1, 3))
+    model = nn.Sequential(nn.Linear(4, 1), nn.Linear(1, 3))
+    model.load_state_dict(reference.state_dict())
+    fully_shard(model, mesh=cached_mesh((2,), ("dp",)))
+    x = torch.randn(5, 4, generator=torch.Generator().manual_seed(1))
+    for module in (reference, model):
+        module(x).square().mean().backward()
+    expected = torch.nn.utils.clip_grad_norm_(reference.parameters(), 1e-3, math.inf).item()
+    norm = torchdist_ext.clip_grad_norm_(model, 1e-3, norm_type=math.inf).item()
+    worst = max((p.grad.full_tensor() - r.grad).abs().max().item()
+                for p, r in zip(model.parameters(), reference.parameters()))
+    return norm, expected, worst
+
+
+def test_inf_norm_counts_an_empty_shard_as_zero(world_pool):
+    for norm, expected, worst in world_pool.get(2).run(inf_norm_with_an_empty_shard):
+        assert norm == pytest.approx(expected, rel=1e-6) and worst < 1e-9
+
+
 def test_clip_grad_norm_refuses_bad_arguments():
     layer = nn.Linear(2, 2)
-    with pytest.raises(ValueError, match="max_norm must be a positive number, got -1"):
+    with pytest.raises(ValueError, match="max_norm must be a positive finite number, got -1"):
         torchdist_ext.clip_grad_norm_(layer, -1)
+    with pytest.raises(ValueError, match="max_norm must be a positive finite number, got 1000000"):
+        torchdist_ext.clip_grad_norm_(layer, 10**400)
+    with pytest.raises(TypeError, match="max_norm must be a positive number, got '1.0'"):
+        torchdist_ext.clip_grad_norm_(layer, "1.0")
     with pytest.raises(ValueError, match="norm_type must be a positive number"):
         torchdist_ext.clip_grad_norm_(layer, 1.0, norm_type=0)
+    with pytest.raises(TypeError, match="model_parts must be an nn.Module or an iterable"):
+        torchdist_ext.clip_grad_norm_(None, 1.0)
+    with pytest.raises(TypeError, match="error_if_nonfinite must be a bool, got 'yes'"):
+        torchdist_ext.clip_grad_norm_(layer, 1.0, error_if_nonfinite="yes")
     with pytest.raises(TypeError, match="model_parts must hold nn.Modules or parameters, got a str"):
         torchdist_ext.clip_grad_norm_([layer, "head"], 1.0)
     with pytest.raises(TypeError, match="pp_mesh must be a 1-D DeviceMesh"):

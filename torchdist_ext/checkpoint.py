@@ -11,13 +11,20 @@ holds, resharded by ``torch.distributed.checkpoint`` from whatever shards wrote 
 histories) travel with the model. ``extra``: small picklable values (step, data position), written once.
 """
 
+import copy
 from collections.abc import Sequence
 from os import PathLike
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict, set_state_dict
+from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_state_dict,
+    set_model_state_dict,
+    set_state_dict,
+)
 from torch.optim import Optimizer
 
 __all__ = ["load", "save"]
@@ -25,17 +32,56 @@ __all__ = ["load", "save"]
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 
 
-def _check_parts(parts: Sequence[nn.Module], optimizers: Sequence[Optimizer]) -> None:
+def _checked(parts: Sequence[nn.Module], optimizers: Sequence[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
+    if isinstance(parts, nn.Module) or isinstance(optimizers, Optimizer):
+        raise TypeError("parts and optimizers must be sequences (one module: [module], [optimizer])")
+    parts, optimizers = list(parts), list(optimizers)
     if not all(isinstance(p, nn.Module) for p in parts):
         raise TypeError(f"parts must be nn.Modules, got {[type(p).__name__ for p in parts]}")
     if not all(isinstance(o, Optimizer) for o in optimizers):
         raise TypeError(f"optimizers must be torch.optim.Optimizers, got {[type(o).__name__ for o in optimizers]}")
     if len(parts) != len(optimizers):
         raise ValueError(f"one optimizer per part: got {len(parts)} parts and {len(optimizers)} optimizers")
+    for index, (part, optimizer) in enumerate(zip(parts, optimizers)):
+        mine = {id(p) for p in part.parameters()}
+        if any(id(p) not in mine for group in optimizer.param_groups for p in group["params"]):
+            raise ValueError(f"optimizers[{index}] holds parameters that are not in parts[{index}]")
+    return parts, optimizers
 
 
-def _per_part(parts, optimizers) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    per_part = [get_state_dict(part, optimizer, options=_OPTIONS) for part, optimizer in zip(parts, optimizers)]
+def _check_extra(extra: Any, where: str = "extra") -> None:
+    """``extra``: None or a dict with string keys (nested dicts too): DCP keys its entries by those strings."""
+    if extra is None and where == "extra":
+        return
+    if not isinstance(extra, dict):
+        if where == "extra":
+            raise TypeError(f"extra must be a dict or None, got {type(extra).__name__}")
+        return
+    for key, value in extra.items():
+        if not isinstance(key, str):
+            raise TypeError(f"{where} keys must be strings, got {key!r}")
+        _check_extra(value, f"{where}[{key!r}]")
+
+
+def _per_part(parts, optimizers, *, saving: bool) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    """Each part's (model, flattened optimizer) state dict. torch builds a never-stepped optimizer's state by
+    stepping it with lr 0, and only when no parameter has a gradient: the gradients are set aside meanwhile;
+    saving leaves such an optimizer as it was, with no state to save."""
+    grads = {p: p.grad for part in parts for p in part.parameters()}
+    fresh = [not optimizer.state for optimizer in optimizers]
+    try:
+        for p in grads:
+            p.grad = None
+        per_part = [get_state_dict(part, optimizer, options=_OPTIONS) for part, optimizer in zip(parts, optimizers)]
+    finally:
+        for p, grad in grads.items():
+            p.grad = grad
+    if saving:
+        for (_, optimizer_state), optimizer, was_fresh in zip(per_part, optimizers, fresh):
+            if was_fresh:
+                for key in [k for k in optimizer_state if k.startswith("state.")]:
+                    del optimizer_state[key]
+                optimizer.state.clear()
     names = [name for model, _ in per_part for name in model]
     if len(names) != len(set(names)):
         raise ValueError(f"parts must not share parameters or buffers: {sorted({n for n in names if names.count(n) > 1})}")
@@ -48,27 +94,82 @@ def _merged(per_part, extra: dict[str, Any] | None) -> dict[str, Any]:
         state["model"].update(model)
         state["optimizer"].update(optimizer)
     if extra is not None:
-        state["extra"] = dict(extra)
+        state["extra"] = copy.deepcopy(extra)
     return state
+
+
+def _first_failure(error: CheckpointException) -> str:
+    failure = next(iter(error.failures.values()), error)
+    text = str(failure.exc if hasattr(failure, "exc") else failure).strip().splitlines()
+    return text[-1] if text else repr(failure)
 
 
 def save(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: Sequence[Optimizer], *,
          extra: dict[str, Any] | None = None) -> None:
     """Writes this rank's parts and optimizers (and ``extra``) into the checkpoint ``checkpoint_id`` (a
-    directory); every rank calls it."""
-    _check_parts(parts, optimizers)
-    dcp.save(_merged(_per_part(parts, optimizers), extra), checkpoint_id=checkpoint_id)
+    directory); every rank calls it. The optimizers are left as they were (one never stepped saves no state)."""
+    parts, optimizers = _checked(parts, optimizers)
+    _check_extra(extra)
+    try:
+        dcp.save(_merged(_per_part(parts, optimizers, saving=True), extra), checkpoint_id=checkpoint_id)
+    except CheckpointException as error:
+        raise ValueError(f"checkpoint {checkpoint_id}: {_first_failure(error)}") from error
+
+
+def _saved_keys(checkpoint_id: str | PathLike) -> set[str]:
+    try:
+        return set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
+    except FileNotFoundError as error:
+        raise FileNotFoundError(f"no checkpoint at {checkpoint_id}: {error}") from error
+
+
+def _check_hyperparameters(optimizer: Optimizer, part: nn.Module, loaded: dict[str, Any], index: int) -> None:
+    """Refuses to merge parameters saved with different hyperparameters into one param group."""
+    name_of = {id(p): name for name, p in part.named_parameters()}
+    for group in optimizer.param_groups:
+        names = [name_of[id(p)] for p in group["params"]]
+        for key in group:
+            values = {repr(loaded[f"param_groups.{n}.{key}"]) for n in names if f"param_groups.{n}.{key}" in loaded}
+            if len(values) > 1:
+                raise ValueError(f"optimizers[{index}]: one param group would get the saved {key} values "
+                                 f"{sorted(values)} of its parameters; give them param groups of their own")
 
 
 def load(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: Sequence[Optimizer], *,
          extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
     """Loads the checkpoint ``checkpoint_id`` into this rank's parts and optimizers, whatever layout wrote it;
-    returns the saved values of ``extra``'s keys (``extra`` gives their structure). Every rank calls it."""
-    _check_parts(parts, optimizers)
-    per_part = _per_part(parts, optimizers)
+    returns the saved values of ``extra``'s keys (``extra`` gives their structure; it is not changed). An
+    optimizer whose parameters have no saved state (saved before its first step) is left without state.
+    Every rank calls it."""
+    parts, optimizers = _checked(parts, optimizers)
+    _check_extra(extra)
+    saved = _saved_keys(checkpoint_id)
+    per_part = _per_part(parts, optimizers, saving=False)
+    for _, optimizer_state in per_part:  # state that was never saved stays unloaded
+        for key in [k for k in optimizer_state if k.startswith("state.") and f"optimizer.{k}" not in saved]:
+            del optimizer_state[key]
     state = _merged(per_part, extra)
-    dcp.load(state, checkpoint_id=checkpoint_id)  # in place: each entry resharded from the saved shards
-    for (model, optimizer_state), part, optimizer in zip(per_part, parts, optimizers):
-        set_state_dict(part, optimizer, model_state_dict={name: state["model"][name] for name in model},
-                       optim_state_dict={name: state["optimizer"][name] for name in optimizer_state}, options=_OPTIONS)
+    try:
+        dcp.load(state, checkpoint_id=checkpoint_id)  # in place: each entry resharded from the saved shards
+    except CheckpointException as error:
+        raise ValueError(f"checkpoint {checkpoint_id}: {_first_failure(error)}") from error
+    for index, ((model, optimizer_state), part, optimizer) in enumerate(zip(per_part, parts, optimizers)):
+        _check_hyperparameters(optimizer, part, {k: state["optimizer"][k] for k in optimizer_state}, index)
+        model_state = {name: state["model"][name] for name in model}
+        loaded = {name: state["optimizer"][name] for name in optimizer_state}
+        if any(k.startswith("state.") for k in loaded):
+            set_state_dict(part, optimizer, model_state_dict=model_state, optim_state_dict=loaded, options=_OPTIONS)
+        else:  # saved before its first step: the hyperparameters, no state (torch cannot unflatten none)
+            set_model_state_dict(part, model_state, options=_OPTIONS)
+            optimizer.state.clear()
+            _set_hyperparameters(optimizer, part, loaded)
     return state.get("extra")
+
+
+def _set_hyperparameters(optimizer: Optimizer, part: nn.Module, loaded: dict[str, Any]) -> None:
+    name_of = {id(p): name for name, p in part.named_parameters()}
+    for group in optimizer.param_groups:
+        first = name_of[id(group["params"][0])]
+        for key in group:
+            if f"param_groups.{first}.{key}" in loaded:
+                group[key] = loaded[f"param_groups.{first}.{key}"]

@@ -20,7 +20,8 @@ world has consumed this epoch), so a run can resume at another dp size with the 
 it stopped.
 """
 
-from collections.abc import Iterator
+import hashlib
+from collections.abc import Iterator, Mapping
 
 import torch
 from torch.distributed.device_mesh import DeviceMesh
@@ -29,10 +30,21 @@ from torch.utils.data import Sampler
 __all__ = ["DataParallelSampler"]
 
 
-def _check_int(name: str, value, minimum: int) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        raise ValueError(f"{name} must be an int >= {minimum}, got {value!r}")
+_STATE_KEYS = ("epoch", "position", "seed", "num_samples")
+
+
+def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+        bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
+        raise ValueError(f"{name} must be an int {bound}, got {value!r}")
     return value
+
+
+def _epoch_seed(seed: int, epoch: int) -> int:
+    """A generator seed for (seed, epoch): distinct pairs give unrelated orders (a sum would give seed s's epoch
+    e + 1 the order of seed s + 1's epoch e)."""
+    digest = hashlib.blake2b(f"{seed}:{epoch}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") >> 1  # torch seeds are below 2**63
 
 
 class DataParallelSampler(Sampler[int]):
@@ -56,6 +68,9 @@ class DataParallelSampler(Sampler[int]):
         if drop_last and num_samples < self.global_batch:
             raise ValueError(f"num_samples {num_samples} must be at least one global batch (batch_size "
                              f"{batch_size} x dp {self.dp_size}) with drop_last=True")
+        for name, flag in (("shuffle", shuffle), ("drop_last", drop_last)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"{name} must be a bool, got {flag!r}")
         self.shuffle, self.seed, self.drop_last = shuffle, _check_int("seed", seed, 0), drop_last
         self.epoch = 0  # the epoch being read (or, before the first iteration, to be read)
         self.position = 0  # samples of it the whole dp world has consumed (advance)
@@ -77,7 +92,8 @@ class DataParallelSampler(Sampler[int]):
             self.epoch, self.position = self.epoch + 1, 0
         self._continue = False
         if self.shuffle:
-            order = torch.randperm(self.num_samples, generator=torch.Generator().manual_seed(self.seed + self.epoch))
+            generator = torch.Generator().manual_seed(_epoch_seed(self.seed, self.epoch))
+            order = torch.randperm(self.num_samples, generator=generator)
         else:
             order = torch.arange(self.num_samples)
         length = self.epoch_length()
@@ -105,9 +121,12 @@ class DataParallelSampler(Sampler[int]):
     def load_state_dict(self, state: dict[str, int]) -> None:
         """Continues where ``state`` was saved, at any dp size whose global batch divides the position: the next
         iteration reads the rest of that epoch, or the next epoch when it was read to its end."""
+        if not isinstance(state, Mapping) or any(key not in state for key in _STATE_KEYS):
+            raise ValueError(f"state must be a mapping with the keys {', '.join(_STATE_KEYS)} (state_dict()), got "
+                             f"{state!r}")
         for key in ("seed", "num_samples"):
             if state[key] != getattr(self, key):
-                raise ValueError(f"state {key} {state[key]} differs from this sampler's {getattr(self, key)}: "
+                raise ValueError(f"state {key} {state[key]!r} differs from this sampler's {getattr(self, key)!r}: "
                                  f"it would continue another order")
         epoch = _check_int("state epoch", state["epoch"], 0)
         position = _check_int("state position", state["position"], 0)

@@ -11,7 +11,7 @@ the norm one process training the whole model would, and clips every gradient by
 
 import itertools
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 
 import torch
 import torch.distributed as dist
@@ -24,7 +24,13 @@ __all__ = ["clip_grad_norm_", "total_grad_norm"]
 
 def _parameters(model_parts: nn.Module | Iterable[nn.Module | nn.Parameter]) -> list[nn.Parameter]:
     """The parameters of ``model_parts`` (a module, or modules and parameters), each once."""
-    parts = [model_parts] if isinstance(model_parts, (nn.Module, Tensor)) else list(model_parts)
+    if isinstance(model_parts, (nn.Module, Tensor)):
+        parts = [model_parts]
+    elif isinstance(model_parts, Iterable) and not isinstance(model_parts, (str, bytes, Mapping)):
+        parts = list(model_parts)
+    else:
+        raise TypeError(f"model_parts must be an nn.Module or an iterable of nn.Modules and parameters, got "
+                        f"{type(model_parts).__name__}")
     params: dict[int, nn.Parameter] = {}
     for part in parts:
         if isinstance(part, nn.Module):
@@ -36,17 +42,41 @@ def _parameters(model_parts: nn.Module | Iterable[nn.Module | nn.Parameter]) -> 
     return list(params.values())
 
 
-def _check_norm_type(norm_type: float) -> float:
-    if isinstance(norm_type, bool) or not isinstance(norm_type, (int, float)) or not norm_type > 0:
-        raise ValueError(f"norm_type must be a positive number (or math.inf), got {norm_type!r}")
-    return float(norm_type)
+def _positive_float(name: str, value, *, infinite: bool) -> float:
+    """``value`` as a float, refused unless a positive number (finite unless ``infinite``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(f"{name} must be a positive number, got {value!r}")
+    try:
+        number = float(value)
+    except OverflowError:
+        number = math.inf
+    if not number > 0 or (not infinite and math.isinf(number)):
+        raise ValueError(f"{name} must be a positive {'number (or math.inf)' if infinite else 'finite number'}, "
+                         f"got {value!r}")
+    return number
+
+
+def _mesh_max(grads: list[Tensor]) -> Tensor:
+    """The largest absolute element of DTensor gradients on one mesh: each rank's local shards (an empty one,
+    a rank's share of a dimension smaller than the mesh, counts 0), then a MAX over every mesh dimension
+    (harmless over replicas). torch's inf-norm of a DTensor raises on an empty shard, on that rank alone."""
+    local = [g.to_local() for g in grads]
+    device = local[0].device
+    largest = torch.zeros((), device=device, dtype=torch.float32)
+    for tensor in local:
+        if tensor.numel():
+            largest = torch.maximum(largest, tensor.detach().abs().max().to(torch.float32))
+    mesh = grads[0].device_mesh
+    for dim in range(mesh.ndim):
+        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+    return largest
 
 
 def total_grad_norm(grads: Iterable[Tensor], norm_type: float = 2.0, *, pp_mesh: DeviceMesh | None = None) -> Tensor:
     """The ``norm_type`` norm of all of ``grads`` as one vector, on every rank: the full tensor of each
     DTensor gradient (one reduction per mesh, the gradients of one mesh together), over the pipeline ranks of
     ``pp_mesh`` too (each holds other stages' gradients). A 0-d fp32 tensor, replicated."""
-    norm_type = _check_norm_type(norm_type)
+    norm_type = _positive_float("norm_type", norm_type, infinite=True)
     if pp_mesh is not None and (not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1):
         raise TypeError(f"pp_mesh must be a 1-D DeviceMesh of the pipeline ranks, got {pp_mesh!r}")
     by_mesh: dict[DeviceMesh | None, list[Tensor]] = {}
@@ -56,7 +86,10 @@ def total_grad_norm(grads: Iterable[Tensor], norm_type: float = 2.0, *, pp_mesh:
     if device is None:
         device = torch.device(pp_mesh.device_type) if pp_mesh is not None else torch.device("cpu")
     norms = []
-    for group in by_mesh.values():
+    for mesh, group in by_mesh.items():
+        if mesh is not None and math.isinf(norm_type):
+            norms.append(_mesh_max(group).to(device))
+            continue
         norm = torch.nn.utils.get_total_norm(group, norm_type)
         norms.append((norm.full_tensor() if isinstance(norm, DTensor) else norm).to(device, torch.float32))
     total = (torch.linalg.vector_norm(torch.stack(norms), norm_type) if norms
@@ -79,8 +112,9 @@ def clip_grad_norm_(model_parts: nn.Module | Iterable[nn.Module | nn.Parameter],
     model would (see the module docstring); returns the norm before clipping (0-d fp32, the same on every
     rank). ``pp_mesh``: the 1-D mesh of the pipeline ranks, each holding other stages (None: no pipeline).
     ``error_if_nonfinite``: raise when the norm is nan or inf (checked on every rank alike)."""
-    if isinstance(max_norm, bool) or not isinstance(max_norm, (int, float)) or not max_norm > 0:
-        raise ValueError(f"max_norm must be a positive number, got {max_norm!r}")
+    max_norm = _positive_float("max_norm", max_norm, infinite=False)
+    if not isinstance(error_if_nonfinite, bool):
+        raise TypeError(f"error_if_nonfinite must be a bool, got {error_if_nonfinite!r}")
     params = [p for p in _parameters(model_parts) if p.grad is not None]
     total = total_grad_norm([p.grad for p in params], norm_type, pp_mesh=pp_mesh)
     if error_if_nonfinite and not torch.isfinite(total):
