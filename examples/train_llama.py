@@ -205,7 +205,7 @@ def layout_refusals(args, world_size: int) -> list[str]:
     try:
         dp, ring, ulysses = data_and_context_split(args, world_size)
         check_layout(LlamaConfig(), args.tp)
-        expert_parallel_sizes(args, dp * ring * ulysses)
+        check_expert_parallel(args, dp * ring * ulysses)
     except ValueError as error:
         return [str(error)]
     # The planner's ep ranks are data-parallel ranks; an ep that also spans cp ranks is checked above.
@@ -275,11 +275,10 @@ def build_model(args, device: torch.device) -> Llama:
     return Llama(config).to(device)
 
 
-def expert_parallel_sizes(args, ranks: int) -> int:
-    """``ranks`` (dp x cp), checked: --ep must divide it and --experts."""
+def check_expert_parallel(args, ranks: int) -> None:
+    """--ep must divide the dp x cp ``ranks`` and --experts."""
     if args.experts and (ranks % args.ep or args.experts % args.ep):
         raise ValueError(f"--ep {args.ep} must divide dp x cp = {ranks} and --experts {args.experts}")
-    return ranks
 
 
 def expert_parallel_meshes(args, dp: int, ring: int, ulysses: int):
@@ -287,7 +286,7 @@ def expert_parallel_meshes(args, dp: int, ring: int, ulysses: int):
     groups of ep consecutive ranks; the expert-dp mesh joins the ranks that hold the same experts."""
     if args.experts == 0:
         return None, None
-    ranks = expert_parallel_sizes(args, dp * ring * ulysses)
+    ranks = dp * ring * ulysses  # parse_args checked it against --ep (layout_refusals)
     layout = torch.arange(args.pp * ranks * args.tp).view(args.pp, ranks // args.ep, args.ep, args.tp)
     mesh = DeviceMesh(args.device, layout, mesh_dim_names=("pp", "expert_dp", "ep", "tp"))
     mesh["expert_dp", "ep"]._flatten("experts")  # the experts' gradient norm in one all-reduce

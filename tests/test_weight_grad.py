@@ -41,16 +41,23 @@ def train_microbatches(model, inputs, split: bool) -> tuple[list[torch.Tensor], 
     return input_grads, grads(model)
 
 
-def test_split_linear_equals_its_unsplit_backward_and_nn_linear():
+def two_linears_and_inputs() -> tuple[nn.Sequential, list[torch.Tensor]]:
     torch.manual_seed(0)
     reference = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16, bias=False))
-    inputs = [torch.randn(3, 5, 32) for _ in range(3)]
-    results = []
-    for split in (False, True):
-        model = nn.Sequential(SplitLinear.from_linear(reference[0]), nn.Tanh(), SplitLinear.from_linear(reference[2]))
-        for p in model.parameters():
-            p.grad = None
-        results.append(train_microbatches(model, inputs, split))
+    return reference, [torch.randn(3, 5, 32) for _ in range(3)]
+
+
+def split_copy(reference: nn.Sequential) -> nn.Sequential:
+    """``reference``'s two linears as SplitLinears holding its parameters, gradients cleared."""
+    model = nn.Sequential(SplitLinear.from_linear(reference[0]), nn.Tanh(), SplitLinear.from_linear(reference[2]))
+    for p in model.parameters():
+        p.grad = None
+    return model
+
+
+def test_split_linear_equals_its_unsplit_backward_and_nn_linear():
+    reference, inputs = two_linears_and_inputs()
+    results = [train_microbatches(split_copy(reference), inputs, split) for split in (False, True)]
     (unsplit_x, unsplit_p), (split_x, split_p) = results
     assert all(torch.equal(a, b) for a, b in zip(unsplit_x + unsplit_p, split_x + split_p))
     for p in reference.parameters():
@@ -78,26 +85,11 @@ def test_split_linear_refuses_other_modules():
         SplitLinear.from_linear(nn.Conv1d(2, 2, 1))
 
 
-class Embedded(nn.Module):
-    """ids -> embedding -> (the rest), with the input gradient of the rest checked on a float input."""
-
-    def __init__(self, embedding, rest):
-        super().__init__()
-        self.embedding, self.rest = embedding, rest
-
-    def forward(self, x):
-        return self.rest(x + self.embedding(self.ids))
-
-
 def test_compiled_split_linear_defers_and_equals_eager():
-    torch.manual_seed(0)
-    reference = nn.Sequential(nn.Linear(32, 48), nn.Tanh(), nn.Linear(48, 16, bias=False))
-    inputs = [torch.randn(3, 5, 32) for _ in range(3)]
+    reference, inputs = two_linears_and_inputs()
     results = []
     for compiled in (False, True):
-        model = nn.Sequential(SplitLinear.from_linear(reference[0]), nn.Tanh(), SplitLinear.from_linear(reference[2]))
-        for p in model.parameters():
-            p.grad = None
+        model = split_copy(reference)
         if compiled:
             torch._dynamo.reset()
             model.compile(fullgraph=True, backend="inductor")
@@ -137,6 +129,17 @@ def test_split_weight_grad_slot_is_per_layer_and_not_in_the_state_dict():
     a, b = SplitLinear(4, 4), SplitLinear(4, 4)
     assert int(a._weight_grad_slot) != int(b._weight_grad_slot)
     assert "_weight_grad_slot" not in a.state_dict()
+
+
+class Embedded(nn.Module):
+    """ids -> embedding -> (the rest), with the input gradient of the rest checked on a float input."""
+
+    def __init__(self, embedding, rest):
+        super().__init__()
+        self.embedding, self.rest = embedding, rest
+
+    def forward(self, x):
+        return self.rest(x + self.embedding(self.ids))
 
 
 def tp_split_matches(sequence_parallel: bool, fp8: bool = False, compiled: bool = False):
