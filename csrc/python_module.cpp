@@ -4,11 +4,14 @@
 // torchdist_ext/index_checks.py:
 //   cpu_isas() / supported_cpu_isas() / active_cpu_isa() / set_cpu_isa(name) -> previous
 //   index_checks() / set_index_checks(enabled) -> previous
+// and the communication ledger's functions (comm/ledger_backend.h), wrapped by
+// torchdist_ext/ledger.py.
 
 #include <Python.h>
 
 #include <stdexcept>
 
+#include "comm/ledger_backend.h"
 #include "kernels/cpu/isa.h"
 #include "ops/index_checks.h"
 
@@ -93,5 +96,10 @@ PyMODINIT_FUNC PyInit__C(void) {
     PyErr_SetString(PyExc_ValueError, e.what());
     return nullptr;
   }
-  return PyModule_Create(&module);
+  PyObject* created = PyModule_Create(&module);
+  if (created != nullptr && tdx::comm::add_ledger_functions(created) != 0) {
+    Py_DECREF(created);
+    return nullptr;
+  }
+  return created;
 }

@@ -89,6 +89,10 @@ def _worker_main(rank: int, world_size: int, init_file: str, timeout: float, thr
 
     torch.set_num_threads(threads)
     try:
+        if "ledger_" in backend:  # a communication ledger: register its backends in this process
+            from torchdist_ext import ledger
+
+            ledger.backend(backend.replace("ledger_", ""))
         if torch.cuda.is_available() and "nccl" in backend:
             torch.cuda.set_device(rank % torch.cuda.device_count())
         dist.init_process_group(
@@ -136,7 +140,8 @@ class World:
             also the collective timeout inside the workers.
         threads_per_rank: ``torch.set_num_threads`` in every worker.
         backend: ``init_process_group`` backend; the default gloo runs on CPU.
-            ``"cpu:gloo,cuda:nccl"`` also gives each rank a GPU (rank % device count).
+            ``"cpu:gloo,cuda:nccl"`` also gives each rank a GPU (rank % device count);
+            ``torchdist_ext.ledger.backend(...)`` counts every group's communication.
     """
 
     def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int = 1,

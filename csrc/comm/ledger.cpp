@@ -1,0 +1,28 @@
+#include "comm/ledger.h"
+
+namespace tdx::comm {
+
+void Ledger::add_call(const std::string& op, double sent_bytes, double received_bytes) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  OpTally& tally = tallies_[op];
+  tally.calls += 1;
+  tally.sent_bytes += sent_bytes;
+  tally.received_bytes += received_bytes;
+}
+
+void Ledger::add_seconds(const std::string& op, double seconds) {
+  std::lock_guard<std::mutex> lock(mutex_);
+  tallies_[op].seconds += seconds;
+}
+
+std::map<std::string, OpTally> Ledger::tallies() const {
+  std::lock_guard<std::mutex> lock(mutex_);
+  return tallies_;
+}
+
+void Ledger::reset() {
+  std::lock_guard<std::mutex> lock(mutex_);
+  tallies_.clear();
+}
+
+}  // namespace tdx::comm

@@ -1,0 +1,178 @@
+"""The communication ledger: a c10d backend (C++, ``csrc/comm/ledger_backend.cpp``) that wraps gloo or NCCL,
+forwards every call to it and counts, per process group and operation, the calls, the bytes this rank sends and
+receives and the wall time until each call completes. It sees everything that goes through the group: Python
+collectives, FSDP2's and DTensor's, and the point-to-point rings and all-to-alls the ``tdx`` ops issue from C++.
+
+    dist.init_process_group(ledger.backend("gloo"))                    # or "cpu:gloo,cuda:nccl"
+    ... train ...
+    ledger.read(mesh["tp"])                   -> {"all_gather_into_tensor": OpTally(calls, sent_bytes, ...), ...}
+    ledger.by_label({"tp": mesh["tp"], "dp": dp_mesh})  -> {"tp": {...}, "dp": {...}}
+    ledger.reset()                                                      # every group of the world
+
+Groups created later (``new_group``, ``init_device_mesh``) inherit the default group's backend, so every mesh of a
+run is counted. Bytes are the ring algorithms' traffic per rank (all-reduce 2(n-1)/n X, all-gather and
+reduce-scatter (n-1)/n of the full buffer, all-to-all the blocks to other ranks, send / recv X): the convention of
+nccl-tests' bus bandwidth and of the planner's ``comm`` (see ``csrc/comm/ledger.h``). Seconds run from the call to
+the first time this rank sees it complete (on NCCL: the host side only).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
+
+import torch
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchdist_ext import _C
+
+__all__ = ["OpTally", "backend", "by_label", "read", "reset", "total"]
+
+# The backends a ledger can wrap: the name it registers under -> the inner backend and the devices it serves.
+_WRAPPABLE = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}
+_PREFIX = "ledger_"
+
+
+@dataclass(frozen=True)
+class OpTally:
+    """One operation's entry of a ledger: ``calls`` made, ``sent_bytes`` / ``received_bytes`` on this rank (ring
+    algorithm traffic) and ``seconds`` from call to completion, summed over the calls."""
+
+    calls: int = 0
+    sent_bytes: float = 0.0
+    received_bytes: float = 0.0
+    seconds: float = 0.0
+
+    def __add__(self, other: OpTally) -> OpTally:
+        return OpTally(*(getattr(self, f.name) + getattr(other, f.name) for f in fields(self)))
+
+
+def _create(inner_name: str):
+    """The creator function torch.distributed calls for a ``ledger_<inner_name>`` group."""
+
+    def create(options, backend_options):
+        plugin = dist.Backend._plugins.get(inner_name.upper())
+        if plugin is not None and plugin.extended_api:  # torch >= 2.14 creates gloo and NCCL through plugins too
+            inner = plugin.creator_fn(options, backend_options)
+        elif inner_name == "gloo":
+            inner = dist.ProcessGroupGloo(options.store, options.group_rank, options.group_size,
+                                          timeout=options.timeout)
+            inner.options.global_ranks_in_group = options.global_ranks_in_group
+            inner.options.group_name = options.group_id
+        else:
+            nccl_options = backend_options or dist.ProcessGroupNCCL.Options()
+            nccl_options._timeout = options.timeout
+            nccl_options.global_ranks_in_group = options.global_ranks_in_group
+            nccl_options.group_name = options.group_id
+            inner = dist.ProcessGroupNCCL(options.store, options.group_rank, options.group_size, nccl_options)
+        return _C.ledger_backend(inner, _PREFIX + inner_name)
+
+    return create
+
+
+def _register(inner_name: str) -> str:
+    name = _PREFIX + inner_name
+    if name.upper() not in dist.Backend._plugins:
+        kwargs = {}
+        backend_type = getattr(dist.ProcessGroup.BackendType, inner_name.upper(), None)
+        if "_backend_type" in dist.Backend.register_backend.__code__.co_varnames and backend_type is not None:
+            # The inner backend's type: two CUSTOM backends of one group (cpu and cuda) would share one slot.
+            kwargs["_backend_type"] = backend_type
+        dist.Backend.register_backend(name, _create(inner_name), extended_api=True,
+                                      devices=list(_WRAPPABLE[inner_name]), **kwargs)
+    return name
+
+
+def backend(spec: str = "gloo") -> str:
+    """The ``init_process_group`` / ``new_group`` backend string that wraps every backend of ``spec`` in a ledger:
+    ``"gloo"`` -> ``"ledger_gloo"``, ``"cpu:gloo,cuda:nccl"`` -> ``"cpu:ledger_gloo,cuda:ledger_nccl"``.
+    Registers the ledger backends with ``torch.distributed.Backend.register_backend``."""
+    if not isinstance(spec, str):
+        raise TypeError(f"spec must be a backend string such as 'gloo' or 'cpu:gloo,cuda:nccl', got {spec!r}")
+    parts = []
+    for part in spec.split(","):
+        device, _, inner = part.rpartition(":")
+        inner = inner.strip().lower()
+        if inner not in _WRAPPABLE:
+            raise ValueError(f"spec={spec!r}: a ledger wraps {' or '.join(_WRAPPABLE)}, not {inner!r}")
+        if device and device.strip() not in _WRAPPABLE[inner]:
+            raise ValueError(f"spec={spec!r}: {inner} serves {', '.join(_WRAPPABLE[inner])}, not {device.strip()!r}")
+        parts.append(f"{device.strip()}:{_register(inner)}" if device else _register(inner))
+    return ",".join(parts)
+
+
+def _group_of(group) -> dist.ProcessGroup:
+    if group is None:
+        return dist.group.WORLD
+    if isinstance(group, DeviceMesh):
+        if group.ndim != 1:
+            raise ValueError(f"group: a {group.ndim}-D mesh {group.mesh_dim_names} has several groups; pass a 1-D "
+                             "mesh (mesh['tp']) or flatten it")
+        return group.get_group()
+    if isinstance(group, dist.ProcessGroup):
+        return group
+    raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None (the world), got {type(group).__name__}")
+
+
+def _ledgers(group: dist.ProcessGroup) -> list:
+    """The ledger backends of ``group``, one per device type it serves (a backend shared by both counted once)."""
+    found = {}
+    for device in ("cpu", "cuda"):
+        try:
+            backend_ = group._get_backend(torch.device(device))
+        except RuntimeError:  # no backend for this device
+            continue
+        if _C.is_ledger_backend(backend_):
+            found.setdefault(id(_C.ledger_inner(backend_)), backend_)
+    if not found:
+        raise ValueError(f"group {group.group_name!r} ({dist.get_backend(group)}) is not counted: create it with "
+                         "torchdist_ext.ledger.backend(...)")
+    return list(found.values())
+
+
+def read(group: dist.ProcessGroup | DeviceMesh | None = None) -> dict[str, OpTally]:
+    """This rank's tallies per operation on ``group`` (a process group, a 1-D mesh, or None for the world)."""
+    tallies: dict[str, OpTally] = {}
+    for ledger in _ledgers(_group_of(group)):
+        for op, values in _C.ledger_tallies(ledger).items():
+            tallies[op] = tallies.get(op, OpTally()) + OpTally(*values)
+    return tallies
+
+
+def total(tallies: Mapping[str, OpTally]) -> OpTally:
+    """The sum of a ledger's tallies over its operations."""
+    return sum(tallies.values(), OpTally())
+
+
+def by_label(groups: Mapping[str, dist.ProcessGroup | DeviceMesh]) -> dict[str, dict[str, OpTally]]:
+    """Tallies per label, summed over the distinct groups given that label (``{"dp": fsdp_mesh, "ep": ep_mesh}``).
+    A group given two labels is counted under both, joined as ``"dp+ep"``, once."""
+    labels: dict[str, list[str]] = {}
+    resolved: dict[str, dist.ProcessGroup] = {}
+    for label, group in groups.items():
+        pg = _group_of(group)
+        labels.setdefault(pg.group_name, []).append(label)
+        resolved[pg.group_name] = pg
+    result: dict[str, dict[str, OpTally]] = {}
+    for name, pg in resolved.items():
+        key = "+".join(labels[name])
+        merged = result.setdefault(key, {})
+        for op, tally in read(pg).items():
+            merged[op] = merged.get(op, OpTally()) + tally
+    return result
+
+
+def reset(group: dist.ProcessGroup | DeviceMesh | None = None) -> None:
+    """Empties the ledgers of ``group``, or of every counted group of this rank with None."""
+    if group is not None:
+        for ledger in _ledgers(_group_of(group)):
+            _C.ledger_reset(ledger)
+        return
+    for pg in list(dist.distributed_c10d._world.pg_map):
+        try:
+            ledgers = _ledgers(pg)
+        except ValueError:  # a group created with another backend
+            continue
+        for ledger in ledgers:
+            _C.ledger_reset(ledger)
