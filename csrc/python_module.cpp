@@ -4,6 +4,7 @@
 // torchdist_ext/index_checks.py:
 //   cpu_isas() / supported_cpu_isas() / active_cpu_isa() / set_cpu_isa(name) -> previous
 //   index_checks() / set_index_checks(enabled) -> previous
+//   track_cpu_memory() / cpu_memory_stats() -> (allocated, peak) / reset_cpu_peak_memory()   (cpu_memory.h)
 // and the communication ledger's functions (comm/ledger_backend.h), wrapped by
 // torchdist_ext/ledger.py.
 
@@ -12,6 +13,7 @@
 #include <stdexcept>
 
 #include "comm/ledger_backend.h"
+#include "cpu_memory.h"
 #include "kernels/cpu/isa.h"
 #include "ops/index_checks.h"
 
@@ -75,6 +77,30 @@ PyObject* set_index_checks(PyObject*, PyObject* arg) {
   return PyBool_FromLong(previous);
 }
 
+PyObject* track_cpu_memory(PyObject*, PyObject*) {
+  try {
+    tdx::track_cpu_memory();
+  } catch (const std::runtime_error& e) {
+    PyErr_SetString(PyExc_RuntimeError, e.what());
+    return nullptr;
+  }
+  Py_RETURN_NONE;
+}
+
+PyObject* cpu_memory_stats(PyObject*, PyObject*) {
+  if (!tdx::tracking_cpu_memory()) {
+    PyErr_SetString(PyExc_RuntimeError, "CPU memory is not counted: call torchdist_ext.cpu_memory.track() first");
+    return nullptr;
+  }
+  const tdx::CpuMemoryStats stats = tdx::cpu_memory_stats();
+  return Py_BuildValue("(LL)", static_cast<long long>(stats.allocated), static_cast<long long>(stats.peak));
+}
+
+PyObject* reset_cpu_peak_memory(PyObject*, PyObject*) {
+  tdx::reset_cpu_peak_memory();
+  Py_RETURN_NONE;
+}
+
 PyMethodDef methods[] = {
     {"cpu_isas", cpu_isas, METH_NOARGS, "Every CPU kernel ISA, narrowest first."},
     {"supported_cpu_isas", supported_cpu_isas, METH_NOARGS, "The CPU kernel ISAs this CPU runs."},
@@ -82,6 +108,9 @@ PyMethodDef methods[] = {
     {"set_cpu_isa", set_cpu_isa, METH_O, "Makes an ISA the active one; returns the previous one."},
     {"index_checks", index_checks, METH_NOARGS, "Whether ops check index values."},
     {"set_index_checks", set_index_checks, METH_O, "Switches index checks; returns the previous setting."},
+    {"track_cpu_memory", track_cpu_memory, METH_NOARGS, "Counts CPU tensor memory from now on (cpu_memory.h)."},
+    {"cpu_memory_stats", cpu_memory_stats, METH_NOARGS, "(allocated, peak) bytes of counted CPU storages."},
+    {"reset_cpu_peak_memory", reset_cpu_peak_memory, METH_NOARGS, "Sets the peak to the bytes allocated now."},
     {nullptr, nullptr, 0, nullptr},
 };
 

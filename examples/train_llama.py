@@ -65,7 +65,11 @@ from llama import (  # noqa: E402
     Llama, LlamaConfig, LlamaStage, MixtureOfExperts, apply_fp8, check_layout, parallelize_llama,
 )
 
-from torchdist_ext import checkpoint, clip_grad_norm_  # noqa: E402
+from predicted_vs_measured import (  # noqa: E402
+    PeakMemory, StepMeasurement, comm_totals, gather_measurements, print_report,
+)
+
+from torchdist_ext import checkpoint, clip_grad_norm_, cpu_memory, ledger  # noqa: E402
 from torchdist_ext.data import DataParallelSampler  # noqa: E402
 from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_modules, fp8_step  # noqa: E402
 from torchdist_ext.parallel import (  # noqa: E402
@@ -161,6 +165,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "histories, data position, step)")
     parser.add_argument("--resume", type=Path, default=None,
                         help="continue from this checkpoint (written at any layout) up to --steps")
+    parser.add_argument("--ledger", action="store_true",
+                        help="count every process group's communication (torchdist_ext.ledger, a c10d backend "
+                             "wrapping gloo / NCCL) and print the last step's bytes per axis, peak memory and "
+                             "pipeline bubble next to the planner's prediction for this layout")
     parser.add_argument("--check", action="store_true", help="also train in one process (fp32) and compare losses")
     parser.add_argument("--check-reference", choices=("same", "fp32"), default="same",
                         help="with --fp8: the one process runs the same fp8 recipe (same) or plain fp32 GEMMs")
@@ -194,8 +202,9 @@ def planner_model(args) -> ModelSpec:
     cfg = LlamaConfig()
     experts = (dict(num_experts=args.experts, experts_per_token=args.top_k, moe_ffn_hidden=cfg.ffn_dim)
                if args.experts else {})
+    # Its attention projects q, k and v (its FFNs gate and up) with separate tensor-parallel linears.
     return ModelSpec(cfg.num_layers, cfg.dim, cfg.num_heads, num_kv_heads=cfg.num_kv_heads, ffn_hidden=cfg.ffn_dim,
-                     vocab_size=cfg.vocab_size, **experts)
+                     vocab_size=cfg.vocab_size, fused_projections=False, **experts)
 
 
 def layout_refusals(args, world_size: int) -> list[str]:
@@ -208,19 +217,26 @@ def layout_refusals(args, world_size: int) -> list[str]:
         check_expert_parallel(args, dp * ring * ulysses)
     except ValueError as error:
         return [str(error)]
-    # The planner's ep ranks are data-parallel ranks; an ep that also spans cp ranks is checked above.
-    ep = args.ep if args.experts and dp % args.ep == 0 else 1
-    m = microbatches(args) if args.pp > 1 else 1
     try:
-        layout = Layout(tp=args.tp, pp=args.pp, dp=dp // ep, cp=args.cp, ep=ep,
-                        sequence_parallel=args.sequence_parallel, recompute=args.recompute, seq_len=args.seq,
-                        micro_batch=args.batch // dp // m, num_microbatches=m,
-                        schedule=planner_name(args.schedule) if args.pp > 1 else "1f1b",
-                        virtual_stages=virtual_stages(args) if args.pp > 1 else 1)
-        findings = check(planner_model(args), ClusterSpec.preset("h100-80gb", world_size), layout)
+        findings = check(planner_model(args), ClusterSpec.preset("h100-80gb", world_size),
+                         planner_layout(args, dp))
     except ValueError as error:
         return [str(error)]
     return [f"{f.code} {f.severity}: {f.message}" for f in findings if f.code == "TDX008"]
+
+
+def planner_layout(args, dp: int) -> Layout:
+    """This run's layout as the planner sees it: FSDP2 is ZeRO-3 over dp x cp, its micro-batches those of the
+    pipeline (or of --grad-accum), in the run's precision."""
+    # The planner's ep ranks are data-parallel ranks; an ep that also spans cp ranks is checked by the caller.
+    ep = args.ep if args.experts and dp % args.ep == 0 else 1
+    m = microbatches(args) if args.pp > 1 else args.grad_accum
+    return Layout(tp=args.tp, pp=args.pp, dp=dp // ep, cp=args.cp, ep=ep, zero_stage=3,
+                  sequence_parallel=args.sequence_parallel, recompute=args.recompute, seq_len=args.seq,
+                  micro_batch=args.batch // dp // m, num_microbatches=m,
+                  schedule=planner_name(args.schedule) if args.pp > 1 else "1f1b",
+                  virtual_stages=virtual_stages(args) if args.pp > 1 else 1,
+                  precision="fp8-mixed" if args.fp8 else {"fp32": "fp32", "bf16": "bf16-mixed"}[precision(args)])
 
 
 def check_tolerance_key(args: argparse.Namespace) -> str:
@@ -254,8 +270,9 @@ def gpu_peak_flops(device: torch.device) -> float | None:
 
 
 def corpus_windows(seq: int) -> torch.Tensor:
-    """The corpus cut into byte windows of ``seq + 1`` (the tokens and their next-byte targets): ``[n, seq + 1]``."""
-    data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8).long()
+    """The corpus cut into byte windows of ``seq + 1`` (the tokens and their next-byte targets): ``[n, seq + 1]``
+    uint8 (``batches`` widens the rows it reads)."""
+    data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8)
     count = data.numel() // (seq + 1)
     return data[: count * (seq + 1)].view(count, seq + 1)
 
@@ -265,7 +282,8 @@ def batches(windows: torch.Tensor, sampler: DataParallelSampler):
     epoch (each pass over the sampler reads a new permutation)."""
     while True:
         for rows in torch.tensor(list(sampler), dtype=torch.long).split(sampler.batch_size):
-            yield windows[rows, :-1], windows[rows, 1:]
+            window = windows[rows].long()
+            yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
 def build_model(args, device: torch.device) -> Llama:
@@ -357,9 +375,10 @@ def pipeline_stages(args, single: Llama, pp_rank: int) -> list[LlamaStage]:
             for s in stages_of_rank(args.schedule, args.pp, pp_rank, virtual_stages(args))}
 
 
-def report_bubble(args, pipe: Pipeline, rank: int) -> None:
+def report_bubble(args, pipe: Pipeline, rank: int) -> tuple[float, float]:
     """Prints the last step's measured idle fraction per pipeline rank next to the planner's (for the measured
-    F / B / W times, and its closed form); writes the timeline PNG with --timeline."""
+    F / B / W times, and its closed form); writes the timeline PNG with --timeline. Returns (the planner's for
+    the measured times, the measured)."""
     timelines = gather_timeline(pipe)
     per_rank, overall = measured_idle_fractions(timelines)
     predicted = predicted_idle_fraction(pipe, timelines)
@@ -372,6 +391,7 @@ def report_bubble(args, pipe: Pipeline, rank: int) -> None:
         if args.timeline is not None:
             plot_timeline(args.timeline, timelines, title=f"{args.schedule}, pp={args.pp}, m={microbatches(args)}: "
                           f"measured bubble {overall:.3f}, planner {predicted:.3f}")
+    return predicted, overall
 
 
 def data_and_context_split(args, world_size: int) -> tuple[int, int, int]:
@@ -427,6 +447,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     pipe = None
     if args.pp > 1:
         stages = {s: parallelize(stage) for s, stage in pipeline_stages(args, single, mesh["pp"].get_local_rank()).items()}
+        del single  # with the other stages' blocks, which this rank never runs
         last = num_stages(args.schedule, args.pp, virtual_stages(args)) - 1
         pipe = Pipeline(stages, pp_mesh=mesh["pp"], schedule=args.schedule, num_microbatches=microbatches(args),
                         loss_fn=lambda logits, target: stages[last].loss_fn(logits, target),
@@ -464,12 +485,22 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
               f"{f', {args.experts} experts (top {args.top_k}) over ep={args.ep}' if args.experts else ''}; "
               f"{sum(p.numel() for p in model.parameters()):,} parameters"
               f"{' on pipeline rank 0' if args.pp > 1 else ''}", flush=True)
+    # The ledger's axes: FSDP2's traffic goes over dp x cp (and the experts' over their dp ranks), the rest of
+    # every group (gradient norms, fp8 amaxes, the loss) is "other".
+    axes = {"tp": mesh["tp"], "cp": [mesh["ring"], mesh["ulysses"]], "pp": mesh["pp"],
+            "dp": [fsdp_mesh, *([expert_dp_mesh] if expert_dp_mesh is not None else [])],
+            **({"ep": ep_mesh} if ep_mesh is not None else {})}
+    measurement = StepMeasurement()
     positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
         positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")
     losses = []
     data = batches(windows, sampler)
     for step in range(first_step, args.steps):
+        measuring = args.ledger and step == args.steps - 1
+        if measuring:
+            ledger.reset()
+            peak_memory = PeakMemory(device).__enter__()
         start = time.perf_counter()
         tokens, target = (t.to(device) for t in next(data))
         if cp_mesh is not None:
@@ -486,6 +517,10 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             optimizer.step()
             optimizer.zero_grad()
             fp8_step(part)  # no-op without --fp8; one amax all-reduce per stage
+        if measuring:
+            peak_memory.__exit__(None, None, None)
+            measurement.peak_memory = peak_memory.peak
+            measurement.sent_bytes, measurement.calls = comm_totals(axes)
         sampler.advance()
         # Every dp x cp rank's loss is the mean over the same number of tokens.
         global_loss = loss.detach().to(torch.float32, copy=True)  # with --bf16 the loss is bf16
@@ -503,8 +538,11 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             if load is not None:
                 line += f"  expert load max/mean {load:.2f}"
             print(line, flush=True)
-    if pipe is not None:
-        report_bubble(args, pipe, rank)
+    bubbles = report_bubble(args, pipe, rank) if pipe is not None else None
+    if args.ledger and first_step < args.steps:
+        measured = gather_measurements(measurement)
+        if rank == 0:
+            print_report(planner_model(args), planner_layout(args, dp), world_size, measured, bubbles)
     if args.save is not None:
         checkpoint.save(args.save, parts, optimizers, extra={"step": args.steps, "sampler": sampler.state_dict()})
         if rank == 0:
@@ -553,10 +591,13 @@ def main(argv=None) -> int:
             raise SystemExit("--device cuda: no CUDA device is visible to this process")
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         torch.cuda.set_device(device)
-        dist.init_process_group("cpu:gloo,cuda:nccl", device_id=device)
+        dist.init_process_group(ledger.backend("cpu:gloo,cuda:nccl") if args.ledger else "cpu:gloo,cuda:nccl",
+                                device_id=device)
     else:
         device = torch.device("cpu")
-        dist.init_process_group("gloo")
+        dist.init_process_group(ledger.backend("gloo") if args.ledger else "gloo")
+        if args.ledger:  # before the model: every tensor of this rank counted
+            cpu_memory.track()
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         first_step, losses = train_parallel(args, world_size, rank, device)

@@ -6,7 +6,7 @@ collectives, FSDP2's and DTensor's, and the point-to-point rings and all-to-alls
     dist.init_process_group(ledger.backend("gloo"))                    # or "cpu:gloo,cuda:nccl"
     ... train ...
     ledger.read(mesh["tp"])                   -> {"all_gather_into_tensor": OpTally(calls, sent_bytes, ...), ...}
-    ledger.by_label({"tp": mesh["tp"], "dp": dp_mesh})  -> {"tp": {...}, "dp": {...}}
+    ledger.by_label({"tp": mesh["tp"], "cp": [mesh["ring"], mesh["ulysses"]]})  -> {"tp": {...}, "cp": {...}}
     ledger.reset()                                                      # every group of the world
 
 Groups created later (``new_group``, ``init_device_mesh``) inherit the default group's backend, so every mesh of a
@@ -18,7 +18,7 @@ the first time this rank sees it complete (on NCCL: the host side only).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
 import torch
@@ -32,6 +32,7 @@ __all__ = ["OpTally", "backend", "by_label", "read", "reset", "total"]
 # The backends a ledger can wrap: the name it registers under -> the inner backend and the devices it serves.
 _WRAPPABLE = {"gloo": ("cpu", "cuda"), "nccl": ("cuda",)}
 _PREFIX = "ledger_"
+Group = dist.ProcessGroup | DeviceMesh
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ def _ledgers(group: dist.ProcessGroup) -> list:
     return list(found.values())
 
 
-def read(group: dist.ProcessGroup | DeviceMesh | None = None) -> dict[str, OpTally]:
+def read(group: Group | None = None) -> dict[str, OpTally]:
     """This rank's tallies per operation on ``group`` (a process group, a 1-D mesh, or None for the world)."""
     tallies: dict[str, OpTally] = {}
     for ledger in _ledgers(_group_of(group)):
@@ -145,34 +146,51 @@ def total(tallies: Mapping[str, OpTally]) -> OpTally:
     return sum(tallies.values(), OpTally())
 
 
-def by_label(groups: Mapping[str, dist.ProcessGroup | DeviceMesh]) -> dict[str, dict[str, OpTally]]:
-    """Tallies per label, summed over the distinct groups given that label (``{"dp": fsdp_mesh, "ep": ep_mesh}``).
-    A group given two labels is counted under both, joined as ``"dp+ep"``, once."""
+def by_label(groups: Mapping[str, Group | Sequence[Group]], *, rest: str | None = None) -> dict[str, dict[str, OpTally]]:
+    """Tallies per label, summed over the distinct groups given that label
+    (``{"cp": [mesh["ring"], mesh["ulysses"]], "dp": fsdp_mesh}``). A group given several labels is counted once,
+    under the labels joined: ``"dp+ep"``. With ``rest``, every other counted group of this rank is summed under
+    that label."""
     labels: dict[str, list[str]] = {}
     resolved: dict[str, dist.ProcessGroup] = {}
-    for label, group in groups.items():
-        pg = _group_of(group)
-        labels.setdefault(pg.group_name, []).append(label)
-        resolved[pg.group_name] = pg
+    if rest is not None:
+        for pg in _counted_groups():
+            labels[pg.group_name] = [rest]
+            resolved[pg.group_name] = pg
+    for label, members in groups.items():
+        for group in members if isinstance(members, (list, tuple)) else [members]:
+            pg = _group_of(group)
+            if labels.get(pg.group_name) == [rest]:
+                del labels[pg.group_name]
+            if label not in labels.setdefault(pg.group_name, []):
+                labels[pg.group_name].append(label)
+            resolved[pg.group_name] = pg
     result: dict[str, dict[str, OpTally]] = {}
     for name, pg in resolved.items():
-        key = "+".join(labels[name])
-        merged = result.setdefault(key, {})
+        merged = result.setdefault("+".join(labels[name]), {})
         for op, tally in read(pg).items():
             merged[op] = merged.get(op, OpTally()) + tally
     return result
 
 
-def reset(group: dist.ProcessGroup | DeviceMesh | None = None) -> None:
+def reset(group: Group | None = None) -> None:
     """Empties the ledgers of ``group``, or of every counted group of this rank with None."""
     if group is not None:
         for ledger in _ledgers(_group_of(group)):
             _C.ledger_reset(ledger)
         return
+    for pg in _counted_groups():
+        for ledger in _ledgers(pg):
+            _C.ledger_reset(ledger)
+
+
+def _counted_groups() -> list[dist.ProcessGroup]:
+    """This rank's process groups that a ledger counts."""
+    counted = []
     for pg in list(dist.distributed_c10d._world.pg_map):
         try:
-            ledgers = _ledgers(pg)
+            _ledgers(pg)
         except ValueError:  # a group created with another backend
             continue
-        for ledger in ledgers:
-            _C.ledger_reset(ledger)
+        counted.append(pg)
+    return counted

@@ -56,6 +56,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("num_dense_layers", &ModelSpec::num_dense_layers)
       .def_readwrite("num_shared_experts", &ModelSpec::num_shared_experts)
       .def_readwrite("num_params", &ModelSpec::num_params)
+      .def_readwrite("fused_projections", &ModelSpec::fused_projections)
       .def("validate", &ModelSpec::validate);
 
   py::class_<ParamCount>(m, "ParamCount")

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <stdexcept>
+#include <vector>
 
 #include "planner/memory.h"
 #include "planner/pipeline.h"
@@ -18,6 +19,8 @@ constexpr double kLinkEfficiency = 0.8;
 constexpr double kFrameworkReserveBytes = 2.0 * (1ull << 30);
 // fp8 GEMMs run at twice the bf16 rate; attention and the rest stay in bf16.
 constexpr double kFp8GemmSpeedup = 2.0;
+// fp32 GEMMs run as TF32, at half the dense bf16 rate (A100, H100, B200).
+constexpr double kFp32GemmSpeedup = 0.5;
 
 double link_bandwidth(const ClusterSpec& cluster, bool intra) {
   double slowest = 0;
@@ -26,6 +29,25 @@ double link_bandwidth(const ClusterSpec& cluster, bool intra) {
     slowest = slowest == 0 ? bw : std::min(slowest, bw);
   }
   return slowest * kLinkEfficiency;
+}
+
+// Stage-boundary messages the busiest pipeline rank sends per micro-batch: each stage sends its output
+// forward unless it is the last and its input's gradient backward unless it is the first, and a boundary
+// between two stages of one rank (zb-v's turn at the last rank) sends nothing. Ranks hold stages
+// round-robin (chunk c of rank r is stage c pp + r), zb-v's two chunks in a V (stages r and 2 pp - 1 - r).
+double busiest_rank_boundary_sends(int64_t pp, Schedule schedule, int64_t virtual_stages) {
+  const int64_t chunks = schedule == Schedule::kZbV ? 2 : (schedule == Schedule::kInterleaved ? virtual_stages : 1);
+  const int64_t stages = pp * chunks;
+  auto rank_of = [&](int64_t stage) {
+    return schedule == Schedule::kZbV && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
+  };
+  std::vector<int64_t> sends(static_cast<size_t>(pp), 0);
+  for (int64_t stage = 0; stage < stages; ++stage) {
+    const auto rank = static_cast<size_t>(rank_of(stage));
+    if (stage + 1 < stages && rank_of(stage + 1) != rank_of(stage)) sends[rank] += 1;
+    if (stage > 0 && rank_of(stage - 1) != rank_of(stage)) sends[rank] += 1;
+  }
+  return static_cast<double>(*std::max_element(sends.begin(), sends.end()));
 }
 
 int64_t axis_size(const Layout& l, const std::string& axis) {
@@ -80,18 +102,23 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // Stages get ceil(L / pp) layers at most (Llama 3 405B: 126 layers on 16 stages).
   const double layers_per_stage = static_cast<double>((model.num_layers + l.pp - 1) / l.pp);
 
-  // Parameters on the fullest stage: its share of the layers (experts also split over ep) plus the
-  // last stage's LM head and final norm (with pp = 1 also the input embedding).
+  // Parameters on the fullest stage: its share of the layers plus the last stage's LM head and final norm
+  // (with pp = 1 also the input embedding), split over tp; experts are split over ep instead (they are not
+  // tensor-parallel: every tp rank of an ep rank holds the same experts, as torchdist_ext's MoE).
   const double layer_params_total = params.total - params.embedding;
   const double last_stage_extra = h * static_cast<double>(model.vocab_size) + h;
-  const double expert_per_stage = params.expert / layers * layers_per_stage / (t * static_cast<double>(l.ep));
-  const double dense_per_stage = (layer_params_total - params.expert) / layers * layers_per_stage / t +
-                                 (l.pp == 1 ? params.embedding : last_stage_extra) / t;
+  const double expert_per_stage = params.expert / layers * layers_per_stage / static_cast<double>(l.ep);
+  const double ends_per_stage = (l.pp == 1 ? params.embedding : last_stage_extra) / t;
+  const double dense_per_stage = (layer_params_total - params.expert) / layers * layers_per_stage / t + ends_per_stage;
   e.params_per_gpu = dense_per_stage + expert_per_stage;
-  // Dense parameters are data-parallel over dp x ep, expert parameters over dp.
-  const auto dense_states = model_state_bytes(dense_per_stage, l.zero_stage, l.dp * l.ep, l.precision);
+  // Dense parameters are replicated over dp x cp x ep ranks, expert parameters over dp x cp: ZeRO shards
+  // them, and their gradients are reduced, over those (context-parallel ranks hold the same parameters).
+  const int64_t dense_replicas = l.dp * l.cp * l.ep, expert_replicas = l.dp * l.cp;
+  const auto dense_states = model_state_bytes(dense_per_stage, l.zero_stage, dense_replicas, l.precision);
   ModelStateBytes expert_states;
-  if (expert_per_stage > 0) expert_states = model_state_bytes(expert_per_stage, l.zero_stage, l.dp, l.precision);
+  if (expert_per_stage > 0) {
+    expert_states = model_state_bytes(expert_per_stage, l.zero_stage, expert_replicas, l.precision);
+  }
   e.params = dense_states.params + expert_states.params;
   e.grads = dense_states.grads + expert_states.grads;
   e.optimizer = dense_states.optimizer + expert_states.optimizer;
@@ -103,11 +130,16 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
                             moe_layers * layer_activation_bytes(model, l, true)) / layers;
   e.activations = per_layer * layers_per_stage *
                   in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages);
-  // Buffers: the last stage's fp32 logits of one micro-batch (vocab split over tp), ZeRO-3's two
-  // prefetched unsharded layers in bf16, and the framework reserve.
+  // Buffers: the last stage's fp32 logits of one micro-batch (vocab split over tp), the framework reserve,
+  // and ZeRO-3's unsharded parameters (bf16, fp32 in fp32 training): two prefetched layers, or with pp
+  // the whole stage's with their unsharded gradients, which a pipeline keeps through the step's
+  // micro-batches (reduce-scattering once, after the stage's last backward: torchdist_ext.pipeline, as
+  // torch's pipelining).
+  const double element = element_bytes(l.precision);
   const double logits = b * s_local * static_cast<double>(model.vocab_size) / t * 4;
   const double layer_params_gpu = (layer_params_total / layers) / t;
-  e.buffers = logits + (l.zero_stage == 3 ? 2 * 2 * layer_params_gpu : 0) + kFrameworkReserveBytes;
+  const double unsharded = l.pp > 1 ? 2 * element * e.params_per_gpu : 2 * element * layer_params_gpu;
+  e.buffers = logits + (l.zero_stage == 3 ? unsharded : 0) + kFrameworkReserveBytes;
   e.gpu_memory = cluster.min_memory_bytes();
 
   // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
@@ -123,7 +155,9 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     recompute_gemm = gemm_flops / 3;
     recompute_attention = attention_flops / 3;
   }
-  const double gemm_speed = l.precision == Precision::kFp8Mixed ? kFp8GemmSpeedup : 1.0;
+  const double gemm_speed = l.precision == Precision::kFp8Mixed ? kFp8GemmSpeedup
+                            : l.precision == Precision::kFp32   ? kFp32GemmSpeedup
+                                                                : 1.0;
   const double gpus = static_cast<double>(l.world_size());
   const double rate = cluster.min_bf16_flops() * kKernelEfficiency;
   const double attention_seconds = (attention_flops + recompute_attention) / gpus / rate;
@@ -140,17 +174,37 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     comm.exposed_seconds = std::max(0.0, comm.seconds - hidden_behind);
     e.comm[axis] = comm;
   };
-  const double activation = b * s_local * h * 2;  // one micro-batch's [b, s/cp, h] in bf16
+  const double activation = b * s_local * h * element;  // one micro-batch's [b, s/cp, h]
   if (l.tp > 1) {
-    // Megatron: 2 all-reduces (or all-gather + reduce-scatter with SP) forward and 2 backward per
-    // layer, 2 more with full recomputation. On the critical path: not hidden.
-    const double per_layer_collectives = l.recompute == Recompute::kFull ? 6 : 4;
-    add("tp", m * layers_per_stage * per_layer_collectives * 2 * (t - 1) / t * activation, 0.0);
+    // In units of (t-1)/t X, X the activation above (an all-reduce is 2 units, an all-gather or a
+    // reduce-scatter 1). Each of a layer's two blocks (attention, MLP) is c column-parallel linears reading
+    // the block's input (c = 1 when fused; unfused 3 in attention, q, k, v, and 2 in the MLP, gate and up,
+    // each communicating the input on its own) and a row-parallel one. Without SP: the row's all-reduce
+    // forward and each column's input-gradient all-reduce backward, 2 + 2c units. With SP: c all-gathers
+    // and a reduce-scatter forward; backward c reduce-scatters, the row's all-gather, and each column's
+    // input gathered again for its weight gradient (the sequence shard is kept, not the gathered input, as
+    // in Megatron-LM): 3c + 2. Full recomputation reruns the forward's part. An MoE layer's experts are not
+    // tensor-parallel: its tp ranks run them on the same tokens, gathered from the sequence shards (2 units
+    // with SP, none without). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
+    // SP a reduce-scatter forward and an all-gather backward: 2 units) and the output head, a column-
+    // parallel linear (2; with SP 3). The fullest stage holds the head, with pp = 1 also the embedding.
+    // On the critical path: not hidden.
+    const bool full = l.recompute == Recompute::kFull;
+    auto block_units = [&](double c) {
+      return l.sequence_parallel ? 3 * c + 2 + (full ? c + 1 : 0) : 2 + 2 * c + (full ? 2 : 0);
+    };
+    const bool fused = model.fused_projections;
+    const double attention_block = block_units(fused ? 1 : 3), mlp_block = block_units(fused ? 1 : 2);
+    const double moe_block = l.sequence_parallel ? 2 + (full ? 1 : 0) : 0;
+    const double moe_share = static_cast<double>(model.num_moe_layers()) / layers;
+    const double per_layer = attention_block + (1 - moe_share) * mlp_block + moe_share * moe_block;
+    const double ends = (l.sequence_parallel ? 3 : 2) + (l.pp == 1 ? 2 : 0);
+    add("tp", m * (layers_per_stage * per_layer + ends) * (t - 1) / t * activation, 0.0);
   }
   if (l.cp > 1) {
     // Ring attention: K/V of the local sequence go around cp - 1 times forward; backward sends them
     // again plus the dK/dV accumulators (cp hops). Hidden behind the attention compute.
-    const double kv = 2 * b * s_local * static_cast<double>(model.num_kv_heads) / t * model.head_dim() * 2;
+    const double kv = 2 * b * s_local * static_cast<double>(model.num_kv_heads) / t * model.head_dim() * element;
     add("cp", m * layers_per_stage * kv * (3 * (c - 1) + 1), attention_seconds);
   }
   if (l.ep > 1) {
@@ -162,23 +216,31 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     add("ep", m * moe_layers_per_stage * 4 * routed, 0.0);
   }
   {
-    // Data parallelism over the gradients (bf16): ZeRO 0-2 all-reduce them once per step and overlap
-    // with the backward (two thirds of the compute); ZeRO-3 all-gathers the parameters forward and
-    // backward and reduce-scatters the gradients every micro-batch, overlapped with all the compute.
-    const double dense_dp = static_cast<double>(l.dp * l.ep), expert_dp = static_cast<double>(l.dp);
-    auto volume = [&](double n, double param_count) {
+    // Data parallelism over the gradients (bf16; fp32 in fp32 training): ZeRO 0-2 all-reduce them once
+    // per step and overlap with the backward (two thirds of the compute). ZeRO-3 reduce-scatters the
+    // gradients once per step (accumulated over the micro-batches: FSDP2's set_requires_gradient_sync) and
+    // all-gathers the blocks' parameters for each micro-batch's forward and again for its backward, and
+    // the root unit's (the embedding, final norm and head, outside the blocks) once per micro-batch (FSDP2
+    // keeps the root unsharded from its forward to its backward); with pp everything once per step (a
+    // pipeline keeps the parameters unsharded through the step: torchdist_ext.pipeline, torchtitan).
+    // Overlapped with all the compute.
+    const double dense_dp = static_cast<double>(dense_replicas), expert_dp = static_cast<double>(expert_replicas);
+    const double block_gathers = l.pp > 1 ? 1 : 2 * m, root_gathers = l.pp > 1 ? 1 : m;
+    auto volume = [&](double n, double param_count, double gathers) {
       if (n <= 1) return 0.0;
-      const double share = (n - 1) / n * param_count * 2;
-      return l.zero_stage == 3 ? m * 3 * share : 2 * share;
+      const double share = (n - 1) / n * param_count * element;
+      return l.zero_stage == 3 ? (gathers + 1) * share : 2 * share;
     };
-    const double bytes = volume(dense_dp, dense_per_stage) + volume(expert_dp, expert_per_stage);
+    const double bytes = volume(dense_dp, dense_per_stage - ends_per_stage, block_gathers) +
+                         volume(dense_dp, ends_per_stage, root_gathers) +
+                         volume(expert_dp, expert_per_stage, block_gathers);
     if (bytes > 0) add("dp", bytes, l.zero_stage == 3 ? e.compute_seconds : e.compute_seconds * 2 / 3);
   }
   if (l.pp > 1) {
-    // Activations forward and their gradients backward at each stage boundary, per micro-batch and
-    // virtual stage; the sequence-parallel activation is split over tp.
+    // Activations forward and their gradients backward at each stage boundary, per micro-batch, by the
+    // busiest rank; the sequence-parallel activation is split over tp.
     const double boundary = l.sequence_parallel ? activation / t : activation;
-    add("pp", m * static_cast<double>(l.virtual_stages) * 2 * boundary, 0.0);
+    add("pp", m * busiest_rank_boundary_sends(l.pp, l.schedule, l.virtual_stages) * boundary, 0.0);
   }
   double exposed = 0;
   for (const auto& [axis, comm] : e.comm) exposed += comm.exposed_seconds;

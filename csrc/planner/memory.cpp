@@ -9,14 +9,17 @@ ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Pr
   if (!(num_params > 0)) throw std::invalid_argument("num_params must be positive");
   if (dp < 1) throw std::invalid_argument("dp must be >= 1");
   if (zero_stage < 0 || zero_stage > 3) throw std::invalid_argument("zero_stage must be 0, 1, 2 or 3");
-  const double param_bytes = precision == Precision::kFp8Mixed ? 3 : 2;
+  const bool fp32 = precision == Precision::kFp32;
+  const double param_bytes = fp32 ? 4 : (precision == Precision::kFp8Mixed ? 3 : 2);
   const double shard = 1.0 / static_cast<double>(dp);
   ModelStateBytes bytes;
   bytes.params = num_params * param_bytes * (zero_stage >= 3 ? shard : 1.0);
-  bytes.grads = num_params * 2 * (zero_stage >= 2 ? shard : 1.0);
-  bytes.optimizer = num_params * 12 * (zero_stage >= 1 ? shard : 1.0);
+  bytes.grads = num_params * element_bytes(precision) * (zero_stage >= 2 ? shard : 1.0);
+  bytes.optimizer = num_params * (fp32 ? 8 : 12) * (zero_stage >= 1 ? shard : 1.0);
   return bytes;
 }
+
+double element_bytes(Precision precision) { return precision == Precision::kFp32 ? 4 : 2; }
 
 double activation_bytes_per_layer(double s, double b, double h, double a, long tp, bool sequence_parallel,
                                   Recompute recompute, AttentionKernel attention) {
@@ -35,7 +38,7 @@ double activation_bytes_per_layer(double s, double b, double h, double a, long t
 }
 
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
-  const double e = 2;
+  const double e = element_bytes(layout.precision);
   const double tokens = static_cast<double>(layout.micro_batch) * static_cast<double>(layout.seq_len) /
                         static_cast<double>(layout.cp);
   const double h = static_cast<double>(model.hidden), a = static_cast<double>(model.num_heads);

@@ -11,12 +11,17 @@ namespace tdx::planner {
 // `dp` data-parallel ranks (Rajbhandari et al. 2019, section 3):
 //   bf16-mixed  params 2 B (bf16), grads 2 B (bf16), optimizer 12 B (fp32 master + Adam m + v) = 16 B
 //   fp8-mixed   params 3 B (bf16 + a cached fp8 copy for the GEMMs), grads 2 B, optimizer 12 B = 17 B
+//   fp32        params 4 B (their own master), grads 4 B, optimizer 8 B (Adam m + v) = 16 B
 //   ZeRO-1 shards the optimizer over dp, ZeRO-2 also the grads, ZeRO-3 also the params.
 struct ModelStateBytes {
   double params = 0, grads = 0, optimizer = 0;
   double total() const { return params + grads + optimizer; }
 };
 ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Precision precision);
+
+// Bytes per element of activations, of their gradients and of the parameters and gradients that data
+// parallelism moves: 4 in fp32 training, else 2 (bf16; fp8 GEMMs keep bf16 activations between them).
+double element_bytes(Precision precision);
 
 // Bytes of activations one transformer layer stores for the backward, per
 // micro-batch, with 16-bit activations (Korthikanti et al. 2022, Table 2;
@@ -34,7 +39,8 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 
 // Bytes of activations one layer of `model` (RMSNorm, grouped-query attention with RoPE, SwiGLU MLP; no
 // dropout, no biases) stores for the backward per micro-batch, as autograd runs it with our layers and
-// recompute policies. T = micro_batch x seq_len / cp tokens, e = 2 bytes (16-bit activations), h hidden,
+// recompute policies. T = micro_batch x seq_len / cp tokens, e = element_bytes(precision) (2: 16-bit
+// activations; 4 in fp32), h hidden,
 // a heads, g kv heads, f the MLP width, t = tp, R = 1/t with sequence parallelism (the tensors outside the
 // tensor-parallel region are sequence-sharded), else 1:
 //   none       T e [4hR (both norms' inputs and outputs) + (3 + 2g/a) h/t (q, k, v, the attention output

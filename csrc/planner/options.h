@@ -13,7 +13,7 @@ namespace tdx::planner {
 
 enum class Recompute { kNone, kSelective, kFull };
 enum class Schedule { kGPipe, k1F1B, kInterleaved, kZbH1, kZbV };
-enum class Precision { kBf16Mixed, kFp8Mixed };
+enum class Precision { kBf16Mixed, kFp8Mixed, kFp32 };
 enum class Fp8GradFormat { kE5M2, kE4M3 };
 enum class AttentionKernel { kFlash, kEager };
 enum class NormKernel { kFused, kComposite };
@@ -41,8 +41,8 @@ struct OptionTable<Schedule> {
 template <>
 struct OptionTable<Precision> {
   static constexpr const char* kField = "precision";
-  static constexpr std::array<std::pair<Precision, const char*>, 2> kNames{
-      {{Precision::kBf16Mixed, "bf16-mixed"}, {Precision::kFp8Mixed, "fp8-mixed"}}};
+  static constexpr std::array<std::pair<Precision, const char*>, 3> kNames{
+      {{Precision::kBf16Mixed, "bf16-mixed"}, {Precision::kFp8Mixed, "fp8-mixed"}, {Precision::kFp32, "fp32"}}};
 };
 
 template <>

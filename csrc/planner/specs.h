@@ -29,6 +29,9 @@ struct ModelSpec {
   int64_t num_shared_experts = 0; // experts every token uses, besides the routed top-k
   double num_params = 0;          // the published total, when the architecture is outside count_params'
                                   // formula (0: counted from the shapes)
+  bool fused_projections = true;  // q, k, v (and the MLP's gate and up projections) one GEMM each, as in
+                                  // Megatron; false: separate column-parallel linears, each gathering
+                                  // (with SP) or all-reducing the gradient of (without) its input itself
 
   int64_t head_dim() const { return hidden / num_heads; }
   bool is_moe() const { return num_experts > 1; }

@@ -94,11 +94,38 @@ EIGHT_RANKS_FIVE_AXES = ("--pp", "2", "--schedule", "zb-h1", "--microbatches", "
                          "--recompute", "selective")  # dp2 x tp2 (SP) x pp2, ep2 carved out of dp
 
 
+def ledger_rows(output: str) -> dict[str, tuple[float, float, float]]:
+    """The --ledger table's rows: {name: (planner, measured, ratio)} (planner NaN where it has none)."""
+    rows = {}
+    for name, planner, measured, ratio in re.findall(r"^  (\w[\w +]*?)\s{2,}(n/a|[\d.]+)\s+([\d.]+)\s+([\d.]*)",
+                                                     output, flags=re.MULTILINE):
+        rows[name] = (float("nan") if planner == "n/a" else float(planner), float(measured),
+                      float(ratio) if ratio else float("nan"))
+    return rows
+
+
 def test_eight_ranks_of_every_axis_match_one_process():
-    output = run_main_job("--steps", "3", *EIGHT_RANKS_FIVE_AXES, processes=8)
+    """With the communication ledger on: every axis's bytes as the planner predicts (the experts' all-to-alls
+    within the routing's imbalance of the uniform expectation)."""
+    output = run_main_job("--steps", "3", *EIGHT_RANKS_FIVE_AXES, "--ledger", processes=8)
     assert "pp=2 (zb-h1, 4 micro-batches) x dp=2" in output and "tp=2, sequence_parallel=True" in output, output
     assert "4 experts (top 2) over ep=2" in output and "recompute=selective" in output, output
     assert largest_relative_difference(output) < 1e-6  # measured 1.4e-7 over 10 steps
+    rows = ledger_rows(output)
+    for axis in ("tp", "dp", "pp"):  # measured 1.00, 1.01, 1.00
+        assert 0.98 <= rows[f"{axis} bytes sent"][2] <= 1.03, output
+    assert 0.8 <= rows["ep bytes sent"][2] <= 1.25, output  # measured 1.09 (load max/mean 1.53)
+    assert rows["memory per rank"][1] > 0 and 0 < rows["pipeline bubble"][1] < 1, output
+
+
+def test_ledger_counts_what_the_planner_predicts_for_context_parallelism():
+    """cp2 ring x tp2: the ring's K/V blocks, the tensor-parallel rings and FSDP2's traffic over dp x cp, each
+    equal to the planner's bytes for the layout (the few bytes of the norms' and the loss's small all-reduces
+    are all the difference)."""
+    output = run_main_job("--steps", "2", "--dp", "1", "--cp", "2", "--cp-method", "ring", "--ledger", check=False)
+    rows = ledger_rows(output)
+    for axis in ("cp", "tp", "dp"):
+        assert 0.99 <= rows[f"{axis} bytes sent"][2] <= 1.01, output
 
 
 def test_eight_ranks_of_every_axis_in_fp8_match_one_process_running_the_same_recipe():

@@ -20,10 +20,13 @@ Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weig
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
 the last step's actions with their wall-clock start and end on this rank.
 
-A stage module sharded with FSDP2 (``fully_shard`` over the data-parallel ranks of that stage) accumulates
-its unsharded gradients over the step's micro-batches and reduce-scatters them once, right after the
-stage's last B or W of the step (not at the end of the step), as torch's pipelining does: FSDP2's
-gradient sync is off during the step and its post-backward runs then. The stage module itself must be the
+A stage module sharded with FSDP2 (``fully_shard`` over the data-parallel ranks of that stage) all-gathers
+its parameters once per step, at its first forward, and keeps them unsharded through the step's
+micro-batches (as torchtitan does under pipeline parallelism; resharding after each forward would gather
+them again for each later backward and forward), accumulates its unsharded gradients and reduce-scatters
+them once, right after the stage's last B or W of the step (not at the end of the step), as torch's
+pipelining does: FSDP2's resharding and gradient sync are off during the step and its post-backward runs
+then, which reshards; after the step the stage reshards after each forward again (FSDP2's default). The stage module itself must be the
 ``fully_shard`` root of its sharded blocks.
 
 The messages go over gloo (CPU tensors) for now: NCCL matches point-to-point messages in the order they are
@@ -240,6 +243,7 @@ class Pipeline:
         for module in self.stages.values():
             if isinstance(module, FSDPModule):  # accumulate over the micro-batches; reduce once (below)
                 module.set_requires_gradient_sync(False)
+                module.set_reshard_after_forward(False)
                 module.set_reshard_after_backward(False)
                 module.set_is_last_backward(False)
         for position, action in enumerate(self.actions):
@@ -266,6 +270,7 @@ def _reduce_fsdp_gradients(module: FSDPModule) -> None:
     the accumulated gradients and reshard. FSDP2 has no public call for it; this is what
     ``torch.distributed.pipelining``'s ``perform_reduce_grad`` does."""
     module.set_is_last_backward(True)
+    module.set_reshard_after_forward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
     state = fully_shard.state(module)

@@ -25,7 +25,9 @@ class ModelSpec:
     gives the counts (``total``, ``active`` per token, ``expert``, ...) either way.
     Beyond the basic shape, ``num_dense_layers`` (leading layers with a dense MLP
     in an MoE model) and ``num_shared_experts`` (experts every token uses)
-    describe DeepSeek-style MoE.
+    describe DeepSeek-style MoE. ``fused_projections=False`` describes a model whose attention computes
+    q, k and v (and whose MLP its gate and up projections) with separate tensor-parallel linears, each
+    communicating its input on its own (the planner's tp bytes count each).
     """
 
     num_layers: int
@@ -41,16 +43,18 @@ class ModelSpec:
     num_dense_layers: int = 0
     num_shared_experts: int = 0
     name: str = "custom"
+    fused_projections: bool = True
 
     def __init__(self, num_layers: int, hidden: int, num_heads: int, *, num_kv_heads: int | None = None,
                  ffn_hidden: int | None = None, vocab_size: int = 32000, num_experts: int = 1,
                  experts_per_token: int = 1, moe_ffn_hidden: int | None = None, num_params: float | None = None,
-                 num_dense_layers: int = 0, num_shared_experts: int = 0, name: str = "custom"):
+                 num_dense_layers: int = 0, num_shared_experts: int = 0, name: str = "custom",
+                 fused_projections: bool = True):
         values = dict(num_layers=num_layers, hidden=hidden, num_heads=num_heads, num_kv_heads=num_kv_heads,
                       ffn_hidden=ffn_hidden, vocab_size=vocab_size, num_experts=num_experts,
                       experts_per_token=experts_per_token, moe_ffn_hidden=moe_ffn_hidden,
                       num_params=num_params, num_dense_layers=num_dense_layers,
-                      num_shared_experts=num_shared_experts, name=name)
+                      num_shared_experts=num_shared_experts, name=name, fused_projections=fused_projections)
         for key, value in values.items():
             object.__setattr__(self, key, value)
         self.to_cpp().validate()
@@ -68,6 +72,9 @@ class ModelSpec:
         spec.ffn_hidden = self.ffn_hidden or 0
         spec.moe_ffn_hidden = self.moe_ffn_hidden or 0
         spec.num_params = float(self.num_params or 0)
+        if not isinstance(self.fused_projections, bool):
+            raise TypeError(f"ModelSpec.fused_projections must be a bool, got {self.fused_projections!r}")
+        spec.fused_projections = self.fused_projections
         return spec
 
     def count_params(self) -> _planner.ParamCount:

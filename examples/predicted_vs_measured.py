@@ -1,0 +1,113 @@
+"""The main job's ``--ledger`` report: the planner's prediction for the run's layout next to what one step
+measured on every rank.
+
+    memory per rank   planner: params + grads + optimizer + activations + buffers (without its framework reserve)
+                      measured: the step's peak of live tensors (the caching allocator's on CUDA,
+                      ``torchdist_ext.cpu_memory``'s on the CPU), the largest rank's
+    bubble            planner: the schedule simulated with the step's measured F / B / W times (the closed form,
+                      equal times, beside it); measured: the pipeline's idle fraction
+    bytes per axis    planner: ``Estimate.comm``; measured: the communication ledger (``torchdist_ext.ledger``),
+                      bytes sent per step, the busiest rank's
+
+The planner models bf16 or fp8 training on GPUs; it is asked about this run's precision (``fp32`` on the CPU),
+so its bytes are this run's.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from torchdist_ext import cpu_memory, ledger
+from torchdist_ext.planner import ClusterSpec, Estimate, Layout, ModelSpec, estimate
+
+# The planner's per-GPU allowance for the CUDA context, NCCL buffers and fragmentation (csrc/planner/estimate.cpp):
+# not tensors, so not in the measured peak.
+FRAMEWORK_RESERVE_BYTES = 2 * 2**30
+
+
+@dataclass
+class StepMeasurement:
+    """One rank's measurement of one step."""
+
+    peak_memory: float = 0.0
+    sent_bytes: dict[str, float] = field(default_factory=dict)  # per axis label
+    calls: dict[str, int] = field(default_factory=dict)
+
+
+class PeakMemory:
+    """The peak bytes of live tensors during the block (``peak``): CUDA's caching-allocator statistics, or on the
+    CPU those of ``torchdist_ext.cpu_memory`` (``track()`` it before the model is built)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.peak = 0.0
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+        else:
+            cpu_memory.reset_peak_memory_stats()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak = float(torch.cuda.max_memory_allocated(self.device))
+        else:
+            self.peak = float(cpu_memory.max_memory_allocated())
+
+
+def comm_totals(groups: dict) -> tuple[dict[str, float], dict[str, int]]:
+    """Bytes sent and calls per axis label since the ledger's last reset (``groups`` as ``ledger.by_label``'s;
+    groups of no axis under "other")."""
+    tallies = ledger.by_label(groups, rest="other")
+    totals = {label: ledger.total(ops) for label, ops in tallies.items()}
+    return {k: t.sent_bytes for k, t in totals.items()}, {k: t.calls for k, t in totals.items()}
+
+
+def planner_bytes(e: Estimate, label: str) -> float | None:
+    """The planner's bytes for an axis label ("dp+ep": both summed); None for what it does not model."""
+    axes = label.split("+")
+    if any(axis not in ("tp", "cp", "ep", "dp", "pp") for axis in axes):
+        return None
+    return sum(e.comm[axis].bytes if axis in e.comm else 0.0 for axis in axes)
+
+
+def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: list[StepMeasurement],
+                 bubbles: tuple[float, float] | None) -> None:
+    """Rank 0 prints the table (``measured`` holds every rank's; ``bubbles``: the planner's for the measured
+    times and the measured, with a pipeline)."""
+    e = estimate(model, ClusterSpec.preset("h100-80gb", world_size), layout)
+
+    def row(name: str, predicted: float | None, value: float, unit: str, note: str = "") -> str:
+        scale, fmt = (2**20, "{:11.3f}") if unit == "MiB" else (1, "{:11.3f}")
+        shown = "        n/a" if predicted is None else fmt.format(predicted / scale)
+        ratio = "    " if not predicted else f"{value / predicted:5.2f}"
+        return f"  {name:<22}{shown} {fmt.format(value / scale)}  {ratio}  {unit} {note}"
+
+    planner_memory = e.params + e.grads + e.optimizer + e.activations + e.buffers - FRAMEWORK_RESERVE_BYTES
+    lines = [f"planner vs measured ({layout.precision}, the last step; measured: the busiest rank's)",
+             f"  {'':<22}{'planner':>11} {'measured':>11}  ratio",
+             row("memory per rank", planner_memory, max(m.peak_memory for m in measured), "MiB",
+                 f"(planner: states {(e.params + e.grads + e.optimizer) / 2**20:.2f}, activations "
+                 f"{e.activations / 2**20:.2f}, buffers {(e.buffers - FRAMEWORK_RESERVE_BYTES) / 2**20:.2f})")]
+    if bubbles is not None:
+        lines.append(row("pipeline bubble", bubbles[0], bubbles[1], "of the step",
+                         f"(planner for equal F/B/W times {e.bubble:.3f})"))
+    labels = sorted({label for m in measured for label in m.sent_bytes})
+    for label in labels:
+        busiest = max(m.sent_bytes.get(label, 0.0) for m in measured)
+        calls = max(m.calls.get(label, 0) for m in measured)
+        lines.append(row(f"{label} bytes sent", planner_bytes(e, label), busiest, "MiB", f"({calls} calls)"))
+    print("\n".join(lines), flush=True)
+
+
+def gather_measurements(measurement: StepMeasurement) -> list[StepMeasurement]:
+    """Every rank's measurement, on every rank."""
+    gathered: list = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, measurement)
+    return gathered
