@@ -236,7 +236,8 @@ def planner_layout(args, dp: int) -> Layout:
                   micro_batch=args.batch // dp // m, num_microbatches=m,
                   schedule=planner_name(args.schedule) if args.pp > 1 else "1f1b",
                   virtual_stages=virtual_stages(args) if args.pp > 1 else 1,
-                  precision="fp8-mixed" if args.fp8 else {"fp32": "fp32", "bf16": "bf16-mixed"}[precision(args)])
+                  precision={"fp32": "fp32", "bf16": "bf16-mixed"}[precision(args)] if not args.fp8 else
+                  {"fp32": "fp8-fp32", "bf16": "fp8-mixed"}[precision(args)])
 
 
 def check_tolerance_key(args: argparse.Namespace) -> str:

@@ -3,6 +3,7 @@ reads every epoch as one permutation in global batches, rank r the r-th block of
 the global batch and chunking it by dp would give), reshuffles each epoch without set_epoch, and resumes at
 another dp size where it stopped."""
 
+import numpy as np
 import pytest
 import torch
 
@@ -88,10 +89,14 @@ def test_a_state_read_to_the_end_of_its_epoch_resumes_with_the_next():
 def test_bad_arguments_are_refused():
     with pytest.raises(ValueError, match="num_samples must be an int >= 1, got 0"):
         DataParallelSampler(0)
-    with pytest.raises(ValueError, match="batch_size must be an int >= 1, got 2.0"):
+    with pytest.raises(TypeError, match="batch_size must be an int, got 2.0"):
         DataParallelSampler(4, batch_size=2.0)
-    with pytest.raises(ValueError, match="seed must be an int >= 0"):
+    with pytest.raises(TypeError, match="seed must be an int, got tensor"):
         DataParallelSampler(4, seed=torch.tensor(1))
+    with pytest.raises(ValueError, match="seed must be an int >= 0, got -1"):
+        DataParallelSampler(4, seed=-1)
+    numpy_sized = DataParallelSampler(np.int64(4), batch_size=np.int32(2), seed=np.int64(3))  # numpy ints count
+    assert list(numpy_sized) == list(DataParallelSampler(4, batch_size=2, seed=3))
     with pytest.raises(TypeError, match="dp_mesh must be a 1-D DeviceMesh"):
         DataParallelSampler(4, dp_mesh="dp")
     with pytest.raises(ValueError, match="must be at least one global batch"):

@@ -21,6 +21,7 @@ it stopped.
 """
 
 import hashlib
+import numbers
 from collections.abc import Iterator, Mapping
 
 import torch
@@ -34,7 +35,11 @@ _STATE_KEYS = ("epoch", "position", "seed", "num_samples")
 
 
 def _check_int(name: str, value, minimum: int, maximum: int | None = None) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum or (maximum is not None and value > maximum):
+    """``value`` as an int: any integral number (numpy's included; not a bool or a tensor), in range."""
+    if isinstance(value, (bool, torch.Tensor)) or not isinstance(value, numbers.Integral):
+        raise TypeError(f"{name} must be an int, got {value!r}")
+    value = int(value)
+    if value < minimum or (maximum is not None and value > maximum):
         bound = f">= {minimum}" if maximum is None else f"in [{minimum}, {maximum}]"
         raise ValueError(f"{name} must be an int {bound}, got {value!r}")
     return value

@@ -63,7 +63,7 @@ std::vector<Finding> check(const ModelSpec& model, const ClusterSpec& cluster, c
                           "mix types only across data-parallel replicas."});
     }
   }
-  if (l.precision == Precision::kFp8Mixed) {
+  if (uses_fp8_gemms(l.precision)) {
     if (l.fp8_amax_history < 16) {
       findings.push_back({"TDX007", "warning",
                           format("fp8 amax history of %g steps: one outlier step sets the scale of the next "

@@ -155,7 +155,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     recompute_gemm = gemm_flops / 3;
     recompute_attention = attention_flops / 3;
   }
-  const double gemm_speed = l.precision == Precision::kFp8Mixed ? kFp8GemmSpeedup
+  const double gemm_speed = uses_fp8_gemms(l.precision)         ? kFp8GemmSpeedup
                             : l.precision == Precision::kFp32   ? kFp32GemmSpeedup
                                                                 : 1.0;
   const double gpus = static_cast<double>(l.world_size());
@@ -183,15 +183,20 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     // forward and each column's input-gradient all-reduce backward, 2 + 2c units. With SP: c all-gathers
     // and a reduce-scatter forward; backward c reduce-scatters, the row's all-gather, and each column's
     // input gathered again for its weight gradient (the sequence shard is kept, not the gathered input, as
-    // in Megatron-LM): 3c + 2. Full recomputation reruns the forward's part. An MoE layer's experts are not
-    // tensor-parallel: its tp ranks run them on the same tokens, gathered from the sequence shards (2 units
-    // with SP, none without). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
+    // in Megatron-LM): 3c + 2. With fp8 GEMMs (delayed scaling, amaxes reduced: every rank casts with one
+    // scale) a column gathers its input as fp8 bytes (1 per element: 1/e units) and keeps the gathered fp8
+    // input for its weight gradient: 2 + c (1 + 1/e). Full recomputation reruns the forward's part. An MoE
+    // layer's experts are not tensor-parallel: its tp ranks run them on the same tokens, gathered from the
+    // sequence shards (2 units with SP, none without). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
     // SP a reduce-scatter forward and an all-gather backward: 2 units) and the output head, a column-
     // parallel linear (2; with SP 3). The fullest stage holds the head, with pp = 1 also the embedding.
     // On the critical path: not hidden.
     const bool full = l.recompute == Recompute::kFull;
+    const bool fp8 = uses_fp8_gemms(l.precision);
     auto block_units = [&](double c) {
-      return l.sequence_parallel ? 3 * c + 2 + (full ? c + 1 : 0) : 2 + 2 * c + (full ? 2 : 0);
+      if (!l.sequence_parallel) return 2 + 2 * c + (full ? 2 : 0);
+      if (fp8) return 2 + c * (1 + 1 / element) + (full ? c / element + 1 : 0);
+      return 3 * c + 2 + (full ? c + 1 : 0);
     };
     const bool fused = model.fused_projections;
     const double attention_block = block_units(fused ? 1 : 3), mlp_block = block_units(fused ? 1 : 2);

@@ -9,7 +9,7 @@ ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Pr
   if (!(num_params > 0)) throw std::invalid_argument("num_params must be positive");
   if (dp < 1) throw std::invalid_argument("dp must be >= 1");
   if (zero_stage < 0 || zero_stage > 3) throw std::invalid_argument("zero_stage must be 0, 1, 2 or 3");
-  const bool fp32 = precision == Precision::kFp32;
+  const bool fp32 = element_bytes(precision) == 4;
   const double param_bytes = fp32 ? 4 : (precision == Precision::kFp8Mixed ? 3 : 2);
   const double shard = 1.0 / static_cast<double>(dp);
   ModelStateBytes bytes;
@@ -19,7 +19,9 @@ ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Pr
   return bytes;
 }
 
-double element_bytes(Precision precision) { return precision == Precision::kFp32 ? 4 : 2; }
+double element_bytes(Precision precision) {
+  return precision == Precision::kFp32 || precision == Precision::kFp8Fp32 ? 4 : 2;
+}
 
 double activation_bytes_per_layer(double s, double b, double h, double a, long tp, bool sequence_parallel,
                                   Recompute recompute, AttentionKernel attention) {

@@ -11,7 +11,7 @@ namespace tdx::planner {
 // `dp` data-parallel ranks (Rajbhandari et al. 2019, section 3):
 //   bf16-mixed  params 2 B (bf16), grads 2 B (bf16), optimizer 12 B (fp32 master + Adam m + v) = 16 B
 //   fp8-mixed   params 3 B (bf16 + a cached fp8 copy for the GEMMs), grads 2 B, optimizer 12 B = 17 B
-//   fp32        params 4 B (their own master), grads 4 B, optimizer 8 B (Adam m + v) = 16 B
+//   fp32, fp8-fp32  params 4 B (their own master), grads 4 B, optimizer 8 B (Adam m + v) = 16 B
 //   ZeRO-1 shards the optimizer over dp, ZeRO-2 also the grads, ZeRO-3 also the params.
 struct ModelStateBytes {
   double params = 0, grads = 0, optimizer = 0;
@@ -20,7 +20,8 @@ struct ModelStateBytes {
 ModelStateBytes model_state_bytes(double num_params, int zero_stage, long dp, Precision precision);
 
 // Bytes per element of activations, of their gradients and of the parameters and gradients that data
-// parallelism moves: 4 in fp32 training, else 2 (bf16; fp8 GEMMs keep bf16 activations between them).
+// parallelism moves: 4 in fp32 training (fp32, fp8-fp32), else 2 (bf16; fp8 GEMMs keep bf16 activations
+// between them).
 double element_bytes(Precision precision);
 
 // Bytes of activations one transformer layer stores for the backward, per

@@ -13,7 +13,10 @@ namespace tdx::planner {
 
 enum class Recompute { kNone, kSelective, kFull };
 enum class Schedule { kGPipe, k1F1B, kInterleaved, kZbH1, kZbV };
-enum class Precision { kBf16Mixed, kFp8Mixed, kFp32 };
+// bf16-mixed: bf16 activations and GEMMs, fp32 master weights; fp8-mixed: the same with fp8 GEMMs;
+// fp32: fp32 throughout (GEMMs as TF32); fp8-fp32: fp32 training with fp8 GEMMs (as on a CPU).
+enum class Precision { kBf16Mixed, kFp8Mixed, kFp32, kFp8Fp32 };
+inline bool uses_fp8_gemms(Precision p) { return p == Precision::kFp8Mixed || p == Precision::kFp8Fp32; }
 enum class Fp8GradFormat { kE5M2, kE4M3 };
 enum class AttentionKernel { kFlash, kEager };
 enum class NormKernel { kFused, kComposite };
@@ -41,8 +44,10 @@ struct OptionTable<Schedule> {
 template <>
 struct OptionTable<Precision> {
   static constexpr const char* kField = "precision";
-  static constexpr std::array<std::pair<Precision, const char*>, 3> kNames{
-      {{Precision::kBf16Mixed, "bf16-mixed"}, {Precision::kFp8Mixed, "fp8-mixed"}, {Precision::kFp32, "fp32"}}};
+  static constexpr std::array<std::pair<Precision, const char*>, 4> kNames{{{Precision::kBf16Mixed, "bf16-mixed"},
+                                                                            {Precision::kFp8Mixed, "fp8-mixed"},
+                                                                            {Precision::kFp32, "fp32"},
+                                                                            {Precision::kFp8Fp32, "fp8-fp32"}}};
 };
 
 template <>

@@ -90,7 +90,7 @@ struct Layout {
   int64_t virtual_stages = 1;
   int64_t seq_len = 4096;
   Precision precision = Precision::kBf16Mixed;
-  // fp8 recipe (with precision == kFp8Mixed)
+  // fp8 recipe (with fp8 GEMMs: precision fp8-mixed or fp8-fp32)
   int64_t fp8_amax_history = 1024;
   Fp8GradFormat fp8_grad_format = Fp8GradFormat::kE5M2;
   bool fp8_attention = false;  // fp8 around softmax (attention GEMMs in fp8)

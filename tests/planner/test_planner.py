@@ -3,6 +3,7 @@
 (The C++ formulas are also unit-tested in tests/cpp/test_planner.cpp.)
 """
 
+import dataclasses
 import math
 
 import pytest
@@ -212,3 +213,62 @@ def test_layout_rejects_non_integers():
     with pytest.raises(TypeError, match="Layout.tp must be an int"):
         Layout(tp=2.5)
     assert math.isclose(Layout(tp=2, dp=2).num_gpus, 4)
+
+
+SMALL = dict(num_kv_heads=4, ffn_hidden=256, vocab_size=256)  # the main job's Llama (examples/llama.py)
+
+
+def small_estimate(layout: Layout, **model) -> "Estimate":
+    return estimate(ModelSpec(4, 128, 8, **{**SMALL, **model}), ClusterSpec.preset("h100-80gb", layout.num_gpus), layout)
+
+
+def test_tensor_parallel_bytes_count_every_ring():
+    """In units of (t-1)/t X (X = b s h e): with SP a block of c column linears and a row linear moves 3c + 2
+    (c gathers and a reduce-scatter forward; c reduce-scatters, the row's gather and each column's input
+    gathered again backward), the embedding 2 and the head 3; the ledger counts exactly these
+    (tests/test_ledger.py, tests/examples/test_train_llama.py)."""
+    layout = Layout(tp=2, dp=2, zero_stage=3, sequence_parallel=True, seq_len=128, micro_batch=2, precision="fp32")
+    x = 2 * 128 * 128 * 4
+    assert small_estimate(layout).comm["tp"].bytes == (4 * (5 + 5) + 3 + 2) * x / 2
+    # Separate q, k, v and gate, up linears: attention 3c + 2 = 11, MLP 8.
+    assert small_estimate(layout, fused_projections=False).comm["tp"].bytes == (4 * (11 + 8) + 3 + 2) * x / 2
+    # Without SP: each column's input gradient all-reduced backward and the row's output forward (2 + 2c), the
+    # embedding's output (2) and the head's input gradient (2).
+    plain = dataclasses.replace(layout, sequence_parallel=False)
+    assert small_estimate(plain).comm["tp"].bytes == (4 * (4 + 4) + 2 + 2) * x / 2
+    # bf16 halves every byte.
+    assert small_estimate(dataclasses.replace(layout, precision="bf16-mixed")).comm["tp"].bytes == (4 * 10 + 5) * x / 4
+
+
+@pytest.mark.parametrize("pp, schedule, virtual_stages, sends", [
+    (2, "1f1b", 1, 1),         # each rank sends one way
+    (4, "1f1b", 1, 2),         # middle ranks send both ways
+    (2, "interleaved", 2, 3),  # rank 0: stage 0 forward, stage 2 both ways
+    (2, "zb-v", 1, 2),         # the V's turn stays on the last rank
+])
+def test_pipeline_bytes_are_the_busiest_ranks(pp, schedule, virtual_stages, sends):
+    layout = Layout(pp=pp, dp=1, seq_len=128, micro_batch=1, num_microbatches=8, schedule=schedule,
+                    virtual_stages=virtual_stages, precision="fp32")
+    assert small_estimate(layout).comm["pp"].bytes == 8 * sends * 128 * 128 * 4
+
+
+def test_zero3_gathers_blocks_twice_per_micro_batch_the_root_once_and_under_pp_once_per_step():
+    """Measured with the ledger (tests/examples/test_train_llama.py): FSDP2 gathers a block for its forward and
+    its backward, the root unit (embedding, final norm, head) once per micro-batch, and reduce-scatters once
+    per step; a pipeline keeps every parameter unsharded through the step. Shards over dp x cp."""
+    count = ModelSpec(4, 128, 8, **SMALL).count_params()
+    blocks, ends = count.total - count.embedding, count.embedding
+    share = 3 / 4 * 4  # (n-1)/n bytes per fp32 parameter, n = dp x cp = 4
+    layout = Layout(dp=2, cp=2, zero_stage=3, seq_len=128, micro_batch=1, num_microbatches=2, precision="fp32")
+    assert small_estimate(layout).comm["dp"].bytes == pytest.approx(share * (blocks * 5 + ends * 3))
+    piped = Layout(pp=2, dp=4, zero_stage=3, seq_len=128, micro_batch=1, num_microbatches=4, precision="fp32")
+    stage = small_estimate(piped).params_per_gpu
+    assert small_estimate(piped).comm["dp"].bytes == pytest.approx(3 / 4 * 4 * stage * 2)
+
+
+def test_fp32_training_states_are_sixteen_bytes_per_parameter():
+    assert model_state_bytes(1, precision="fp32") == {"params": 4, "grads": 4, "optimizer": 8, "total": 16}
+    layout = Layout(dp=1, seq_len=128, micro_batch=1)
+    fp32, bf16 = small_estimate(dataclasses.replace(layout, precision="fp32")), small_estimate(layout)
+    # The 16-bit activations double; the fp32 statistics (1/rms, log-sum-exp) do not.
+    assert 1.5 * bf16.activations < fp32.activations < 2 * bf16.activations
