@@ -204,6 +204,15 @@ class LedgerBackend final : public c10d::Backend {
     return enter("coalesced", 0, 0, [&] { return inner_->endCoalescing(); }, /*count_call=*/false);
   }
 
+  // Splitting (split_group, DeviceMesh on bound devices): the wrapped backend's child, in a ledger of its own.
+  bool supportsSplitting() const override { return inner_->supportsSplitting(); }
+  c10::intrusive_ptr<Backend> split(const c10::intrusive_ptr<c10d::Store>& store, const std::vector<int>& ranks,
+                                    const c10::intrusive_ptr<Options>& opts) override {
+    auto child = inner_->split(store, ranks, opts);
+    if (!child) return child;  // this rank is in none of the new groups
+    return c10::make_intrusive<LedgerBackend>(std::move(child), name_);
+  }
+
   // Everything else is the wrapped backend's.
   const std::string getBackendName() const override { return name_; }
   c10::intrusive_ptr<Options> getBackendOptions() override { return inner_->getBackendOptions(); }
@@ -240,8 +249,8 @@ class LedgerBackend final : public c10d::Backend {
   template <typename Call>
   WorkPtr enter(const char* op, double sent, double received, Call&& call, bool count_call = true) {
     const auto start = Clock::now();
+    WorkPtr work = call();  // a call that throws is not entered
     if (count_call) ledger_->add_call(op, sent, received);
-    WorkPtr work = call();
     if (!work) {  // inside coalescing: the group's work is timed
       return work;
     }
