@@ -37,28 +37,22 @@ class StepMeasurement:
     calls: dict[str, int] = field(default_factory=dict)
 
 
-class PeakMemory:
-    """The peak bytes of live tensors during the block (``peak``): CUDA's caching-allocator statistics, or on the
-    CPU those of ``torchdist_ext.cpu_memory`` (``track()`` it before the model is built)."""
+def reset_peak_memory(device: torch.device) -> None:
+    """Starts a new peak of live tensor bytes on ``device``: CUDA's caching-allocator statistics, or on the CPU
+    ``torchdist_ext.cpu_memory``'s (``track()`` it before the model is built)."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+    else:
+        cpu_memory.reset_peak_memory_stats()
 
-    def __init__(self, device: torch.device):
-        self.device = device
-        self.peak = 0.0
 
-    def __enter__(self) -> PeakMemory:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            torch.cuda.reset_peak_memory_stats(self.device)
-        else:
-            cpu_memory.reset_peak_memory_stats()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        if self.device.type == "cuda":
-            torch.cuda.synchronize(self.device)
-            self.peak = float(torch.cuda.max_memory_allocated(self.device))
-        else:
-            self.peak = float(cpu_memory.max_memory_allocated())
+def peak_memory(device: torch.device) -> float:
+    """The peak bytes of live tensors on ``device`` since ``reset_peak_memory``."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        return float(torch.cuda.max_memory_allocated(device))
+    return float(cpu_memory.max_memory_allocated())
 
 
 def comm_totals(groups: dict) -> tuple[dict[str, float], dict[str, int]]:

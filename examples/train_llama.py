@@ -40,6 +40,9 @@ draws it); the gradient norm is taken over every stage and mesh (``torchdist_ext
 ``--save DIR`` writes a distributed checkpoint after the last step (model, optimizer, fp8 histories, data
 position, step: ``torchdist_ext.checkpoint``), and ``--resume DIR`` continues it at any layout up to ``--steps``:
 the losses equal the uninterrupted run's.
+``--ledger`` counts every process group's communication (``torchdist_ext.ledger``) and prints, after the last
+step, the planner's memory per rank, bubble and bytes per axis for the layout next to that step's measured peak
+memory, idle fraction and ledger bytes (``examples/predicted_vs_measured.py``).
 ``--device cuda`` runs one process per GPU (NCCL, gloo for the few CPU
 tensors), in bf16 unless ``--fp32``, and prints each step's tokens/s and model
 FLOPs utilisation (MFU, against the GPU's dense bf16 peak from the planner's
@@ -66,7 +69,7 @@ from llama import (  # noqa: E402
 )
 
 from predicted_vs_measured import (  # noqa: E402
-    PeakMemory, StepMeasurement, comm_totals, gather_measurements, print_report,
+    StepMeasurement, comm_totals, gather_measurements, peak_memory, print_report, reset_peak_memory,
 )
 
 from torchdist_ext import checkpoint, clip_grad_norm_, cpu_memory, ledger  # noqa: E402
@@ -486,8 +489,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
               f"{f', {args.experts} experts (top {args.top_k}) over ep={args.ep}' if args.experts else ''}; "
               f"{sum(p.numel() for p in model.parameters()):,} parameters"
               f"{' on pipeline rank 0' if args.pp > 1 else ''}", flush=True)
-    # The ledger's axes: FSDP2's traffic goes over dp x cp (and the experts' over their dp ranks), the rest of
-    # every group (gradient norms, fp8 amaxes, the loss) is "other".
+    # The ledger's axes: FSDP2's traffic goes over dp x cp (and the experts' over their dp ranks); the groups of
+    # no axis (the gradient norm's, fp8's amax reductions) are "other".
     axes = {"tp": mesh["tp"], "cp": [mesh["ring"], mesh["ulysses"]], "pp": mesh["pp"],
             "dp": [fsdp_mesh, *([expert_dp_mesh] if expert_dp_mesh is not None else [])],
             **({"ep": ep_mesh} if ep_mesh is not None else {})}
@@ -501,7 +504,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         measuring = args.ledger and step == args.steps - 1
         if measuring:
             ledger.reset()
-            peak_memory = PeakMemory(device).__enter__()
+            reset_peak_memory(device)
         start = time.perf_counter()
         tokens, target = (t.to(device) for t in next(data))
         if cp_mesh is not None:
@@ -519,8 +522,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             optimizer.zero_grad()
             fp8_step(part)  # no-op without --fp8; one amax all-reduce per stage
         if measuring:
-            peak_memory.__exit__(None, None, None)
-            measurement.peak_memory = peak_memory.peak
+            measurement.peak_memory = peak_memory(device)
             measurement.sent_bytes, measurement.calls = comm_totals(axes)
         sampler.advance()
         # Every dp x cp rank's loss is the mean over the same number of tokens.
