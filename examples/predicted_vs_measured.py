@@ -78,10 +78,10 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
     e = estimate(model, ClusterSpec.preset("h100-80gb", world_size), layout)
 
     def row(name: str, predicted: float | None, value: float, unit: str, note: str = "") -> str:
-        scale, fmt = (2**20, "{:11.3f}") if unit == "MiB" else (1, "{:11.3f}")
-        shown = "        n/a" if predicted is None else fmt.format(predicted / scale)
+        scale = 2**20 if unit == "MiB" else 1
+        shown = "        n/a" if predicted is None else f"{predicted / scale:11.3f}"
         ratio = "    " if not predicted else f"{value / predicted:5.2f}"
-        return f"  {name:<22}{shown} {fmt.format(value / scale)}  {ratio}  {unit} {note}"
+        return f"  {name:<22}{shown} {value / scale:11.3f}  {ratio}  {unit} {note}"
 
     planner_memory = e.params + e.grads + e.optimizer + e.activations + e.buffers - FRAMEWORK_RESERVE_BYTES
     lines = [f"planner vs measured ({layout.precision}, the last step; measured: the busiest rank's)",

@@ -110,6 +110,9 @@ CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 # 5e-6 after 2 steps, 7.7e-5 after 4 and 1.0e-4 after 10 at dp2 x tp2 x pp2 with experts, 2.0e-3 over 50).
 CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp8": 5e-3, "fp8-vs-fp32": 2e-2}
 FP8_RECIPES = {"delayed": DelayedScaling(), "current": CurrentScaling()}
+# The planner's name for this run's precision: (precision(args), fp8 GEMMs) -> Layout.precision.
+PLANNER_PRECISION = {("fp32", False): "fp32", ("bf16", False): "bf16-mixed",
+                     ("fp32", True): "fp8-fp32", ("bf16", True): "fp8-mixed"}
 PRECISION_POLICY = {"fp32": MixedPrecisionPolicy(),
                     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
@@ -239,8 +242,7 @@ def planner_layout(args, dp: int) -> Layout:
                   micro_batch=args.batch // dp // m, num_microbatches=m,
                   schedule=planner_name(args.schedule) if args.pp > 1 else "1f1b",
                   virtual_stages=virtual_stages(args) if args.pp > 1 else 1,
-                  precision={"fp32": "fp32", "bf16": "bf16-mixed"}[precision(args)] if not args.fp8 else
-                  {"fp32": "fp8-fp32", "bf16": "fp8-mixed"}[precision(args)])
+                  precision=PLANNER_PRECISION[precision(args), bool(args.fp8)])
 
 
 def check_tolerance_key(args: argparse.Namespace) -> str:

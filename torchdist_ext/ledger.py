@@ -125,7 +125,7 @@ def _ledgers(group: dist.ProcessGroup) -> list:
         except RuntimeError:  # no backend for this device
             continue
         if _C.is_ledger_backend(backend_):
-            found.setdefault(id(_C.ledger_inner(backend_)), backend_)
+            found.setdefault(_C.ledger_id(backend_), backend_)
     if not found:
         raise ValueError(f"group {group.group_name!r} ({dist.get_backend(group)}) is not counted: create it with "
                          "torchdist_ext.ledger.backend(...)")

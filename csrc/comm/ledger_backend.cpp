@@ -91,13 +91,11 @@ class LedgerBackend final : public c10d::Backend {
         ledger_(std::make_shared<Ledger>()) {}
 
   Ledger& ledger() { return *ledger_; }
-  const c10::intrusive_ptr<c10d::Backend>& inner() const { return inner_; }
 
   // Collectives.
   WorkPtr broadcast(std::vector<at::Tensor>& tensors, const c10d::BroadcastOptions& opts) override {
-    const double x = bytes_of(tensors);
-    const bool root = getRank() == opts.rootRank;
-    return enter("broadcast", root ? others() * x : 0, root ? 0 : x, [&] { return inner_->broadcast(tensors, opts); });
+    return enter_rooted("broadcast", bytes_of(tensors), opts.rootRank, /*root_sends=*/true,
+                        [&] { return inner_->broadcast(tensors, opts); });
   }
   WorkPtr allreduce(std::vector<at::Tensor>& tensors, const c10d::AllreduceOptions& opts) override {
     const double x = all_reduce_bytes(bytes_of(tensors));
@@ -111,9 +109,8 @@ class LedgerBackend final : public c10d::Backend {
     return enter("all_reduce_coalesced", x, x, [&] { return inner_->allreduce_coalesced(tensors, opts); });
   }
   WorkPtr reduce(std::vector<at::Tensor>& tensors, const c10d::ReduceOptions& opts) override {
-    const double x = bytes_of(tensors);
-    const bool root = getRank() == opts.rootRank;
-    return enter("reduce", root ? 0 : x, root ? others() * x : 0, [&] { return inner_->reduce(tensors, opts); });
+    return enter_rooted("reduce", bytes_of(tensors), opts.rootRank, /*root_sends=*/false,
+                        [&] { return inner_->reduce(tensors, opts); });
   }
   WorkPtr allgather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                     const c10d::AllgatherOptions& opts) override {
@@ -137,15 +134,13 @@ class LedgerBackend final : public c10d::Backend {
   }
   WorkPtr gather(std::vector<std::vector<at::Tensor>>& outputs, std::vector<at::Tensor>& inputs,
                  const c10d::GatherOptions& opts) override {
-    const double x = bytes_of(inputs);
-    const bool root = getRank() == opts.rootRank;
-    return enter("gather", root ? 0 : x, root ? others() * x : 0, [&] { return inner_->gather(outputs, inputs, opts); });
+    return enter_rooted("gather", bytes_of(inputs), opts.rootRank, /*root_sends=*/false,
+                        [&] { return inner_->gather(outputs, inputs, opts); });
   }
   WorkPtr scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                   const c10d::ScatterOptions& opts) override {
-    const double x = bytes_of(outputs);
-    const bool root = getRank() == opts.rootRank;
-    return enter("scatter", root ? others() * x : 0, root ? 0 : x, [&] { return inner_->scatter(outputs, inputs, opts); });
+    return enter_rooted("scatter", bytes_of(outputs), opts.rootRank, /*root_sends=*/true,
+                        [&] { return inner_->scatter(outputs, inputs, opts); });
   }
   WorkPtr reduce_scatter(std::vector<at::Tensor>& outputs, std::vector<std::vector<at::Tensor>>& inputs,
                          const c10d::ReduceScatterOptions& opts) override {
@@ -246,6 +241,16 @@ class LedgerBackend final : public c10d::Backend {
     return bytes_of(buffer) * static_cast<double>(splits[getRank()]) / static_cast<double>(rows);
   }
 
+  // A rooted exchange of x bytes with each other rank: the root sends (n-1) x and every other rank
+  // receives x (broadcast, scatter), or the other way round (reduce, gather).
+  template <typename Call>
+  WorkPtr enter_rooted(const char* op, double x, int64_t root, bool root_sends, Call&& call) {
+    const bool is_root = getRank() == root;
+    const double root_side = is_root ? others() * x : 0, other_side = is_root ? 0 : x;
+    return root_sends ? enter(op, root_side, other_side, std::forward<Call>(call))
+                      : enter(op, other_side, root_side, std::forward<Call>(call));
+  }
+
   template <typename Call>
   WorkPtr enter(const char* op, double sent, double received, Call&& call, bool count_call = true) {
     const auto start = Clock::now();
@@ -302,9 +307,8 @@ int add_ledger_functions(PyObject* module) {
         "ledger_reset", [](const c10::intrusive_ptr<c10d::Backend>& backend) { as_ledger(backend).ledger().reset(); },
         py::arg("backend"));
     m.def(
-        "ledger_inner",
-        [](const c10::intrusive_ptr<c10d::Backend>& backend) { return as_ledger(backend).inner(); },
-        py::arg("backend"), "The backend a ledger forwards to.");
+        "ledger_id", [](const c10::intrusive_ptr<c10d::Backend>& backend) { return as_ledger(backend).getID(); },
+        py::arg("backend"), "The identity of a ledger backend (one serving two devices is one ledger).");
     return 0;
   } catch (py::error_already_set& e) {
     e.restore();

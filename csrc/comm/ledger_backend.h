@@ -5,7 +5,7 @@
 //   is_ledger_backend(backend) -> bool
 //   ledger_tallies(backend) -> {op: (calls, sent_bytes, received_bytes, seconds)}
 //   ledger_reset(backend)
-//   ledger_inner(backend) -> Backend                      the backend it forwards to
+//   ledger_id(backend) -> int                              its identity (one backend may serve two devices)
 // torchdist_ext/ledger.py registers the backends with torch.distributed.
 
 #include <Python.h>

@@ -2,7 +2,6 @@
 
 #include <algorithm>
 #include <stdexcept>
-#include <vector>
 
 #include "planner/memory.h"
 #include "planner/pipeline.h"
@@ -29,25 +28,6 @@ double link_bandwidth(const ClusterSpec& cluster, bool intra) {
     slowest = slowest == 0 ? bw : std::min(slowest, bw);
   }
   return slowest * kLinkEfficiency;
-}
-
-// Stage-boundary messages the busiest pipeline rank sends per micro-batch: each stage sends its output
-// forward unless it is the last and its input's gradient backward unless it is the first, and a boundary
-// between two stages of one rank (zb-v's turn at the last rank) sends nothing. Ranks hold stages
-// round-robin (chunk c of rank r is stage c pp + r), zb-v's two chunks in a V (stages r and 2 pp - 1 - r).
-double busiest_rank_boundary_sends(int64_t pp, Schedule schedule, int64_t virtual_stages) {
-  const int64_t chunks = schedule == Schedule::kZbV ? 2 : (schedule == Schedule::kInterleaved ? virtual_stages : 1);
-  const int64_t stages = pp * chunks;
-  auto rank_of = [&](int64_t stage) {
-    return schedule == Schedule::kZbV && stage >= pp ? 2 * pp - 1 - stage : stage % pp;
-  };
-  std::vector<int64_t> sends(static_cast<size_t>(pp), 0);
-  for (int64_t stage = 0; stage < stages; ++stage) {
-    const auto rank = static_cast<size_t>(rank_of(stage));
-    if (stage + 1 < stages && rank_of(stage + 1) != rank_of(stage)) sends[rank] += 1;
-    if (stage > 0 && rank_of(stage - 1) != rank_of(stage)) sends[rank] += 1;
-  }
-  return static_cast<double>(*std::max_element(sends.begin(), sends.end()));
 }
 
 int64_t axis_size(const Layout& l, const std::string& axis) {

@@ -113,7 +113,7 @@ std::vector<ScheduledPass> simulate_interleaved(long p, long m, long v) {
   std::vector<std::vector<FixedPass>> orders(p);
   for (long d = 0; d < p; ++d) {
     for (const OrderedPass& pass : interleaved_order(d, p, m, v)) {
-      orders[d].push_back({pass.chunk * p + d, pass.kind, pass.microbatch, pass.chunk,
+      orders[d].push_back({stage_of(d, pass.chunk, p, Schedule::kInterleaved), pass.kind, pass.microbatch, pass.chunk,
                            pass.kind == 'F' ? forward_cost : backward_cost});
     }
   }
@@ -239,12 +239,35 @@ std::vector<ScheduledPass> simulate_schedule(long p, long m, Schedule schedule, 
   return timeline;
 }
 
+long chunks_per_rank(Schedule schedule, long virtual_stages) {
+  return schedule == Schedule::kZbV ? 2 : (schedule == Schedule::kInterleaved ? virtual_stages : 1);
+}
+
+long stage_of(long rank, long chunk, long pp, Schedule schedule) {
+  if (schedule == Schedule::kZbV) return chunk == 0 ? rank : 2 * pp - 1 - rank;
+  return chunk * pp + rank;
+}
+
+double busiest_rank_boundary_sends(long pp, Schedule schedule, long virtual_stages) {
+  const long chunks = chunks_per_rank(schedule, virtual_stages), stages = pp * chunks;
+  std::vector<long> rank_of(static_cast<size_t>(stages));
+  for (long rank = 0; rank < pp; ++rank) {
+    for (long chunk = 0; chunk < chunks; ++chunk) rank_of[static_cast<size_t>(stage_of(rank, chunk, pp, schedule))] = rank;
+  }
+  std::vector<long> sends(static_cast<size_t>(pp), 0);
+  for (long stage = 0; stage < stages; ++stage) {
+    const long rank = rank_of[static_cast<size_t>(stage)];
+    if (stage + 1 < stages && rank_of[static_cast<size_t>(stage + 1)] != rank) sends[static_cast<size_t>(rank)] += 1;
+    if (stage > 0 && rank_of[static_cast<size_t>(stage - 1)] != rank) sends[static_cast<size_t>(rank)] += 1;
+  }
+  return static_cast<double>(*std::max_element(sends.begin(), sends.end()));
+}
+
 std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, long v, const std::vector<double>& forward,
                                            const std::vector<double>& backward, const std::vector<double>& weight) {
   const auto simulated = simulate_schedule(p, m, schedule, v);
   const bool split = schedule == Schedule::kZbH1 || schedule == Schedule::kZbV;
-  const long chunks = schedule == Schedule::kZbV ? 2 : (schedule == Schedule::kInterleaved ? v : 1);
-  const long stages = p * chunks;
+  const long stages = p * chunks_per_rank(schedule, v);
   for (const auto* costs : {&forward, &backward, &weight}) {
     if (costs->size() != 1 && costs->size() != static_cast<size_t>(stages)) {
       throw std::invalid_argument("replay_schedule: give one cost per kind, or one per stage (" +
@@ -262,7 +285,7 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
     std::stable_sort(simulated_orders[d].begin(), simulated_orders[d].end(),
                      [](const ScheduledPass& a, const ScheduledPass& b) { return a.start < b.start; });
     for (const ScheduledPass& pass : simulated_orders[d]) {
-      const long stage = schedule == Schedule::kZbV ? (pass.chunk == 0 ? d : 2 * p - 1 - d) : pass.chunk * p + d;
+      const long stage = stage_of(d, pass.chunk, p, schedule);
       const double cost = pass.kind == 'F'   ? cost_of(forward, stage)
                           : pass.kind == 'W' ? cost_of(weight, stage)
                                              : cost_of(backward, stage) + (split ? 0.0 : cost_of(weight, stage));

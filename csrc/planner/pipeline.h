@@ -22,6 +22,18 @@ namespace tdx::planner {
 // With m < p the zero-bubble schedules have no closed form here: the value is the simulated one.
 double bubble_fraction(long pp, long num_microbatches, Schedule schedule, long virtual_stages);
 
+// The chunks (stages) each pipeline rank holds: virtual_stages under interleaved, 2 under zb-v, else 1.
+long chunks_per_rank(Schedule schedule, long virtual_stages);
+
+// The stage that chunk `chunk` of pipeline rank `rank` holds: round-robin (chunk x pp + rank), zb-v's two
+// chunks in a V (rank, then 2 pp - 1 - rank).
+long stage_of(long rank, long chunk, long pp, Schedule schedule);
+
+// Stage-boundary messages the busiest pipeline rank sends per micro-batch: each stage sends its output
+// forward unless it is the last and its input's gradient backward unless it is the first; a boundary
+// between two stages of one rank (zb-v's turn at the last rank) sends nothing.
+double busiest_rank_boundary_sends(long pp, Schedule schedule, long virtual_stages);
+
 // One pass of one micro-batch on one stage: 'F' forward, 'B' backward (input
 // gradient, and also the weight gradient in gpipe / 1f1b), 'W' weight gradient.
 struct ScheduledPass {
