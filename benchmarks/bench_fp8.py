@@ -12,20 +12,19 @@ linear      forward + backward of Fp8Linear (delayed scaling, "hybrid") against 
             the GPU figure is the one that matters. Also the signal-to-quantisation-noise ratio of the
             fp8 output and gradients against the same linear in fp32 (after the timed steps, so the
             delayed scales are set): 20 log10(|reference| / |fp8 - reference|) dB
-step        one training step of a sequence-parallel MLP block (column 256 -> 1024, row back) under
-            tensor parallelism and FSDP2 on 4 CPU ranks (dp=2 x tp=2), input gradient included: the
-            collectives one rank issues and the bytes it sends into them, by kind: FSDP2's parameter
-            all-gathers and gradient reduce-scatters, the sequence-parallel collectives (the ring-fused
-            ops' point-to-point blocks, from the profiler; the bulk ones of the fp8 path) and the
-            all-reduces (bias gradient, fp8_step's amaxes); in fp32, in bf16 (FSDP2 mixed precision),
-            in fp8 on bf16 parameters (delayed scaling, fp8_step included), and the same with FSDP2
-            all-gathering the weights in fp8 (``fp8_all_gather=True``; the biases stay bf16)
+step        with --device cpu: one training step of a sequence-parallel MLP block (column 256 -> 1024,
+            row back) under tensor parallelism and FSDP2 on 4 CPU ranks (dp=2 x tp=2), input gradient
+            included: the collectives one rank issues and the bytes it sends into them, per mesh axis and
+            operation, as the communication ledger (torchdist_ext.ledger) counts them: on dp FSDP2's
+            parameter all-gathers and gradient reduce-scatters, on tp the ring-fused ops' point-to-point
+            blocks and the bulk collectives of the fp8 path, and the all-reduces (bias gradient,
+            fp8_step's amaxes on the world); in fp32, in bf16 (FSDP2 mixed precision), in fp8 on bf16
+            parameters (delayed scaling, fp8_step included), and the same with FSDP2 all-gathering the
+            weights in fp8 (``fp8_all_gather=True``; the biases stay bf16)
 """
 
 import argparse
-import collections
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -125,61 +124,10 @@ def linear_rows(device: str, repeats: int) -> list[dict]:
     return rows
 
 
-def count_collectives(fn, activation_bytes: int) -> dict[str, tuple[int, int]]:
-    """{kind: (calls, bytes sent)} of the collectives fn() issues on this rank, as a ring algorithm sends
-    them (all-gather: n-1 input blocks; reduce-scatter: (n-1)/n of the input; all-reduce: twice that):
-    FSDP2's through torch.distributed and the bulk ones through torchdist_ext.collectives (patched to
-    count them), and the ring-fused ops' point-to-point blocks from C++ (profiler events, in the
-    activation dtype they exchange)."""
-    import torch.distributed as dist
-    from torch.distributed.distributed_c10d import _get_group_size_by_name
-
-    from torchdist_ext import collectives
-
-    share = {"all-gather": lambda n: n - 1, "reduce-scatter": lambda n: (n - 1) / n,
-             "all-reduce": lambda n: 2 * (n - 1) / n}
-    seen = collections.defaultdict(lambda: [0, 0.0])
-
-    def group_size(args, kwargs, position):
-        if position is not None:
-            return args[position]  # torchdist_ext.collectives: (x, group_name, group_size, ...)
-        if len(args) > 1 and isinstance(args[1], str):  # torchdist_ext.collectives.all_reduce(x, group_name)
-            return _get_group_size_by_name(args[1])
-        return dist.get_world_size(kwargs.get("group"))
-
-    patches = [  # module, function, kind, where the input tensor is, where the group size is (None: group=)
-        (dist, "all_gather_single", "fsdp all-gather", 1, None),
-        (dist, "reduce_scatter_single", "fsdp reduce-scatter", "input", None),
-        (dist, "all_reduce", "all-reduce", 0, None),
-        (collectives, "all_gather", "sp all-gather", 0, 2),
-        (collectives, "reduce_scatter", "sp reduce-scatter", 0, 2),
-        (collectives, "all_reduce", "all-reduce", 0, None),
-    ]
-    originals = [(module, name, getattr(module, name)) for module, name, *_ in patches]
-    for (module, name, kind, where, size_at), (_, _, original) in zip(patches, originals):
-        def counted(*args, _original=original, _kind=kind, _where=where, _size_at=size_at, **kwargs):
-            tensor = kwargs[_where] if isinstance(_where, str) else args[_where]
-            n = group_size(args, kwargs, _size_at)
-            seen[_kind][0] += 1
-            seen[_kind][1] += tensor.numel() * tensor.element_size() * share[_kind.split(" ", 1)[-1]](n)
-            return _original(*args, **kwargs)
-
-        setattr(module, name, counted)
-    try:
-        with torch.profiler.profile(record_shapes=True) as profile:
-            fn()
-    finally:
-        for module, name, original in originals:
-            setattr(module, name, original)
-    for event in profile.events():
-        if event.name.endswith(":send") and event.input_shapes and event.input_shapes[0]:
-            seen["sp ring sends"][0] += 1
-            seen["sp ring sends"][1] += math.prod(event.input_shapes[0]) * activation_bytes
-    return {kind: (calls, int(sent)) for kind, (calls, sent) in seen.items()}
-
-
 def block_step_collectives(precision: str) -> dict[str, tuple[int, int]]:
-    """Runs on every rank of a 4-rank world: one step's collectives of the TP + SP + FSDP2 block."""
+    """Runs on every rank of a 4-rank world counted by the ledger: {"<axis> <operation>": (calls, bytes sent)}
+    of one training step of the TP + SP + FSDP2 block on this rank."""
+    from torchdist_ext import ledger
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from torchdist_ext.fp8 import convert_to_fp8
@@ -203,37 +151,36 @@ def block_step_collectives(precision: str) -> dict[str, tuple[int, int]]:
         fp8_step(model)
 
     step()  # FSDP2's lazy initialisation
-    return count_collectives(step, x.element_size())
+    ledger.reset()
+    step()
+    return {f"{axis} {op}": (tally.calls, tally.sent_bytes)
+            for axis, tallies in ledger.by_label({"dp": mesh["dp"], "tp": mesh["tp"]}, rest="world").items()
+            for op, tally in tallies.items()}
 
 
 def step_rows() -> list[dict]:
+    from torchdist_ext import ledger
     from torchdist_ext.testing import spawn_world
 
     rows = []
-    with spawn_world(4, timeout=600.0) as world:
+    with spawn_world(4, backend=ledger.backend("gloo"), timeout=600.0) as world:
         for precision in ("fp32", "bf16", "fp8", "fp8+fp8 all-gather"):
             counts = world.run(block_step_collectives, precision)[0]
             rows.append({"bench": "fp8_block_step_collectives", "precision": precision,
-                         "collectives": {kind: {"calls": calls, "kib": round(sent / 1024, 1)}
+                         "collectives": {kind: {"calls": calls, "kib": round(sent / 1024, 2)}
                                          for kind, (calls, sent) in sorted(counts.items())}})
     return rows
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--repeats", type=int, default=10)
-    args = parser.parse_args()
-    casts, linears, steps = cast_rows(args.device, args.repeats), linear_rows(args.device, args.repeats), step_rows()
-    for row in casts + linears + steps:
-        print(json.dumps(row), flush=True)
-    print()
+def print_casts(casts: list[dict]) -> None:
     print(f"{'op':>23} {'device':>6} {'shape':>12} {'dtype':>9} {'ours ms':>9} {'unfused ms':>10} {'ours/unfused':>12} "
           f"{'of bw':>6}")
     for r in casts:
         print(f"{r['bench']:>23} {r['device']:>6} {'x'.join(map(str, r['shape'])):>12} {r['dtype']:>9} {r['ours_ms']:9.3f} "
               f"{r['unfused_ms']:10.3f} {r['ours_over_unfused']:12.3f} {r['bandwidth_fraction']:6.3f}")
-    print()
+
+
+def print_linears(linears: list[dict]) -> None:
     print(f"{'device':>6} {'tokens x in x out':>20} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9} {'fp8 TFLOP/s':>11} "
           f"{'SQNR dB out / dx / dw':>22}")
     for r in linears:
@@ -241,12 +188,35 @@ def main() -> None:
         sqnr = f"{r['sqnr_out_db']:.1f} / {r['sqnr_grad_x_db']:.1f} / {r['sqnr_grad_w_db']:.1f}"
         print(f"{r['device']:>6} {shape:>20} {r['bf16_ms']:9.3f} {r['fp8_ms']:9.3f} {r['fp8_over_bf16']:9.3f} "
               f"{r['fp8_tflops']:11.3f} {sqnr:>22}")
-    print()
+
+
+def print_steps(steps: list[dict]) -> None:
     kinds = sorted({kind for r in steps for kind in r["collectives"]})
-    print(f"{'precision':>18} " + " ".join(f"{kind + ' (calls, KiB)':>27}" for kind in kinds))
-    for r in steps:
-        cells = [r["collectives"].get(kind, {"calls": 0, "kib": 0.0}) for kind in kinds]
-        print(f"{r['precision']:>18} " + " ".join(f"{cell['calls']:>18}, {cell['kib']:>7}" for cell in cells))
+    print("one step's collectives on one rank (calls, KiB sent):")
+    print(f"{'':>34} " + " ".join(f"{r['precision']:>18}" for r in steps))
+    for kind in kinds:
+        cells = [r["collectives"].get(kind, {"calls": 0, "kib": 0.0}) for r in steps]
+        print(f"{kind:>34} " + " ".join(f"{cell['calls']:>8}, {cell['kib']:>8}" for cell in cells))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
+    parser.add_argument("--repeats", type=int, default=10)
+    args = parser.parse_args()
+    # Each part is printed as soon as it is measured (its JSON rows, then its table). The step's collectives are
+    # counted on CPU ranks whatever the device: they are measured with --device cpu only.
+    parts = [(lambda: cast_rows(args.device, args.repeats), print_casts),
+             (lambda: linear_rows(args.device, args.repeats), print_linears)]
+    if args.device == "cpu":
+        parts.append((step_rows, print_steps))
+    for measure, show in parts:
+        rows = measure()
+        for row in rows:
+            print(json.dumps(row))
+        print()
+        show(rows)
+        print(flush=True)
 
 
 if __name__ == "__main__":

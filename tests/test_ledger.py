@@ -145,6 +145,14 @@ def test_bad_input(world2):
     assert ledger.backend("cpu:gloo,cuda:nccl") == "cpu:ledger_gloo,cuda:ledger_nccl"
 
 
+def test_one_ledger_per_group_before_torch_2_14(monkeypatch):
+    """Older torch files every registered backend as CUSTOM, one per group: the cuda backend is the counted one."""
+    monkeypatch.setattr(ledger, "_typed_registration", lambda: False)
+    with pytest.warns(UserWarning, match="counts the cuda backend and not the cpu one"):
+        assert ledger.backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:ledger_nccl"
+    assert ledger.backend("gloo") == "ledger_gloo"
+
+
 def read_plain_gloo() -> str:
     try:
         ledger.read()

@@ -21,6 +21,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, fields
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh
@@ -72,13 +74,19 @@ def _create(inner_name: str):
     return create
 
 
+def _typed_registration() -> bool:
+    """Whether ``register_backend`` can file a ledger under its inner backend's type (torch >= 2.14). Older torch
+    files every registered backend as CUSTOM, and a process group holds one backend per type, so a group cannot
+    hold two ledgers (one per device)."""
+    return "_backend_type" in dist.Backend.register_backend.__code__.co_varnames
+
+
 def _register(inner_name: str) -> str:
     name = _PREFIX + inner_name
     if name.upper() not in dist.Backend._plugins:
         kwargs = {}
         backend_type = getattr(dist.ProcessGroup.BackendType, inner_name.upper(), None)
-        if "_backend_type" in dist.Backend.register_backend.__code__.co_varnames and backend_type is not None:
-            # The inner backend's type: two CUSTOM backends of one group (cpu and cuda) would share one slot.
+        if _typed_registration() and backend_type is not None:
             kwargs["_backend_type"] = backend_type
         dist.Backend.register_backend(name, _create(inner_name), extended_api=True,
                                       devices=list(_WRAPPABLE[inner_name]), **kwargs)
@@ -88,19 +96,29 @@ def _register(inner_name: str) -> str:
 def backend(spec: str = "gloo") -> str:
     """The ``init_process_group`` / ``new_group`` backend string that wraps every backend of ``spec`` in a ledger:
     ``"gloo"`` -> ``"ledger_gloo"``, ``"cpu:gloo,cuda:nccl"`` -> ``"cpu:ledger_gloo,cuda:ledger_nccl"``.
-    Registers the ledger backends with ``torch.distributed.Backend.register_backend``."""
+    Registers the ledger backends with ``torch.distributed.Backend.register_backend``.
+
+    Before torch 2.14 a group holds one ledger only (see ``_typed_registration``): a spec with a backend per device
+    then counts its cuda backend, leaves the cpu one uncounted, and says so with a warning."""
     if not isinstance(spec, str):
         raise TypeError(f"spec must be a backend string such as 'gloo' or 'cpu:gloo,cuda:nccl', got {spec!r}")
-    parts = []
+    parsed = []
     for part in spec.split(","):
         device, _, inner = part.rpartition(":")
-        inner = inner.strip().lower()
+        device, inner = device.strip(), inner.strip().lower()
         if inner not in _WRAPPABLE:
             raise ValueError(f"spec={spec!r}: a ledger wraps {' or '.join(_WRAPPABLE)}, not {inner!r}")
-        if device and device.strip() not in _WRAPPABLE[inner]:
-            raise ValueError(f"spec={spec!r}: {inner} serves {', '.join(_WRAPPABLE[inner])}, not {device.strip()!r}")
-        parts.append(f"{device.strip()}:{_register(inner)}" if device else _register(inner))
-    return ",".join(parts)
+        if device and device not in _WRAPPABLE[inner]:
+            raise ValueError(f"spec={spec!r}: {inner} serves {', '.join(_WRAPPABLE[inner])}, not {device!r}")
+        parsed.append((device, inner))
+    uncounted = set()
+    if len(parsed) > 1 and not _typed_registration():
+        uncounted = {device for device, _ in parsed if device != "cuda"}
+        warnings.warn(f"ledger.backend({spec!r}): torch {torch.__version__} gives a process group one registered "
+                      "backend only, so the ledger counts the cuda backend and not the "
+                      f"{', '.join(sorted(uncounted))} one (torch >= 2.14 counts both)", stacklevel=2)
+    return ",".join(f"{device}:{inner if device in uncounted else _register(inner)}" if device else _register(inner)
+                    for device, inner in parsed)
 
 
 def _group_of(group) -> dist.ProcessGroup:

@@ -1,10 +1,26 @@
 #include "comm/all_to_all.h"
 
 #include <ATen/ATen.h>
+#include <torch/version.h>
 
 #include "comm/agreement.h"
 
 namespace tdx::comm {
+namespace {
+
+// torch 2.13 renamed ProcessGroup's all-to-all-v from `alltoall_base` (kept as a
+// deprecated alias) to `all_to_all_single`; the GPU images we check on may ship older torch.
+c10::intrusive_ptr<c10d::Work> all_to_all_single(c10d::ProcessGroup& group, at::Tensor& output, at::Tensor& input,
+                                                 std::vector<int64_t>& output_splits,
+                                                 std::vector<int64_t>& input_splits) {
+#if TORCH_VERSION_MAJOR == 2 && TORCH_VERSION_MINOR < 13
+  return group.alltoall_base(output, input, output_splits, input_splits);
+#else
+  return group.all_to_all_single(output, input, output_splits, input_splits);
+#endif
+}
+
+}  // namespace
 
 at::Tensor all_to_all_equal_blocks(c10d::ProcessGroup& group, const char* op, const char* what,
                                    const at::Tensor& send) {
@@ -15,7 +31,7 @@ at::Tensor all_to_all_equal_blocks(c10d::ProcessGroup& group, const char* op, co
   auto input = send.contiguous();
   auto received = at::empty_like(input);
   std::vector<int64_t> equal_splits;
-  group.all_to_all_single(received, input, equal_splits, equal_splits)->wait();
+  all_to_all_single(group, received, input, equal_splits, equal_splits)->wait();
   return received;
 }
 
@@ -37,7 +53,7 @@ std::vector<at::Tensor> all_to_all_rows(c10d::ProcessGroup& group, const char* o
     sizes[0] = total;
     outputs.push_back(at::empty(sizes, send.options()));
     std::vector<int64_t> in_splits = send_rows, out_splits = recv_rows;
-    works.push_back(group.all_to_all_single(outputs.back(), inputs.back(), out_splits, in_splits));
+    works.push_back(all_to_all_single(group, outputs.back(), inputs.back(), out_splits, in_splits));
   }
   for (auto& work : works) work->wait();
   return outputs;
