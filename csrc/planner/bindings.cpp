@@ -127,6 +127,10 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("sequence_parallel"), py::arg("recompute"), py::arg("attention") = "flash");
   m.def("layer_activation_bytes", &layer_activation_bytes, py::arg("model"), py::arg("layout"),
         py::arg("moe_layer"));
+  m.def("expected_ranks_per_token", &expected_ranks_per_token, py::arg("num_experts"), py::arg("top_k"),
+        py::arg("ep"));
+  m.def("layer_weight_grad_input_bytes", &layer_weight_grad_input_bytes, py::arg("model"), py::arg("layout"),
+        py::arg("moe_layer"));
   m.def(
       "bubble_fraction",
       [](long pp, long m, const std::string& schedule, long v) {
@@ -156,6 +160,8 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages"), py::arg("forward"),
       py::arg("backward"), py::arg("weight"));
   m.def("idle_fraction", &idle_fraction, py::arg("timeline"), py::arg("pp"));
+  m.def("peak_held_activations", &peak_held_activations, py::arg("timeline"), py::arg("pp"),
+        py::arg("weight_inputs"));
 
   py::class_<AxisComm>(m, "AxisComm")
       .def_readonly("bytes", &AxisComm::bytes)

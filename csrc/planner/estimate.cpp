@@ -42,13 +42,7 @@ int64_t axis_size(const Layout& l, const std::string& axis) {
 
 double expected_remote_ranks(int64_t num_experts, int64_t top_k, int64_t ep) {
   if (ep <= 1) return 0;
-  // P(a given rank holds none of the k distinct experts) = C(E - E/ep, k) / C(E, k).
-  const int64_t elsewhere = num_experts - num_experts / ep;
-  double none_here = 1;
-  for (int64_t i = 0; i < top_k; ++i) {
-    none_here *= static_cast<double>(std::max<int64_t>(elsewhere - i, 0)) / static_cast<double>(num_experts - i);
-  }
-  return static_cast<double>(ep - 1) * (1 - none_here);
+  return expected_ranks_per_token(num_experts, top_k, ep) * static_cast<double>(ep - 1) / static_cast<double>(ep);
 }
 
 bool axis_intra_domain(const Layout& layout, const ClusterSpec& cluster, const std::string& axis) {
@@ -104,12 +98,22 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   e.optimizer = dense_states.optimizer + expert_states.optimizer;
 
   // Activations: what one layer stores (the mean over dense and MoE layers) on the local sequence s / cp,
-  // times the stage's layers and the micro-batches in flight. The first stage is the fullest.
+  // times the stage's layers and the micro-batches in flight. The first stage is the fullest. The
+  // zero-bubble schedules also hold their deferred weight gradients' inputs: their peak comes from the
+  // simulated order that runs (pipeline.h).
   const double moe_layers = static_cast<double>(model.num_moe_layers());
-  const double per_layer = ((layers - moe_layers) * layer_activation_bytes(model, l, false) +
-                            moe_layers * layer_activation_bytes(model, l, true)) / layers;
-  e.activations = per_layer * layers_per_stage *
-                  in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages);
+  auto mean_over_layers = [&](double (*bytes)(const ModelSpec&, const Layout&, bool)) {
+    return ((layers - moe_layers) * bytes(model, l, false) + moe_layers * bytes(model, l, true)) / layers;
+  };
+  const double per_layer = mean_over_layers(layer_activation_bytes);
+  double held = in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages);
+  if (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV) {
+    const double weight_inputs = mean_over_layers(layer_weight_grad_input_bytes) / per_layer;
+    held = peak_held_activations(simulate_schedule(l.pp, l.num_microbatches, l.schedule, l.virtual_stages), l.pp,
+                                 weight_inputs) /
+           static_cast<double>(chunks_per_rank(l.schedule, l.virtual_stages));
+  }
+  e.activations = per_layer * layers_per_stage * held;
   // Buffers: the last stage's fp32 logits of one micro-batch (vocab split over tp), the framework reserve,
   // and ZeRO-3's unsharded parameters (bf16, fp32 in fp32 training): two prefetched layers, or with pp
   // the whole stage's with their unsharded gradients, which a pipeline keeps through the step's

@@ -51,14 +51,22 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   const double k = static_cast<double>(model.experts_per_token);
   const double f_moe = static_cast<double>(model.moe_ffn_hidden);
   const double shared = static_cast<double>(model.num_shared_experts);
+  const double experts = static_cast<double>(model.num_experts);
   if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated;
   if (layout.recompute == Recompute::kSelective) {
-    const double mlp = moe_layer ? 2 * f_moe * (k + shared) : 2 * static_cast<double>(model.ffn_hidden) / t;
+    const double dispatched = expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep);
+    const double mlp = moe_layer ? dispatched * h + (k + shared) * (2 * f_moe + h)
+                                 : 2 * static_cast<double>(model.ffn_hidden) / t;
+    const double router = moe_layer ? tokens * (4 * experts + 12 * k) : 0;
     const double all_reduces = layout.tp > 1 && !layout.sequence_parallel ? 2 * h : 0;
-    return tokens * e * (3 * h * replicated + attention_heads + mlp + all_reduces) + lse;
+    return tokens * e * (3 * h * replicated + attention_heads + mlp + all_reduces) + lse + router;
   }
-  const double mlp = moe_layer ? k * (h + 4 * f_moe) + 4 * f_moe * shared : 4 * static_cast<double>(model.ffn_hidden) / t;
-  double bytes = tokens * e * (4 * h * replicated + attention_heads + h / t + mlp) + 4 * tokens * 2 * replicated;
+  const double mlp = moe_layer ? k * (2 * h + 4 * f_moe) + 4 * f_moe * shared
+                               : 4 * static_cast<double>(model.ffn_hidden) / t;
+  const double router_input = e < 4 ? 4 * h : 0;  // the router's fp32 copy of 16-bit tokens
+  const double router = moe_layer ? tokens * (router_input + 8 * experts + 12 * k) : 0;
+  double bytes = tokens * e * (4 * h * replicated + attention_heads + h / t + mlp) + 4 * tokens * 2 * replicated +
+                 router;
   if (layout.norm == NormKernel::kComposite) bytes += 2 * tokens * h * replicated * (e + 4);
   if (layout.attention == AttentionKernel::kEager) {
     bytes += tokens * e * a * static_cast<double>(layout.seq_len) / static_cast<double>(layout.cp) / t;
@@ -66,6 +74,31 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
     bytes += lse;
   }
   return bytes;
+}
+
+double expected_ranks_per_token(int64_t num_experts, int64_t top_k, int64_t ep) {
+  if (ep <= 1) return 1;
+  // P(a given rank holds none of the k distinct experts) = C(E - E/ep, k) / C(E, k).
+  const int64_t elsewhere = num_experts - num_experts / ep;
+  double none_here = 1;
+  for (int64_t i = 0; i < top_k; ++i) {
+    none_here *= static_cast<double>(std::max<int64_t>(elsewhere - i, 0)) / static_cast<double>(num_experts - i);
+  }
+  return static_cast<double>(ep) * (1 - none_here);
+}
+
+double layer_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
+  const double e = element_bytes(layout.precision);
+  const double tokens = static_cast<double>(layout.micro_batch) * static_cast<double>(layout.seq_len) /
+                        static_cast<double>(layout.cp);
+  const double h = static_cast<double>(model.hidden), a = static_cast<double>(model.num_heads);
+  const double g = static_cast<double>(model.num_kv_heads), t = static_cast<double>(layout.tp);
+  const double replicated = layout.sequence_parallel ? 1 / t : 1.0;
+  const double attention = h * replicated + (1 + 2 * g / a) * h / t + h / t + h;
+  const double norms = 4 * h * replicated;
+  const double mlp = moe_layer ? h * replicated + static_cast<double>(model.num_experts)
+                               : h * replicated + 3 * static_cast<double>(model.ffn_hidden) / t + h;
+  return tokens * e * (attention + mlp + norms);
 }
 
 double in_flight_microbatches(long pp, long m, Schedule schedule, long v) {

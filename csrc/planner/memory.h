@@ -55,17 +55,42 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 //              projections) + (2 + 2g/a) h/t (q, k, v, the attention output) + 2f/t (w1 x, w3 x)] + 4T a/t,
 //              plus, with tp > 1 and no sequence parallelism, both all-reduces' outputs (2 T e h).
 //   full       the layer input: T e h R.
-// An MoE layer replaces the MLP term by its routed tokens' (k per token, their dispatched copies and
-// SwiGLU activations: k (h + 4 f_moe)) and its shared experts' (4 f_moe each) at T e, not divided by t
-// (experts are not tensor-parallel); under recompute they keep the GEMM outputs (2 f_moe per token and
-// expert). The MoE terms are not checked against a measurement; the dense ones are
-// (tests/planner/test_activation_memory.py).
+// An MoE layer replaces the MLP term by what torchdist_ext's MoE keeps (experts are not tensor-parallel:
+// its terms are at T, not divided by t), with k experts per token, E experts and d the ranks a token is
+// dispatched to (expected_ranks_per_token):
+//   none       T e [k (2h + 4 f_moe) (the expert-major rows and the expert outputs; w1 x, w3 x,
+//              silu(w1 x), their product) + 4 f_moe per shared expert] + T (4h (the router's fp32 copy of
+//              16-bit tokens; none in fp32) + 8E (its fp32 logits and probabilities) + 12k (the chosen
+//              experts' int64 ids and fp32 weights))
+//   selective  T e [d h (the dispatched rows) + k (2 f_moe + h) (the grouped GEMMs' outputs) + (2 f_moe + h)
+//              per shared expert] + T (4E + 12k)
+// (within 0.02 % of what our MoE layer keeps on one rank; on two ranks within 0.3 % on average, each rank
+// within 2 %, as routing sends it: tests/planner/test_activation_memory.py).
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
+// The ranks of an ep group a token is dispatched to, on average, when it picks top_k distinct experts
+// uniformly among num_experts split evenly over ep ranks and goes once to each rank holding one:
+// ep (1 - C(E - E/ep, k) / C(E, k)); 1 with ep = 1.
+double expected_ranks_per_token(int64_t num_experts, int64_t top_k, int64_t ep);
+
+// Bytes one layer keeps from a micro-batch's backward (B) to its deferred weight-gradient pass (W) under
+// the zero-bubble schedules: what torchdist_ext's split layers queue (weight_grad.py). A column-parallel
+// linear keeps its input (this rank's sequence block under SP: h R) and its output gradient; a row-parallel
+// one its input and its output gradient gathered over the sequence ([T, h]); an RMSNorm its input and its
+// output gradient (2 h R each). Per dense layer, at T e:
+//   attention  h R (the normalised input, shared by q, k, v) + (1 + 2g/a) h/t (their output gradients)
+//              + h/t + h (the output projection's input and output gradient)
+//   MLP        h R (shared by w1, w3) + 2f/t (their output gradients) + f/t + h (w2's input and output gradient)
+//   norms      4 h R
+// An MoE layer keeps the attention's and norms' terms and its router's input (h R) and output gradient
+// (E, the experts): its experts compute their weight gradients in B.
+double layer_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
+
 // Micro-batches whose activations a pipeline stage holds at its peak.
-//   gpipe: all m;  1f1b, zb-h1, zb-v: min(p, m) (the first stage warms up p; the zero-bubble
-//   schedules also keep the inputs of deferred weight-gradient passes, which this ignores);
+//   gpipe: all m;  1f1b: min(p, m) (the first stage warms up p);
 //   interleaved with v virtual stages: min(m, p) * (1 + (p - 1) / (p v)) (Narayanan et al. 2021).
+//   zb-h1, zb-v: min(p, m) forwards too, but they also keep the inputs of the deferred weight-gradient
+//   passes: estimate() takes their peak from the simulated schedule (pipeline.h: peak_held_activations).
 double in_flight_microbatches(long pp, long num_microbatches, Schedule schedule, long virtual_stages);
 
 }  // namespace tdx::planner

@@ -295,6 +295,35 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
   return run_fixed_orders(orders, stages, "replay_schedule");
 }
 
+double peak_held_activations(const std::vector<ScheduledPass>& timeline, long p, double weight_inputs) {
+  if (!(weight_inputs >= 0)) throw std::invalid_argument("peak_held_activations: weight_inputs must be >= 0");
+  const bool deferred = std::any_of(timeline.begin(), timeline.end(), [](const ScheduledPass& pass) {
+    return pass.kind == 'W';
+  });
+  std::vector<std::vector<ScheduledPass>> orders(p);
+  for (const auto& pass : timeline) orders.at(pass.stage).push_back(pass);
+  double peak = 0;
+  for (auto& order : orders) {
+    std::stable_sort(order.begin(), order.end(),
+                     [](const ScheduledPass& a, const ScheduledPass& b) { return a.start < b.start; });
+    double held = 0;
+    for (const auto& pass : order) {
+      if (pass.kind == 'F') {
+        held += 1;
+      } else if (pass.kind == 'W') {
+        held -= weight_inputs;
+      } else if (deferred) {
+        peak = std::max(peak, held + weight_inputs);  // B: its W inputs exist before its F's unit is freed
+        held += weight_inputs - 1;
+      } else {
+        held -= 1;
+      }
+      peak = std::max(peak, held);
+    }
+  }
+  return peak;
+}
+
 double idle_fraction(const std::vector<ScheduledPass>& timeline, long p) {
   double makespan = 0, busy = 0;
   for (const auto& pass : timeline) {

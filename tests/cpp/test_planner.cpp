@@ -113,6 +113,44 @@ TEST(Activations, LlamaLayerAsAutogradRunsIt) {
   EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false), Tc * e * h);
 }
 
+TEST(Activations, DeferredWeightGradientInputsAsTheSplitLayersQueueThem) {
+  const ModelSpec model = llama3_70b();
+  const double T = 4096, e = 2, h = 8192, a = 64, g = 8, f = 28672;
+  Layout l;
+  // tp = 1: every linear keeps its whole input and output gradient: q, k, v share the normalised input,
+  // w1, w3 theirs; o and w2 keep their inputs (h, f) and output gradients (h each); two norms 2h each.
+  EXPECT_DOUBLE_EQ(layer_weight_grad_input_bytes(model, l, false),
+                   T * e * ((h + (1 + 2 * g / a) * h + h + h) + (h + 2 * f + f + h) + 4 * h));
+  // tp = 8 with SP, cp = 2: the shared inputs and the norms' tensors are sequence blocks (h / t), the row
+  // linears' output gradients are gathered ([T, h]).
+  l.tp = 8, l.sequence_parallel = true, l.cp = 2;
+  const double t = 8, Tc = T / 2;
+  EXPECT_DOUBLE_EQ(layer_weight_grad_input_bytes(model, l, false),
+                   Tc * e * (6 * h / t + (2 + 2 * g / a) * h / t + 3 * f / t + 2 * h));
+}
+
+TEST(Pipeline, PeakHeldActivationsOfTheSimulatedSchedules) {
+  // Without deferred weight gradients the peak is the forwards' closed form (times the chunks per rank).
+  for (long m : {4L, 8L, 16L}) {
+    EXPECT_DOUBLE_EQ(peak_held_activations(simulate_schedule(4, m, Schedule::k1F1B), 4, 0.7),
+                     in_flight_microbatches(4, m, Schedule::k1F1B, 1));
+    EXPECT_DOUBLE_EQ(peak_held_activations(simulate_schedule(4, m, Schedule::kGPipe), 4, 0.7),
+                     in_flight_microbatches(4, m, Schedule::kGPipe, 1));
+    if (m >= 8) {  // Megatron's closed form assumes a full warm-up: (v - 1) p + 2 (p - 1) + 1 <= v m forwards
+      EXPECT_DOUBLE_EQ(peak_held_activations(simulate_schedule(4, m, Schedule::kInterleaved, 2), 4, 0.7) / 2,
+                       in_flight_microbatches(4, m, Schedule::kInterleaved, 2));
+    }
+    EXPECT_DOUBLE_EQ(peak_held_activations(simulate_schedule(4, m, Schedule::kZbH1), 4, 0.0), 4);
+  }
+  // zb-h1, p = 2, m = 4, by hand on stage 0: F0 F1 B0 F2 B1 F3 B2 B3, then the four W. Its B2 holds two
+  // forwards' activations and three micro-batches' W inputs (2 + 3w); its B3 one and four (1 + 4w).
+  for (double w : {0.0, 0.25, 0.5, 1.0, 2.0}) {
+    EXPECT_DOUBLE_EQ(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, w),
+                     std::max(2 + 3 * w, 1 + 4 * w));
+  }
+  EXPECT_THROW(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, -1.0), std::invalid_argument);
+}
+
 TEST(Pipeline, BubbleOf8StagesAnd4MicroBatches) {
   // (p - 1) / (m + p - 1) = 7 / 11 = 63.6%. The commonly quoted "46%" (docs/planner.md) is not this formula's value
   // (nor (p-1)/m = 175%): it is the wrong figure there.

@@ -11,6 +11,7 @@ this package is its Python face, and ``python -m torchdist_ext.plan`` its CLI.
     Layout(tp=1, pp=1, dp=1, cp=1, ep=1, *, zero_stage=0, sequence_parallel=False, recompute="none", ...)
     model_state_bytes, bubble_fraction, training_flops, gpu_hours
     layer_activation_bytes(model, layout)   what one layer stores for the backward (the estimate's model)
+    layer_weight_grad_input_bytes           what it keeps for a deferred weight gradient (zero-bubble)
     activation_bytes_per_layer               Korthikanti et al.'s published GPT formula
     estimate(model, cluster, layout) -> Estimate
     check(model, cluster, layout) -> list[Finding];  lint(path) -> list[Finding]
@@ -23,6 +24,7 @@ from torchdist_ext.planner.formulas import (
     bubble_fraction,
     gpu_hours,
     layer_activation_bytes,
+    layer_weight_grad_input_bytes,
     model_state_bytes,
     simulate_schedule,
     training_flops,
@@ -46,6 +48,7 @@ __all__ = [
     "estimate",
     "gpu_hours",
     "layer_activation_bytes",
+    "layer_weight_grad_input_bytes",
     "lint",
     "model_state_bytes",
     "search",

@@ -8,6 +8,7 @@ from torchdist_ext.planner.specs import ClusterSpec, Layout, ModelSpec
 __all__ = [
     "activation_bytes_per_layer",
     "layer_activation_bytes",
+    "layer_weight_grad_input_bytes",
     "bubble_fraction",
     "gpu_hours",
     "model_state_bytes",
@@ -44,6 +45,13 @@ def layer_activation_bytes(model: ModelSpec, layout: Layout, *, moe_layer: bool 
     ``T e [4hR + (3 + 2g/a) h/t + 4f/t] + 4T (2R + a/t)`` for T tokens per micro-batch and rank of the cp group,
     e = 2, R = 1/tp with sequence parallelism, else 1."""
     return _planner.layer_activation_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
+
+
+def layer_weight_grad_input_bytes(model: ModelSpec, layout: Layout, *, moe_layer: bool = False) -> float:
+    """Bytes one layer keeps per micro-batch from its backward to its deferred weight-gradient pass under the
+    zero-bubble schedules (what torchdist_ext's split layers queue; csrc/planner/memory.h): for a dense layer
+    ``T e [6hR + (2 + 2g/a) h/t + 3f/t + 2h]``, with T, e and R as ``layer_activation_bytes``'s."""
+    return _planner.layer_weight_grad_input_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
 
 
 def bubble_fraction(pp: int, num_microbatches: int, *, schedule: str = "1f1b", virtual_stages: int = 1) -> float:
