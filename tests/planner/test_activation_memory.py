@@ -4,7 +4,8 @@ storages alive after the forward: two stacked layers minus one, so a layer's own
 byte for recompute none, selective and full, on one rank and at tp=2 with and without sequence parallelism.
 CPU runs torch's composite RMSNorm (the planner's ``norm="composite"``); the activations are bf16, the planner's
 16-bit e = 2. And the MoE terms against our MoE layer (ep = 1 and 2; bf16 and fp32; recompute none and
-selective)."""
+selective), and what a layer in split mode leaves queued for its deferred weight gradients
+(``layer_weight_grad_input_bytes``, the zero-bubble schedules' extra term), also to the byte."""
 
 import pytest
 import torch
@@ -13,7 +14,7 @@ from torch import nn
 
 from torchdist_ext.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear
 from torchdist_ext.parallel.recompute import recompute
-from torchdist_ext.planner import Layout, ModelSpec, layer_activation_bytes
+from torchdist_ext.planner import Layout, ModelSpec, layer_activation_bytes, layer_weight_grad_input_bytes
 from torchdist_ext.testing import RetainedMemory, cached_mesh
 
 DIM, HEADS, KV_HEADS, FFN, BATCH, SEQ = 128, 8, 4, 256, 2, 64
@@ -143,3 +144,37 @@ def test_planner_moe_activations_against_our_moe(world_pool, world_size):
             kept = world_pool.get(world_size).run(moe_kept_bytes, mode, dtype)
             ratio = sum(kept) / len(kept) / planned_moe_bytes(world_size, mode, precision)
             assert abs(ratio - 1) < (0.001 if world_size == 1 else 0.01), (mode, precision, kept, ratio)
+
+
+def deferred_weight_grad_bytes(sequence_parallel: bool) -> int:
+    """What one Llama layer in split mode leaves queued for its weight gradients after a backward collected by a
+    WeightGradStore: the storages alive once the backward is done, less the layer's output and input gradient."""
+    from torchdist_ext.weight_grad import WeightGradStore
+
+    tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
+    torch.manual_seed(0)
+    layer = LlamaLayer(tp_mesh, sequence_parallel)
+    for module in layer.modules():
+        if hasattr(module, "split_weight_grad"):
+            module.split_weight_grad = True
+    seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
+    x = torch.randn(BATCH, seq, DIM, dtype=torch.bfloat16, requires_grad=True)
+    store = WeightGradStore()
+    with RetainedMemory() as meter:
+        out = layer(x)
+        with store.collecting(0):
+            out.float().square().mean().backward()
+        del out
+    kept = meter.retained_bytes() - x.grad.untyped_storage().nbytes()
+    store.run(0)
+    return kept
+
+
+@pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
+                         ids=["tp1", "tp2", "tp2-sp"])
+def test_planner_weight_grad_inputs_equal_what_the_store_keeps(world_pool, world_size, sequence_parallel):
+    model = ModelSpec(2, DIM, HEADS, num_kv_heads=KV_HEADS, ffn_hidden=FFN, vocab_size=256)
+    layout = Layout(tp=world_size, sequence_parallel=sequence_parallel, seq_len=SEQ, micro_batch=BATCH)
+    planned = layer_weight_grad_input_bytes(model, layout)
+    for kept in world_pool.get(world_size).run(deferred_weight_grad_bytes, sequence_parallel):
+        assert kept == planned, (kept, planned)
