@@ -204,8 +204,8 @@ def main() -> None:
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=10)
     args = parser.parse_args()
-    # Each part is printed as soon as it is measured (its JSON rows, then its table). The step's collectives are
-    # counted on CPU ranks whatever the device: they are measured with --device cpu only.
+    # Each part is printed as soon as it is measured (its JSON rows, then its table). The step's collectives run on
+    # CPU ranks: that part runs with --device cpu only (gpu_check.sh's runs skip it).
     parts = [(lambda: cast_rows(args.device, args.repeats), print_casts),
              (lambda: linear_rows(args.device, args.repeats), print_linears)]
     if args.device == "cpu":

@@ -148,6 +148,14 @@ def test_bad_input(world2):
 def test_one_ledger_per_group_before_torch_2_14(monkeypatch):
     """Older torch files every registered backend as CUSTOM, one per group: the cuda backend is the counted one."""
     monkeypatch.setattr(ledger, "_typed_registration", lambda: False)
+    monkeypatch.setattr(dist.Backend, "_plugins", dict(dist.Backend._plugins))  # registrations stay in this test
+    monkeypatch.setattr(dist.Backend, "backend_list", list(dist.Backend.backend_list))
+    monkeypatch.setattr(dist.Backend, "backend_type_map", dict(dist.Backend.backend_type_map))
+    monkeypatch.setattr(dist.Backend, "backend_capability", dict(dist.Backend.backend_capability))
+    for name in ("ledger_gloo", "ledger_nccl"):  # registered unchanged by other tests: register afresh here
+        dist.Backend._plugins.pop(name.upper(), None)
+        if name in dist.Backend.backend_list:
+            dist.Backend.backend_list.remove(name)
     with pytest.warns(UserWarning, match="counts the cuda backend and not the cpu one"):
         assert ledger.backend("cpu:gloo,cuda:nccl") == "cpu:gloo,cuda:ledger_nccl"
     assert ledger.backend("gloo") == "ledger_gloo"

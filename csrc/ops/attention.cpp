@@ -69,7 +69,7 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
 // for float32 (flash has no float32); both are given q's head count: kv heads
 // are expanded for the kernel only (they travel at kv heads) and the block's
 // dK/dV summed back over each group. The memory-efficient kernel's lse rows are
-// padded to a multiple of 32. (On an H200 with torch 2.11, half-precision
+// padded to a multiple of 32 (and it serves head sizes flash does not). (On an H200 with torch 2.11, half-precision
 // gradients of these ops through the memory-efficient backward were wrong, by up
 // to 5 where the values are ~0.1, while the same ATen calls made directly from
 // Python were right; the cause was not found. Through flash they pass
@@ -96,8 +96,12 @@ void check_block_device(const at::Tensor& q) {
       "supported by the block kernels; use float32, bfloat16 or float16");
 }
 
+// Flash attention's own limits (ATen's flash kernel pads nothing): head_dim a multiple of 8, at most 256; it
+// also needs an Ampere or newer GPU, which our CUDA builds target (setup.py: 8.0 and up).
 bool uses_flash(const at::Tensor& q) {
-  return q.is_cuda() && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16);
+  const int64_t head_dim = q.size(-1);
+  return q.is_cuda() && (q.scalar_type() == at::kHalf || q.scalar_type() == at::kBFloat16) && head_dim % 8 == 0 &&
+         head_dim <= 256;
 }
 
 // (out [B, Hq, Sq, D] in q's dtype, lse [B, Hq, Sq] contiguous, in the accumulation dtype).
@@ -111,6 +115,10 @@ std::tuple<at::Tensor, at::Tensor> block_forward(const at::Tensor& q, const at::
   }
   const int64_t q_heads = q.size(1);
   if (uses_flash(q)) {
+    // Flash aligns a causal mask bottom-right, the memory-efficient kernel top-left: the same on the square
+    // blocks the plan gives causal tasks (ops/attention_plan.h).
+    TORCH_CHECK(!causal || q.size(2) == k.size(2), "block attention: a causal block must be square, got ",
+                q.size(2), " query and ", k.size(2), " key rows");
     auto result = at::_scaled_dot_product_flash_attention(q, expand_heads(k, q_heads), expand_heads(v, q_heads), 0.0,
                                                           causal, /*return_debug_mask=*/false, scale);
     return {std::get<0>(result).contiguous(), std::get<1>(result).narrow(2, 0, q.size(2)).contiguous()};

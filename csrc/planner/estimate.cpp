@@ -98,16 +98,17 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   e.optimizer = dense_states.optimizer + expert_states.optimizer;
 
   // Activations: what one layer stores (the mean over dense and MoE layers) on the local sequence s / cp,
-  // times the stage's layers and the micro-batches in flight. The first stage is the fullest. The
-  // zero-bubble schedules also hold their deferred weight gradients' inputs: their peak comes from the
-  // simulated order that runs (pipeline.h).
+  // times the stage's layers and the micro-batches in flight, on the fullest rank. The zero-bubble schedules
+  // also hold their deferred weight gradients' inputs: their peak comes from the simulated order that runs
+  // (pipeline.h). Not counted: the embedding's and LM head's queued inputs (the head's [T, V/t] output
+  // gradient per pending micro-batch on the last stage).
   const double moe_layers = static_cast<double>(model.num_moe_layers());
   auto mean_over_layers = [&](double (*bytes)(const ModelSpec&, const Layout&, bool)) {
     return ((layers - moe_layers) * bytes(model, l, false) + moe_layers * bytes(model, l, true)) / layers;
   };
   const double per_layer = mean_over_layers(layer_activation_bytes);
   double held = in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages);
-  if (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV) {
+  if (l.pp > 1 && (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV)) {
     const double weight_inputs = mean_over_layers(layer_weight_grad_input_bytes) / per_layer;
     held = peak_held_activations(simulate_schedule(l.pp, l.num_microbatches, l.schedule, l.virtual_stages), l.pp,
                                  weight_inputs) /

@@ -54,8 +54,8 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   const double experts = static_cast<double>(model.num_experts);
   if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated;
   if (layout.recompute == Recompute::kSelective) {
-    const double dispatched = expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep);
-    const double mlp = moe_layer ? dispatched * h + (k + shared) * (2 * f_moe + h)
+    const double mlp = moe_layer ? expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep) * h +
+                                       (k + shared) * (2 * f_moe + h)
                                  : 2 * static_cast<double>(model.ffn_hidden) / t;
     const double router = moe_layer ? tokens * (4 * experts + 12 * k) : 0;
     const double all_reduces = layout.tp > 1 && !layout.sequence_parallel ? 2 * h : 0;
@@ -96,8 +96,7 @@ double layer_weight_grad_input_bytes(const ModelSpec& model, const Layout& layou
   const double replicated = layout.sequence_parallel ? 1 / t : 1.0;
   const double attention = h * replicated + (1 + 2 * g / a) * h / t + h / t + h;
   const double norms = 4 * h * replicated;
-  const double mlp = moe_layer ? h * replicated + static_cast<double>(model.num_experts)
-                               : h * replicated + 3 * static_cast<double>(model.ffn_hidden) / t + h;
+  const double mlp = moe_layer ? 0 : h * replicated + 3 * static_cast<double>(model.ffn_hidden) / t + h;
   return tokens * e * (attention + mlp + norms);
 }
 

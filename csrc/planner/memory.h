@@ -64,8 +64,9 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 //              experts' int64 ids and fp32 weights))
 //   selective  T e [d h (the dispatched rows) + k (2 f_moe + h) (the grouped GEMMs' outputs) + (2 f_moe + h)
 //              per shared expert] + T (4E + 12k)
-// (within 0.02 % of what our MoE layer keeps on one rank; on two ranks within 0.3 % on average, each rank
-// within 2 %, as routing sends it: tests/planner/test_activation_memory.py).
+// (within 0.02 % of what our MoE layer, without shared experts and at tp = 1, keeps on one rank; on two
+// ranks within 0.3 % on average, each rank within 2 %, as routing sends it:
+// tests/planner/test_activation_memory.py; the shared experts' terms are not measured).
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
 // The ranks of an ep group a token is dispatched to, on average, when it picks top_k distinct experts
@@ -77,15 +78,15 @@ double expected_ranks_per_token(int64_t num_experts, int64_t top_k, int64_t ep);
 // the zero-bubble schedules: what torchdist_ext's split layers queue (weight_grad.py). A column-parallel
 // linear keeps its input (this rank's sequence block under SP: h R) and its output gradient; a row-parallel
 // one its input and its output gradient gathered over the sequence ([T, h]); an RMSNorm its input and its
-// output gradient (2 h R each). Per dense layer, at T e:
+// output gradient (h R each). Per dense layer, at T e:
 //   attention  h R (the normalised input, shared by q, k, v) + (1 + 2g/a) h/t (their output gradients)
 //              + h/t + h (the output projection's input and output gradient)
 //   MLP        h R (shared by w1, w3) + 2f/t (their output gradients) + f/t + h (w2's input and output gradient)
 //   norms      4 h R
-// An MoE layer keeps the attention's and norms' terms and its router's input (h R) and output gradient
-// (E, the experts): its experts compute their weight gradients in B. The dense figure equals, to the byte,
-// what a Llama layer of ours in split mode leaves queued (tp 1, tp 2, tp 2 with SP:
-// tests/planner/test_activation_memory.py); the MoE one is not measured.
+// An MoE layer keeps the attention's and norms' terms only: its router and experts (routed and shared)
+// compute their weight gradients in B. The dense figure equals, to the byte, what a Llama layer of ours in
+// split mode leaves queued (tp 1, tp 2, tp 2 with SP: tests/planner/test_activation_memory.py). With fp8
+// GEMMs the linears queue fp8 copies (1 byte), which this counts at e: an upper bound there.
 double layer_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
 // Micro-batches whose activations a pipeline stage holds at its peak.

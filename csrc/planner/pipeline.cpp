@@ -313,7 +313,6 @@ double peak_held_activations(const std::vector<ScheduledPass>& timeline, long p,
       } else if (pass.kind == 'W') {
         held -= weight_inputs;
       } else if (deferred) {
-        peak = std::max(peak, held + weight_inputs);  // B: its W inputs exist before its F's unit is freed
         held += weight_inputs - 1;
       } else {
         held -= 1;

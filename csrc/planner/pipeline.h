@@ -71,9 +71,10 @@ std::vector<ScheduledPass> replay_schedule(long pp, long num_microbatches, Sched
 // The most activation memory a pipeline rank holds during a simulated step, in units of one chunk's stored
 // activations of one micro-batch, on the rank that holds the most: each F adds a unit; each B frees its F's
 // unit and, where the schedule defers weight gradients (the timeline has W passes), keeps `weight_inputs`
-// units (what the chunk's W needs, as a fraction of its activations) until that W. While a B runs, its
-// F's unit and its W inputs are both held. With weight_inputs = 0 it is the forwards' peak: the closed
-// forms of in_flight_microbatches (times the chunks per rank; tested).
+// units (what the chunk's W needs, as a fraction of its activations) until that W. Held counts are taken
+// between passes: a B frees its layers' activations as it creates their W inputs (many of which are those
+// very activations: the linears' and norms' inputs). With weight_inputs = 0 it is the forwards' peak: the
+// closed forms of in_flight_microbatches (times the chunks per rank; tested).
 double peak_held_activations(const std::vector<ScheduledPass>& timeline, long pp, double weight_inputs);
 
 // Idle fraction of a simulated timeline: 1 - busy time / (stages x makespan).

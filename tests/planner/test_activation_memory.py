@@ -149,14 +149,13 @@ def test_planner_moe_activations_against_our_moe(world_pool, world_size):
 def deferred_weight_grad_bytes(sequence_parallel: bool) -> int:
     """What one Llama layer in split mode leaves queued for its weight gradients after a backward collected by a
     WeightGradStore: the storages alive once the backward is done, less the layer's output and input gradient."""
+    from torchdist_ext.pipeline import enable_weight_grad_split
     from torchdist_ext.weight_grad import WeightGradStore
 
     tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
     torch.manual_seed(0)
     layer = LlamaLayer(tp_mesh, sequence_parallel)
-    for module in layer.modules():
-        if hasattr(module, "split_weight_grad"):
-            module.split_weight_grad = True
+    enable_weight_grad_split(layer)
     seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
     x = torch.randn(BATCH, seq, DIM, dtype=torch.bfloat16, requires_grad=True)
     store = WeightGradStore()
