@@ -32,10 +32,22 @@ namespace tdx::kernels {
 // The position of a slot whose expert id lies outside [-1, num_experts).
 inline constexpr int64_t kInvalidSlot = -2;
 
+// Slots per block of the CUDA sort. Its scratch holds, for each block of
+// kSortBlockSlots slots, one count per expert, and one more row of totals.
+inline constexpr int64_t kSortBlockSlots = 256;
+
+// The int64 entries of SortSlotsArgs::scratch for `slots` slots and `num_experts` experts.
+inline int64_t sort_scratch_size(int64_t slots, int64_t num_experts) {
+  return ((slots + kSortBlockSlots - 1) / kSortBlockSlots + 1) * num_experts;
+}
+
 // positions[slot] = the slot's row in expert-major order (-1 for no expert, or
-// past the expert's segment; kInvalidSlot for an id out of range). Each expert's
+// past the expert's segment; kInvalidSlot for an id out of range), and
+// segment_ends[e] = one past expert e's last row (torch._grouped_mm's offsets). Each expert's
 // rows its slots leave empty (capacity padding) are zeroed in `sorted`, so the
-// caller need not clear it. Work items: experts.
+// caller need not clear it. Work items: experts (the CPU kernels; the CUDA
+// kernels take every slot at once: a rank within each block of slots, the
+// blocks' offsets per expert, then the positions).
 struct SortSlotsArgs {
   const int64_t* experts;  // [rows, top_k]
   int64_t rows;
@@ -47,6 +59,8 @@ struct SortSlotsArgs {
   int64_t* positions;     // [rows, top_k]
   void* sorted;           // [sorted rows, row_bytes / element size]: the padding rows are zeroed
   int64_t row_bytes;
+  int64_t* scratch;  // [sort_scratch_size(rows * top_k, num_experts)], any contents (used by the CUDA kernels)
+  int32_t* segment_ends;  // [num_experts]
 };
 
 // Rows of `rows` x `dim` elements of `type`. Weights (nullptr: all 1) are in the

@@ -39,20 +39,28 @@ constexpr const char* kGroupedMmWgrad = "moe_grouped_mm_wgrad";
 
 using kernels::MoeKernels;
 
-void check_expert_ids(const char* op, const at::Tensor& expert_ids, int64_t tokens, int64_t num_experts) {
+void check_expert_ids_layout(const char* op, const at::Tensor& expert_ids, int64_t tokens) {
   TORCH_CHECK(
       expert_ids.dim() == 2 && expert_ids.size(0) == tokens, op, ": expert_ids must be [tokens=", tokens,
       ", top_k], got ", expert_ids.sizes());
   TORCH_CHECK_TYPE(expert_ids.scalar_type() == at::kLong, op, ": expert_ids must be int64, got ",
                    expert_ids.scalar_type());
-  if (index_checks_enabled() && expert_ids.numel() > 0) {
-    const auto bad = (expert_ids < -1) | (expert_ids >= num_experts);
-    if (bad.any().item<bool>()) {
-      const int64_t at = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
-      TORCH_CHECK_VALUE(
-          false, op, ": every expert id must lie in [0, num_experts=", num_experts, ") or be -1 (dropped); ",
-          "expert_ids (flattened) [", at, "] = ", expert_ids.reshape(-1)[at].item<int64_t>());
-    }
+}
+
+// Raises the ValueError that names the first expert id out of [-1, num_experts).
+void raise_bad_expert_id(const char* op, const at::Tensor& expert_ids, int64_t num_experts) {
+  const auto bad = (expert_ids < -1) | (expert_ids >= num_experts);
+  const int64_t at = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK_VALUE(
+      false, op, ": every expert id must lie in [0, num_experts=", num_experts, ") or be -1 (dropped); ",
+      "expert_ids (flattened) [", at, "] = ", expert_ids.reshape(-1)[at].item<int64_t>());
+}
+
+void check_expert_ids(const char* op, const at::Tensor& expert_ids, int64_t tokens, int64_t num_experts) {
+  check_expert_ids_layout(op, expert_ids, tokens);
+  if (index_checks_enabled() && expert_ids.numel() > 0 &&
+      ((expert_ids < -1) | (expert_ids >= num_experts)).any().item<bool>()) {
+    raise_bad_expert_id(op, expert_ids, num_experts);
   }
 }
 
@@ -229,27 +237,33 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
                                                            int64_t capacity) {
   TORCH_CHECK(x.dim() == 2, kPermute, ": x must be [rows, dim], got ", x.sizes());
   element_type(kPermute, x.scalar_type());
-  check_expert_ids(kPermute, expert_ids, x.size(0), num_experts);
+  check_expert_ids_layout(kPermute, expert_ids, x.size(0));  // their values: once the kernels are enqueued
   TORCH_CHECK_VALUE(num_experts > 0, kPermute, ": num_experts must be positive, got ", num_experts);
   TORCH_CHECK_VALUE(capacity >= -1, kPermute, ": capacity must be -1 (dropless) or >= 0, got ", capacity);
   const auto device_longs = expert_ids.options();
   int64_t sorted_rows;
-  at::Tensor segments, offsets;  // dropless: [2, E] each expert's first row and one past its last, on x's device
+  at::Tensor segments;  // dropless: [2, E] each expert's first row and one past its last, on x's device
   if (capacity >= 0) {
     sorted_rows = num_experts * capacity;
-    offsets = (at::arange(1, num_experts + 1, device_longs) * capacity).to(at::kInt);
   } else {
     TORCH_CHECK(
         tokens_per_expert.dim() == 1 && tokens_per_expert.size(0) == num_experts && tokens_per_expert.is_cpu() &&
             tokens_per_expert.scalar_type() == at::kLong,
         kPermute, ": dropless, tokens_per_expert must be a host int64 [num_experts=", num_experts, "], got ",
         tokens_per_expert.sizes(), " ", tokens_per_expert.scalar_type(), " on ", tokens_per_expert.device());
-    TORCH_CHECK_VALUE((tokens_per_expert >= 0).all().item<bool>(), kPermute,
-                      ": tokens_per_expert must be >= 0, got ", tokens_per_expert);
-    const auto ends = tokens_per_expert.cumsum(0);
-    sorted_rows = ends[-1].item<int64_t>();
-    segments = at::stack({ends - tokens_per_expert, ends}).to(x.device());
-    offsets = ends.to(at::kInt).to(x.device());
+    // Pinned for a GPU: the one host-to-device copy does not wait for the device's queue.
+    auto host_segments = at::empty({2, num_experts}, at::TensorOptions(at::kLong).pinned_memory(!x.is_cpu()));
+    const auto counts = tokens_per_expert.contiguous();
+    const int64_t* count = counts.data_ptr<int64_t>();
+    int64_t* first = host_segments.data_ptr<int64_t>();
+    sorted_rows = 0;
+    for (int64_t e = 0; e < num_experts; ++e) {
+      TORCH_CHECK_VALUE(count[e] >= 0, kPermute, ": tokens_per_expert must be >= 0, got ", tokens_per_expert);
+      first[e] = sorted_rows;
+      sorted_rows += count[e];
+      first[num_experts + e] = sorted_rows;
+    }
+    segments = x.is_cpu() ? host_segments : host_segments.to(x.device(), /*non_blocking=*/true);
   }
   const auto ids = expert_ids.contiguous();
   auto positions = at::empty(ids.sizes(), device_longs);
@@ -259,6 +273,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
   const auto rows = x.contiguous();
   auto sorted = at::empty({sorted_rows, x.size(1)}, x.options());
   const int64_t* first_rows = segments.defined() ? segments.data_ptr<int64_t>() : nullptr;
+  auto scratch = at::empty({kernels::sort_scratch_size(ids.numel(), num_experts)}, device_longs);
+  auto offsets = at::empty({num_experts}, device_longs.dtype(at::kInt));
   const kernels::SortSlotsArgs sort{ids.data_ptr<int64_t>(),
                                     ids.size(0),
                                     ids.size(1),
@@ -268,11 +284,18 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
                                     first_rows == nullptr ? nullptr : first_rows + num_experts,
                                     positions.data_ptr<int64_t>(),
                                     sorted.data_ptr(),
-                                    x.size(1) * static_cast<int64_t>(x.element_size())};
+                                    x.size(1) * static_cast<int64_t>(x.element_size()),
+                                    scratch.data_ptr<int64_t>(),
+                                    offsets.data_ptr<int32_t>()};
   launch(table.sort_slots, sort, x.device(), num_experts, 1);
   const kernels::ScatterRowsArgs scatter{slot_rows(kPermute, rows, positions, at::Tensor()), rows.data_ptr(),
                                          sorted.data_ptr()};
   launch(table.scatter_rows, scatter, x.device(), x.size(0), row_grain(x.size(1)));
+  // sort_slots marks an id out of range kInvalidSlot, the least position: one reduction and one wait for the
+  // device, after the work is enqueued.
+  if (index_checks_enabled() && positions.numel() > 0 && positions.min().item<int64_t>() == kernels::kInvalidSlot) {
+    raise_bad_expert_id(kPermute, expert_ids, num_experts);
+  }
   return {sorted, positions, offsets};
 }
 

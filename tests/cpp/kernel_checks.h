@@ -329,11 +329,16 @@ void check_moe_permutation(const kernels::MoeKernels& table, ElementType type, i
     const Elements x(type, normal_values(rows * dim, 1.0, 21));
     const std::vector<double> stale(sorted_rows * dim, 9.0);  // what sort_slots must zero where no slot lands
     Elements sorted(type, stale), scaled(type, stale);
-    std::vector<int64_t> positions(rows * top_k, -7);
+    std::vector<int64_t> positions(rows * top_k, -7), scratch(kernels::sort_scratch_size(rows * top_k, experts), -7);
+    std::vector<int32_t> segment_ends(experts, -7);
     for (Elements* buffer : {&sorted, &scaled}) {
       table.sort_slots({ids.data(), rows, top_k, experts, capacity, starts.data(), ends.data(), positions.data(),
-                        buffer->data(), static_cast<int64_t>(x.element_size()) * dim},
+                        buffer->data(), static_cast<int64_t>(x.element_size()) * dim, scratch.data(),
+                        segment_ends.data()},
                        kernels::Launch{0, experts, nullptr});
+    }
+    for (int64_t e = 0; e < experts; ++e) {
+      EXPECT_EQ(segment_ends[e], capacity >= 0 ? (e + 1) * capacity : ends[e]) << "expert " << e;
     }
     std::vector<int64_t> taken(experts, 0);
     for (int64_t slot = 0; slot < rows * top_k; ++slot) {  // the expected order: slot order within an expert

@@ -41,12 +41,15 @@ TEST_P(MoePermutation, ExpertsSortedByPartialLaunchesAgreeWithOneLaunch) {
   const std::vector<int64_t> starts = {0, 3, 5}, ends = {3, 4, 8};  // expert 1's segment holds one of its two slots
   std::vector<int64_t> whole(ids.size()), parts(ids.size(), -7);
   std::vector<float> sorted(8, 9.0f);  // one feature per row
+  std::vector<int64_t> scratch(tdx::kernels::sort_scratch_size(ids.size(), 3));
+  std::vector<int32_t> segment_ends(3);
   const auto& table = tdx::kernels::MoeKernels::cpu(isa());
-  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), whole.data(), sorted.data(), 4}, {0, 3, nullptr});
-  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), parts.data(), sorted.data(), 4}, {0, 1, nullptr});
-  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), parts.data(), sorted.data(), 4}, {1, 3, nullptr});
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), whole.data(), sorted.data(), 4, scratch.data(), segment_ends.data()}, {0, 3, nullptr});
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), parts.data(), sorted.data(), 4, scratch.data(), segment_ends.data()}, {0, 1, nullptr});
+  table.sort_slots({ids.data(), 5, 2, 3, -1, starts.data(), ends.data(), parts.data(), sorted.data(), 4, scratch.data(), segment_ends.data()}, {1, 3, nullptr});
   EXPECT_EQ(parts, whole);
   EXPECT_EQ(whole, (std::vector<int64_t>{5, 0, -1, 3, 6, 1, 2, -1, -1, 7}));
+  EXPECT_EQ(segment_ends, (std::vector<int32_t>{3, 4, 8}));
 }
 
 }  // namespace

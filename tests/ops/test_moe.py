@@ -164,6 +164,15 @@ def test_permute_with_too_few_rows_for_an_expert_drops_its_last_slots_and_refuse
         moe_permute(x, ids, short, 3, -1)
 
 
+def test_permute_refuses_an_expert_id_out_of_range_in_both_modes():
+    x, ids, per_expert = permute_inputs()
+    ids[4, 1] = 3
+    for capacity in (-1, 8):
+        with pytest.raises(ValueError, match=r"moe_permute: every expert id must lie in \[0, num_experts=3\) or be "
+                                             r"-1 \(dropped\); expert_ids \(flattened\) \[9\] = 3"):
+            moe_permute(x, ids, per_expert, 3, capacity)
+
+
 def test_permute_gradcheck_fp64_and_opcheck():
     x, ids, per_expert = permute_inputs(dtype=torch.float64)
     weights = torch.rand(ids.shape, dtype=torch.float64)

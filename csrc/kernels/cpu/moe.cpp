@@ -106,6 +106,7 @@ void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
   for (int64_t e = launch.begin; e < launch.end; ++e) {
     int64_t next = args.capacity >= 0 ? e * args.capacity : args.starts[e];
     const int64_t end = args.capacity >= 0 ? next + args.capacity : args.ends[e];
+    args.segment_ends[e] = static_cast<int32_t>(end);
     for (int64_t slot = 0; slot < slots; ++slot) {
       if (args.experts[slot] != e) continue;
       args.positions[slot] = next < end ? next++ : -1;

@@ -3,6 +3,8 @@
 #include "kernels/moe.h"
 
 #include <algorithm>
+#include <cstdint>
+#include <initializer_list>
 #include <type_traits>
 
 #include "kernels/cuda/element.cuh"
@@ -16,31 +18,44 @@ constexpr int kMoeThreads = 256;
 
 int row_threads(int64_t dim) { return dim >= kMoeThreads ? kMoeThreads : std::max(32, static_cast<int>((dim + 31) / 32 * 32)); }
 
+// The sum of `value` over the threads of the block before this one (exclusive) and over all of them
+// (total), by a prefix sum in shared memory. Every thread of the block calls it.
+struct BlockSums {
+  int64_t before;
+  int64_t total;
+};
+
+__device__ BlockSums block_exclusive_sum(int64_t value) {
+  __shared__ int64_t scan[kMoeThreads];
+  scan[threadIdx.x] = value;
+  __syncthreads();
+  for (int offset = 1; offset < kMoeThreads; offset *= 2) {
+    const int64_t add = static_cast<int>(threadIdx.x) >= offset ? scan[threadIdx.x - offset] : 0;
+    __syncthreads();
+    scan[threadIdx.x] += add;
+    __syncthreads();
+  }
+  const BlockSums sums{scan[threadIdx.x] - value, scan[kMoeThreads - 1]};
+  __syncthreads();  // every thread has read the scan before a next call overwrites it
+  return sums;
+}
+
 // Numbers the items i in [0, items) for which flagged(i) holds, in increasing order, by a block-wide
 // prefix sum over chunks of kMoeThreads items: number(i, n) for the n-th flagged item (from 0),
 // unflagged(i) for the others.
 template <typename Flagged, typename Number, typename Unflagged>
 __device__ int64_t number_in_order(int64_t items, Flagged flagged, Number number, Unflagged unflagged) {
-  __shared__ int64_t scan[kMoeThreads];
   int64_t taken = 0;  // flagged items before this chunk
   for (int64_t chunk = 0; chunk < items; chunk += kMoeThreads) {
     const int64_t i = chunk + threadIdx.x;
     const bool flag = i < items && flagged(i);
-    scan[threadIdx.x] = flag ? 1 : 0;
-    __syncthreads();
-    for (int offset = 1; offset < kMoeThreads; offset *= 2) {
-      const int64_t add = static_cast<int>(threadIdx.x) >= offset ? scan[threadIdx.x - offset] : 0;
-      __syncthreads();
-      scan[threadIdx.x] += add;
-      __syncthreads();
-    }
+    const BlockSums sums = block_exclusive_sum(flag ? 1 : 0);
     if (flag) {
-      number(i, taken + scan[threadIdx.x] - 1);
+      number(i, taken + sums.before);
     } else if (i < items) {
       unflagged(i);
     }
-    taken += scan[kMoeThreads - 1];
-    __syncthreads();  // every thread has read the scan before the next chunk overwrites it
+    taken += sums.total;
   }
   return taken;  // the flagged items, the same in every thread
 }
@@ -122,64 +137,175 @@ __global__ void sum_rows_kernel(const T* __restrict__ rows, const Acc* __restric
   }
 }
 
-// One block per expert: its slots numbered in slot order from the segment's first row, then the rows
-// they leave empty zeroed. Block 0 also marks the slots without a local expert.
-__global__ void sort_slots_kernel(const int64_t* __restrict__ experts, int64_t slots, int64_t num_experts,
-                                  int64_t capacity, const int64_t* __restrict__ starts,
-                                  const int64_t* __restrict__ ends, int64_t* __restrict__ positions,
-                                  char* __restrict__ sorted, int64_t row_bytes, int64_t expert_begin) {
-  const int64_t e = expert_begin + blockIdx.x;
-  const int64_t first = capacity >= 0 ? e * capacity : starts[e];
-  const int64_t end = capacity >= 0 ? first + capacity : ends[e];
-  const int64_t numbered = number_in_order(
-      slots, [&](int64_t slot) { return experts[slot] == e; },
-      [&](int64_t slot, int64_t n) { positions[slot] = first + n < end ? first + n : -1; },
-      [&](int64_t slot) {
-        const int64_t expert = experts[slot];
-        if (e == 0 && out_of_range(expert, num_experts)) {
-          positions[slot] = kInvalidSlot;
-        } else if (e == 0 && expert < 0) {
-          positions[slot] = -1;
-        }
-      });
-  const int64_t filled = first + numbered < end ? first + numbered : end;
-  for (int64_t byte = filled * row_bytes + threadIdx.x; byte < end * row_bytes; byte += blockDim.x) sorted[byte] = 0;
+// The sort of the slots, in four kernels over all slots at once (the scratch: `counts`, one row of
+// num_experts per block of kSortBlockSlots slots, then a row of each expert's slots).
+static_assert(kSortBlockSlots == kMoeThreads, "one thread per slot of a sort block");
+
+__device__ __forceinline__ int64_t lesser(int64_t a, int64_t b) { return a < b ? a : b; }
+
+__device__ __forceinline__ int64_t segment_first(int64_t e, int64_t capacity, const int64_t* starts) {
+  return capacity >= 0 ? e * capacity : starts[e];
 }
 
-template <typename Acc>
-__device__ __forceinline__ Acc slot_weight(const Acc* weights, int64_t slot) {
-  return weights == nullptr ? Acc(1) : weights[slot];
+__device__ __forceinline__ int64_t segment_end(int64_t e, int64_t capacity, const int64_t* ends) {
+  return capacity >= 0 ? (e + 1) * capacity : ends[e];
 }
 
-// One block per row; threads stride over the features.
-template <typename T, typename Acc>
+// 1. One block per block of slots: each slot's rank among the block's earlier slots of its expert (kept
+// in positions until step 3), and the block's count of each expert.
+__global__ void rank_slots_kernel(const int64_t* __restrict__ experts, int64_t slots, int64_t num_experts,
+                                  int64_t* __restrict__ positions, int64_t* __restrict__ counts) {
+  __shared__ int64_t ids[kSortBlockSlots];
+  const int64_t slot = blockIdx.x * kSortBlockSlots + threadIdx.x;
+  const int64_t expert = slot < slots ? experts[slot] : -1;
+  ids[threadIdx.x] = expert;
+  int64_t* block_counts = counts + blockIdx.x * num_experts;
+  for (int64_t e = threadIdx.x; e < num_experts; e += blockDim.x) block_counts[e] = 0;
+  __syncthreads();
+  if (expert < 0 || expert >= num_experts) return;
+  int64_t before = 0;
+  bool last = true;  // no later slot of this block has the expert
+  for (int i = 0; i < kSortBlockSlots; ++i) {
+    if (ids[i] != expert) continue;
+    if (i < static_cast<int>(threadIdx.x)) ++before;
+    if (i > static_cast<int>(threadIdx.x)) last = false;
+  }
+  positions[slot] = before;
+  if (last) block_counts[expert] = before + 1;
+}
+
+// 2. One block per expert: each block's count replaced by the expert's first row for that block's
+// slots (the segment's first row plus the counts of the earlier blocks), and the expert's slots in
+// the totals row; the segment's end in segment_ends. Each thread takes a run of consecutive blocks.
+__global__ void block_offsets_kernel(int64_t blocks, int64_t num_experts, int64_t capacity,
+                                     const int64_t* __restrict__ starts, const int64_t* __restrict__ ends,
+                                     int64_t* __restrict__ counts, int32_t* __restrict__ segment_ends) {
+  const int64_t e = blockIdx.x;
+  const int64_t per_thread = (blocks + kMoeThreads - 1) / kMoeThreads;
+  const int64_t begin = lesser(blocks, threadIdx.x * per_thread);
+  const int64_t end = lesser(blocks, begin + per_thread);
+  int64_t run = 0;
+  for (int64_t b = begin; b < end; ++b) run += counts[b * num_experts + e];
+  const BlockSums sums = block_exclusive_sum(run);
+  int64_t next = segment_first(e, capacity, starts) + sums.before;
+  for (int64_t b = begin; b < end; ++b) {
+    const int64_t count = counts[b * num_experts + e];
+    counts[b * num_experts + e] = next;
+    next += count;
+  }
+  if (threadIdx.x == 0) {
+    counts[blocks * num_experts + e] = sums.total;
+    segment_ends[e] = static_cast<int32_t>(segment_end(e, capacity, ends));
+  }
+}
+
+// 3. One block per block of slots: positions from the ranks and the offsets (-1 past the segment or
+// without an expert, kInvalidSlot for an id out of range).
+__global__ void place_slots_kernel(const int64_t* __restrict__ experts, int64_t slots, int64_t num_experts,
+                                   int64_t capacity, const int64_t* __restrict__ ends,
+                                   const int64_t* __restrict__ counts, int64_t* __restrict__ positions) {
+  const int64_t slot = blockIdx.x * kSortBlockSlots + threadIdx.x;
+  if (slot >= slots) return;
+  const int64_t expert = experts[slot];
+  if (out_of_range(expert, num_experts)) {
+    positions[slot] = kInvalidSlot;
+  } else if (expert < 0) {
+    positions[slot] = -1;
+  } else {
+    const int64_t position = counts[blockIdx.x * num_experts + expert] + positions[slot];
+    positions[slot] = position < segment_end(expert, capacity, ends) ? position : -1;
+  }
+}
+
+// 4. kZeroBlocks blocks per expert: the rows of its segment that no slot fills, zeroed (in 16-byte
+// stores where the rows allow).
+constexpr int kZeroBlocks = 8;
+
+__global__ void zero_padding_kernel(int64_t blocks, int64_t num_experts, int64_t capacity,
+                                    const int64_t* __restrict__ starts, const int64_t* __restrict__ ends,
+                                    const int64_t* __restrict__ counts, char* __restrict__ sorted,
+                                    int64_t row_bytes) {
+  const int64_t e = blockIdx.x / kZeroBlocks;
+  const int64_t first = segment_first(e, capacity, starts), end = segment_end(e, capacity, ends);
+  const int64_t filled = lesser(end, first + counts[blocks * num_experts + e]);
+  char* from = sorted + filled * row_bytes;
+  const int64_t bytes = (end - filled) * row_bytes;
+  const int64_t stride = static_cast<int64_t>(kZeroBlocks) * blockDim.x;
+  const int64_t thread = (blockIdx.x % kZeroBlocks) * blockDim.x + threadIdx.x;
+  if (row_bytes % 16 == 0 && reinterpret_cast<uintptr_t>(sorted) % 16 == 0) {
+    uint4* words = reinterpret_cast<uint4*>(from);
+    for (int64_t w = thread; w < bytes / 16; w += stride) words[w] = uint4{0, 0, 0, 0};
+  } else {
+    for (int64_t byte = thread; byte < bytes; byte += stride) from[byte] = 0;
+  }
+}
+
+// `Width` consecutive elements of a row, moved by one load or store (16 bytes on the vector path).
+template <typename T, int Width>
+struct alignas(sizeof(T) * Width) Pack {
+  T v[Width];
+};
+
+// The elements of a 16-byte pack of T.
+template <typename T>
+constexpr int kVectorWidth = static_cast<int>(16 / sizeof(T));
+
+// Whether rows of `dim` elements of T starting at each of `rows` can move in 16-byte packs.
+template <typename T>
+bool rows_fit_packs(int64_t dim, std::initializer_list<const void*> rows) {
+  if (dim * static_cast<int64_t>(sizeof(T)) % 16 != 0) return false;
+  for (const void* row : rows) {
+    if (reinterpret_cast<uintptr_t>(row) % 16 != 0) return false;
+  }
+  return true;
+}
+
+// One block per row: threads stride over the row's packs, each read once and written to every slot.
+template <typename T, typename Acc, int Width>
 __global__ void scatter_rows_kernel(const T* __restrict__ x, T* __restrict__ sorted,
                                     const int64_t* __restrict__ positions, const Acc* __restrict__ weights,
                                     int64_t top_k, int64_t dim, int64_t row_begin) {
+  using Row = Pack<T, Width>;
   const int64_t r = row_begin + blockIdx.x;
-  for (int64_t j = 0; j < top_k; ++j) {
-    const int64_t position = positions[r * top_k + j];
-    if (position < 0) continue;
-    const Acc w = slot_weight(weights, r * top_k + j);
-    for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
-      sorted[position * dim + d] = store_as<T>(w * static_cast<Acc>(load(x[r * dim + d])));
+  const Row* from = reinterpret_cast<const Row*>(x + r * dim);
+  for (int64_t p = threadIdx.x; p < dim / Width; p += blockDim.x) {
+    const Row in = from[p];
+    for (int64_t j = 0; j < top_k; ++j) {
+      const int64_t position = positions[r * top_k + j];
+      if (position < 0) continue;
+      Row out = in;
+      if (weights != nullptr) {
+        const Acc w = weights[r * top_k + j];
+        for (int i = 0; i < Width; ++i) out.v[i] = store_as<T>(w * static_cast<Acc>(load(in.v[i])));
+      }
+      reinterpret_cast<Row*>(sorted + position * dim)[p] = out;
     }
   }
 }
 
-template <typename T, typename Acc>
+// One block per row: threads stride over the row's packs, summing the slots' weighted packs in slot order.
+template <typename T, typename Acc, int Width>
 __global__ void gather_sum_rows_kernel(const T* __restrict__ sorted, T* __restrict__ y,
                                        const int64_t* __restrict__ positions, const Acc* __restrict__ weights,
                                        int64_t top_k, int64_t dim, int64_t row_begin) {
+  using Row = Pack<T, Width>;
   const int64_t r = row_begin + blockIdx.x;
-  for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
-    Acc sum = 0;
+  for (int64_t p = threadIdx.x; p < dim / Width; p += blockDim.x) {
+    Acc sum[Width];
+    for (int i = 0; i < Width; ++i) sum[i] = 0;
     for (int64_t j = 0; j < top_k; ++j) {
       const int64_t position = positions[r * top_k + j];
-      if (position == kInvalidSlot) sum = Acc(NAN);
-      if (position >= 0) sum += slot_weight(weights, r * top_k + j) * static_cast<Acc>(load(sorted[position * dim + d]));
+      if (position == kInvalidSlot) {
+        for (int i = 0; i < Width; ++i) sum[i] = Acc(NAN);
+      }
+      if (position < 0) continue;
+      const Acc w = weights == nullptr ? Acc(1) : weights[r * top_k + j];
+      const Row in = reinterpret_cast<const Row*>(sorted + position * dim)[p];
+      for (int i = 0; i < Width; ++i) sum[i] += w * static_cast<Acc>(load(in.v[i]));
     }
-    y[r * dim + d] = store_as<T>(sum);
+    Row out;
+    for (int i = 0; i < Width; ++i) out.v[i] = store_as<T>(sum[i]);
+    reinterpret_cast<Row*>(y + r * dim)[p] = out;
   }
 }
 
@@ -250,12 +376,28 @@ void sum_rows(const SumRowsArgs& args, const Launch& launch) {
 }
 
 void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
-  const int64_t blocks = launch.end - launch.begin;
-  if (blocks == 0) return;
-  TDX_LAUNCH(blocks, kMoeThreads, static_cast<cudaStream_t>(launch.stream), sort_slots_kernel)(
-      args.experts, args.rows * args.top_k, args.num_experts, args.capacity, args.starts, args.ends,
-      args.positions, static_cast<char*>(args.sorted), args.row_bytes, launch.begin);
-  check_launch("moe sort_slots");
+  if (launch.end == launch.begin) return;
+  const auto stream = static_cast<cudaStream_t>(launch.stream);
+  const int64_t slots = args.rows * args.top_k;
+  const int64_t blocks = (slots + kSortBlockSlots - 1) / kSortBlockSlots;
+  if (blocks > 0) {
+    TDX_LAUNCH(blocks, kSortBlockSlots, stream, rank_slots_kernel)(args.experts, slots, args.num_experts,
+                                                                  args.positions, args.scratch);
+    check_launch("moe sort_slots (ranks)");
+  }
+  TDX_LAUNCH(args.num_experts, kMoeThreads, stream, block_offsets_kernel)(
+      blocks, args.num_experts, args.capacity, args.starts, args.ends, args.scratch, args.segment_ends);
+  check_launch("moe sort_slots (offsets)");
+  if (blocks > 0) {
+    TDX_LAUNCH(blocks, kSortBlockSlots, stream, place_slots_kernel)(args.experts, slots, args.num_experts,
+                                                                   args.capacity, args.ends, args.scratch,
+                                                                   args.positions);
+    check_launch("moe sort_slots (positions)");
+  }
+  TDX_LAUNCH(args.num_experts * kZeroBlocks, kMoeThreads, stream, zero_padding_kernel)(
+      blocks, args.num_experts, args.capacity, args.starts, args.ends, args.scratch,
+      static_cast<char*>(args.sorted), args.row_bytes);
+  check_launch("moe sort_slots (padding)");
 }
 
 void scatter_rows(const ScatterRowsArgs& args, const Launch& launch) {
@@ -265,9 +407,16 @@ void scatter_rows(const ScatterRowsArgs& args, const Launch& launch) {
   visit_element_type(s.type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using Acc = accumulator_t<T>;
-    TDX_LAUNCH(blocks, row_threads(s.dim), static_cast<cudaStream_t>(launch.stream), scatter_rows_kernel<T, Acc>)(
-        static_cast<const T*>(args.x), static_cast<T*>(args.sorted), s.positions,
-        static_cast<const Acc*>(s.weights), s.top_k, s.dim, launch.begin);
+    const auto run = [&](auto kernel, int64_t width) {
+      TDX_LAUNCH(blocks, row_threads(s.dim / width), static_cast<cudaStream_t>(launch.stream), kernel)(
+          static_cast<const T*>(args.x), static_cast<T*>(args.sorted), s.positions,
+          static_cast<const Acc*>(s.weights), s.top_k, s.dim, launch.begin);
+    };
+    if (rows_fit_packs<T>(s.dim, {args.x, args.sorted})) {
+      run(scatter_rows_kernel<T, Acc, kVectorWidth<T>>, kVectorWidth<T>);
+    } else {
+      run(scatter_rows_kernel<T, Acc, 1>, 1);
+    }
   });
   check_launch("moe scatter_rows");
 }
@@ -279,10 +428,16 @@ void gather_sum_rows(const GatherSumRowsArgs& args, const Launch& launch) {
   visit_element_type(s.type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using Acc = accumulator_t<T>;
-    TDX_LAUNCH(blocks, row_threads(s.dim), static_cast<cudaStream_t>(launch.stream),
-               gather_sum_rows_kernel<T, Acc>)(static_cast<const T*>(args.sorted), static_cast<T*>(args.y),
-                                               s.positions, static_cast<const Acc*>(s.weights), s.top_k, s.dim,
-                                               launch.begin);
+    const auto run = [&](auto kernel, int64_t width) {
+      TDX_LAUNCH(blocks, row_threads(s.dim / width), static_cast<cudaStream_t>(launch.stream), kernel)(
+          static_cast<const T*>(args.sorted), static_cast<T*>(args.y), s.positions,
+          static_cast<const Acc*>(s.weights), s.top_k, s.dim, launch.begin);
+    };
+    if (rows_fit_packs<T>(s.dim, {args.sorted, args.y})) {
+      run(gather_sum_rows_kernel<T, Acc, kVectorWidth<T>>, kVectorWidth<T>);
+    } else {
+      run(gather_sum_rows_kernel<T, Acc, 1>, 1);
+    }
   });
   check_launch("moe gather_sum_rows");
 }

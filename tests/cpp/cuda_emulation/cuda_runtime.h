@@ -41,6 +41,10 @@ struct dim3 {
   dim3(unsigned int x_ = 1, unsigned int y_ = 1, unsigned int z_ = 1) : x(x_), y(y_), z(z_) {}
 };
 
+struct alignas(16) uint4 {
+  unsigned int x, y, z, w;
+};
+
 inline dim3 threadIdx;
 inline dim3 blockIdx;
 inline dim3 blockDim;

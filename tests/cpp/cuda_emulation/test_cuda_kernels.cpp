@@ -11,6 +11,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <random>
 #include <vector>
 
 #include "kernel_checks.h"
@@ -100,10 +101,51 @@ TEST(CudaLseMerge, SequencesOfMergesStayWithinTheirBoundForEveryBlockTypeAndStri
 }
 
 TEST(CudaMoePermutation, SortsSlotsExpertMajorAndMovesRowsBothWaysInEveryElementType) {
-  // Features: one, under a warp, past a block of threads.
-  tdx::test::for_each_type_and_size({1, 7, 300}, [](auto acc, ElementType type, int64_t dim) {
+  // Features: one, under a warp, 16-byte packs of every type, past a block of threads (packs of 32-
+  // and 64-bit types, elements of 16-bit ones).
+  tdx::test::for_each_type_and_size({1, 7, 16, 300}, [](auto acc, ElementType type, int64_t dim) {
     tdx::test::check_moe_permutation<decltype(acc)>(MoeKernels::cuda(), type, dim);
   });
+}
+
+TEST(CudaMoePermutation, SortsMoreBlocksOfSlotsThanASortBlockHasThreads) {
+  // 260 blocks of 256 slots: each thread of the offsets kernel takes a run of two blocks.
+  constexpr int64_t rows = 260 * 128, top_k = 2, experts = 7;
+  std::mt19937 gen(5);
+  std::uniform_int_distribution<int64_t> pick(-1, experts - 1);
+  std::vector<int64_t> ids(rows * top_k);
+  for (auto& id : ids) id = pick(gen);
+  for (const int64_t capacity : {int64_t{-1}, int64_t{rows / 5}}) {
+    std::vector<int64_t> counts(experts, 0), starts(experts, 0), ends(experts, 0);
+    for (const int64_t id : ids) {
+      if (id >= 0) ++counts[id];
+    }
+    for (int64_t e = 0; e < experts; ++e) {  // dropless: expert 2's segment 3 rows longer than its slots
+      ends[e] = starts[e] + counts[e] + (e == 2 ? 3 : 0);
+      if (e + 1 < experts) starts[e + 1] = ends[e];
+    }
+    const int64_t sorted_rows = capacity >= 0 ? experts * capacity : ends[experts - 1];
+    std::vector<int64_t> want(ids.size(), -1), taken(experts, 0);  // slot order within each expert's segment
+    std::vector<float> want_sorted(sorted_rows, 0.0f);
+    for (size_t slot = 0; slot < ids.size(); ++slot) {
+      const int64_t e = ids[slot];
+      if (e < 0) continue;
+      const int64_t first = capacity >= 0 ? e * capacity : starts[e], end = capacity >= 0 ? first + capacity : ends[e];
+      const int64_t position = first + taken[e]++;
+      if (position < end) want[slot] = position, want_sorted[position] = 9.0f;
+    }
+    std::vector<int64_t> got(ids.size(), -7), scratch(tdx::kernels::sort_scratch_size(ids.size(), experts), -7);
+    std::vector<float> sorted(sorted_rows, 9.0f);  // rows no slot fills are zeroed
+    std::vector<int32_t> segment_ends(experts, -7), want_ends(experts);
+    for (int64_t e = 0; e < experts; ++e) want_ends[e] = static_cast<int32_t>(capacity >= 0 ? (e + 1) * capacity : ends[e]);
+    MoeKernels::cuda().sort_slots({ids.data(), rows, top_k, experts, capacity, starts.data(), ends.data(), got.data(),
+                                   sorted.data(), 4, scratch.data(), segment_ends.data()},
+                                  tdx::kernels::Launch{0, experts, nullptr});
+    EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+    EXPECT_EQ(got, want) << "capacity " << capacity;
+    EXPECT_EQ(sorted, want_sorted) << "capacity " << capacity;
+    EXPECT_EQ(segment_ends, want_ends) << "capacity " << capacity;
+  }
 }
 
 TEST(CudaMoeExchange, RoutesPacksAndSumsTheExchangedRowsInEveryElementType) {
