@@ -39,13 +39,31 @@ double activation_bytes_per_layer(double s, double b, double h, double a, long t
   return sbh * (linear + 5 * a * s / (h * t));
 }
 
+namespace {
+
+// The sizes both per-layer byte counts start from.
+struct LayerDims {
+  double e;           // bytes per activation element
+  double tokens;      // of a micro-batch on one cp rank
+  double h, a, g, t;  // hidden size, query heads, key/value heads, tensor-parallel size
+  double replicated;  // the share of a [tokens, h] tensor a tp rank holds (1/t with SP, else 1)
+};
+
+LayerDims layer_dims(const ModelSpec& model, const Layout& layout) {
+  const double t = static_cast<double>(layout.tp);
+  return {element_bytes(layout.precision),
+          static_cast<double>(layout.micro_batch) * static_cast<double>(layout.seq_len) / static_cast<double>(layout.cp),
+          static_cast<double>(model.hidden),
+          static_cast<double>(model.num_heads),
+          static_cast<double>(model.num_kv_heads),
+          t,
+          layout.sequence_parallel ? 1 / t : 1.0};
+}
+
+}  // namespace
+
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
-  const double e = element_bytes(layout.precision);
-  const double tokens = static_cast<double>(layout.micro_batch) * static_cast<double>(layout.seq_len) /
-                        static_cast<double>(layout.cp);
-  const double h = static_cast<double>(model.hidden), a = static_cast<double>(model.num_heads);
-  const double g = static_cast<double>(model.num_kv_heads), t = static_cast<double>(layout.tp);
-  const double replicated = layout.sequence_parallel ? 1 / t : 1.0;
+  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
   const double attention_heads = (2 + 2 * g / a) * h / t;  // q, k, v and the attention output
   const double lse = 4 * tokens * a / t;
   const double k = static_cast<double>(model.experts_per_token);
@@ -88,12 +106,7 @@ double expected_ranks_per_token(int64_t num_experts, int64_t top_k, int64_t ep) 
 }
 
 double layer_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
-  const double e = element_bytes(layout.precision);
-  const double tokens = static_cast<double>(layout.micro_batch) * static_cast<double>(layout.seq_len) /
-                        static_cast<double>(layout.cp);
-  const double h = static_cast<double>(model.hidden), a = static_cast<double>(model.num_heads);
-  const double g = static_cast<double>(model.num_kv_heads), t = static_cast<double>(layout.tp);
-  const double replicated = layout.sequence_parallel ? 1 / t : 1.0;
+  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
   const double attention = h * replicated + (1 + 2 * g / a) * h / t + h / t + h;
   const double norms = 4 * h * replicated;
   const double mlp = moe_layer ? 0 : h * replicated + 3 * static_cast<double>(model.ffn_hidden) / t + h;
