@@ -120,6 +120,28 @@ std::vector<ScheduledPass> simulate_interleaved(long p, long m, long v) {
   return run_fixed_orders(orders, p * v, "simulate_schedule (interleaved)");
 }
 
+// ZB-H1 (Qi et al. 2024) as fixed orders: stage s runs 1F1B's p - s warm-up forwards, then for each
+// micro-batch its B, a W once more than s weight gradients wait, and the next F; the waiting W last. Stage
+// s holds at most p - s micro-batches' activations plus s deferred W inputs: at most p, 1F1B's peak (its
+// stage 0), where running each W only where a stage would idle piles up to m on the last stage. With
+// T_F = T_B = T_W the idle fraction is still (p - 1) / (3m + p - 1) for m >= p (tested): the s deferred
+// W of stage s fill the s units it waits for the first B at the start of the drain.
+std::vector<ScheduledPass> simulate_zb_h1(long p, long m) {
+  std::vector<std::vector<FixedPass>> orders(p);
+  for (long s = 0; s < p; ++s) {
+    long f = 0, b = 0, w = 0;
+    const auto put = [&](char kind, long& next) { orders[s].push_back({s, kind, next++, 0, 1.0}); };
+    while (f < std::min(p - s, m)) put('F', f);
+    while (b < m) {
+      put('B', b);
+      if (b - w > s) put('W', w);
+      if (f < m) put('F', f);
+    }
+    while (w < m) put('W', w);
+  }
+  return run_fixed_orders(orders, p, "simulate_schedule (zb-h1)");
+}
+
 // ZB-V (Qi et al. 2024): device d holds chunk 0 = stage d (the way down) and chunk 1 = stage
 // 2p-1-d (the way back up); every pass of a chunk costs 1/2. A free device starts, in order of
 // preference: a ready backward (chunk 0 first: it ends a micro-batch), a ready forward on chunk 1,
@@ -188,22 +210,21 @@ std::vector<ScheduledPass> simulate_schedule(long p, long m, Schedule schedule, 
   if (p < 1 || m < 1 || v < 1) throw std::invalid_argument("pp, num_microbatches and virtual_stages must be >= 1");
   if (schedule == Schedule::kInterleaved) return simulate_interleaved(p, m, v);
   if (schedule == Schedule::kZbV) return simulate_zb_v(p, m);
-  const bool gpipe = schedule == Schedule::kGPipe, split = schedule == Schedule::kZbH1;
+  if (schedule == Schedule::kZbH1) return simulate_zb_h1(p, m);
+  const bool gpipe = schedule == Schedule::kGPipe;
   // Every stage, whenever it is free at an integer time, starts the first ready pass by priority:
   //   gpipe  F, then B (all forwards first);
-  //   1f1b   B, then F while fewer than p - s micro-batches are forwarded but not backwarded;
-  //   zb-h1  as 1f1b, then W: weight gradients fill what would be bubbles (Qi et al. 2024).
-  const double backward_cost = split ? 1.0 : 2.0;
+  //   1f1b   B, then F while fewer than p - s micro-batches are forwarded but not backwarded.
+  // A B costs 2 (it computes the weight gradient too).
   std::map<std::tuple<long, char, long>, double> finished;
   auto done_by = [&](long stage, char kind, long micro, double t) {
     const auto found = finished.find({stage, kind, micro});
     return found != finished.end() && found->second <= t;
   };
   std::vector<long> next_forward(p, 0), next_backward(p, 0);
-  std::vector<std::vector<long>> pending_weights(p);
   std::vector<double> free_at(p, 0.0);
   std::vector<ScheduledPass> timeline;
-  const size_t total = static_cast<size_t>(p * m * (split ? 3 : 2));
+  const size_t total = static_cast<size_t>(p * m * 2);
   for (double t = 0; timeline.size() < total; t += 1) {
     for (long s = 0; s < p; ++s) {
       if (free_at[s] > t) continue;
@@ -220,20 +241,14 @@ std::vector<ScheduledPass> simulate_schedule(long p, long m, Schedule schedule, 
         kind = 'B', micro = b;
       } else if (forward_ready && within_memory) {
         kind = 'F', micro = f;
-      } else if (split && !pending_weights[s].empty()) {
-        kind = 'W', micro = pending_weights[s].front();
-        pending_weights[s].erase(pending_weights[s].begin());
       }
       if (kind == 0) continue;
-      const double cost = kind == 'B' ? backward_cost : 1.0;
+      const double cost = kind == 'B' ? 2.0 : 1.0;
       timeline.push_back({s, kind, micro, t, t + cost});
       finished[{s, kind, micro}] = t + cost;
       free_at[s] = t + cost;
       if (kind == 'F') ++next_forward[s];
-      if (kind == 'B') {
-        ++next_backward[s];
-        if (split) pending_weights[s].push_back(micro);
-      }
+      if (kind == 'B') ++next_backward[s];
     }
   }
   return timeline;

@@ -48,8 +48,9 @@ struct ScheduledPass {
 // The step simulated pass by pass: a pass starts when its stage is free and
 // its inputs exist (F after the previous stage's F; B after the next stage's B
 // and its own F; W after its own B), stages choosing among ready passes by the
-// schedule's priorities, or, for interleaved, following Megatron-LM's pass
-// order (pipeline.cpp). T_F = T_B = T_W = 1 for a whole stage (B = 2 when it
+// schedule's priorities, or following a fixed pass order: Megatron-LM's for
+// interleaved, Qi et al.'s ZB-H1 (stage s defers at most s weight gradients, so
+// it holds at most 1F1B's p micro-batches) for zb-h1 (pipeline.cpp). T_F = T_B = T_W = 1 for a whole stage (B = 2 when it
 // includes W; a chunk of an interleaved stage costs 1/v of it, a ZB-V chunk
 // 1/2). Supported: gpipe, 1f1b, zb-h1, zb-v, interleaved (num_microbatches
 // divisible by pp); the simulated idle fraction equals bubble_fraction (tested).

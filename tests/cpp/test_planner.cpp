@@ -142,11 +142,17 @@ TEST(Pipeline, PeakHeldActivationsOfTheSimulatedSchedules) {
     }
     EXPECT_DOUBLE_EQ(peak_held_activations(simulate_schedule(4, m, Schedule::kZbH1), 4, 0.0), 4);
   }
-  // zb-h1, p = 2, m = 4, by hand on stage 0: F0 F1 B0 F2 B1 F3 B2 B3, then the four W. After F3 it holds
-  // two forwards' activations and two micro-batches' W inputs (2 + 2w); after B3 four W inputs (4w).
+  // zb-h1, p = 2, m = 4, by hand. Stage 0: F0 F1 B0 W0 F2 B1 W1 F3 B2 W2 B3 W3 holds at most two
+  // forwards' activations (2), or one and a W input (1 + w). Stage 1 defers one W: F0 B0 F1 B1 W0 F2 B2 W1 F3
+  // B3 W2 W3 holds at most one forward's activations and a W input (1 + w), or two W inputs (2w).
   for (double w : {0.0, 0.25, 0.5, 1.0, 2.0}) {
-    EXPECT_DOUBLE_EQ(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, w),
-                     std::max(2 + 2 * w, 4 * w));
+    EXPECT_DOUBLE_EQ(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, w), std::max({2.0, 1 + w, 2 * w}));
+  }
+  // With W inputs as large as the activations (w = 1) no stage holds more than 1F1B's peak, p.
+  for (long p : {2L, 4L, 8L}) {
+    for (long m : {1L, 3L, 8L, 32L}) {
+      EXPECT_LE(peak_held_activations(simulate_schedule(p, m, Schedule::kZbH1), p, 1.0), p) << p << " stages, " << m;
+    }
   }
   EXPECT_THROW(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, -1.0), std::invalid_argument);
 }
