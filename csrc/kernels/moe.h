@@ -46,8 +46,9 @@ inline int64_t sort_scratch_size(int64_t slots, int64_t num_experts) {
 // segment_ends[e] = one past expert e's last row (torch._grouped_mm's offsets). Each expert's
 // rows its slots leave empty (capacity padding) are zeroed in `sorted`, so the
 // caller need not clear it. Work items: experts (the CPU kernels; the CUDA
-// kernels take every slot at once: a rank within each block of slots, the
-// blocks' offsets per expert, then the positions).
+// kernels take every slot at once, so their launch must cover all experts
+// [0, num_experts): a rank within each block of slots, the blocks' offsets per
+// expert, then the positions).
 struct SortSlotsArgs {
   const int64_t* experts;  // [rows, top_k]
   int64_t rows;
@@ -59,7 +60,7 @@ struct SortSlotsArgs {
   int64_t* positions;     // [rows, top_k]
   void* sorted;           // [sorted rows, row_bytes / element size]: the padding rows are zeroed
   int64_t row_bytes;
-  int64_t* scratch;  // [sort_scratch_size(rows * top_k, num_experts)], any contents (used by the CUDA kernels)
+  int64_t* scratch;  // [sort_scratch_size(rows * top_k, num_experts)], any contents (the CUDA kernels; CPU: unused)
   int32_t* segment_ends;  // [num_experts]
 };
 

@@ -20,6 +20,8 @@
 
 #include <ATen/ATen.h>
 
+#include <limits>
+
 #include "comm/all_to_all.h"
 #include "comm/group.h"
 #include "kernels/moe.h"
@@ -214,8 +216,11 @@ std::tuple<at::Tensor, at::Tensor> moe_combine(const at::Tensor& y, const std::o
 }
 
 void check_slots(const char* op, const at::Tensor& positions, const std::optional<at::Tensor>& weights,
-                 c10::ScalarType type) {
+                 const at::Tensor& rows) {
+  const c10::ScalarType type = rows.scalar_type();
   TORCH_CHECK(positions.dim() == 2, op, ": positions must be [rows, top_k], got ", positions.sizes());
+  TORCH_CHECK(positions.device() == rows.device() && (!weights.has_value() || weights->device() == rows.device()),
+              op, ": positions and weights must be on the rows' device ", rows.device());
   TORCH_CHECK_TYPE(positions.scalar_type() == at::kLong, op, ": positions must be int64, got ",
                    positions.scalar_type());
   if (weights.has_value()) {
@@ -238,6 +243,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
   TORCH_CHECK(x.dim() == 2, kPermute, ": x must be [rows, dim], got ", x.sizes());
   element_type(kPermute, x.scalar_type());
   check_expert_ids_layout(kPermute, expert_ids, x.size(0));  // their values: once the kernels are enqueued
+  TORCH_CHECK(expert_ids.device() == x.device(), kPermute, ": expert_ids must be on x's device ", x.device(),
+              ", got ", expert_ids.device());
   TORCH_CHECK_VALUE(num_experts > 0, kPermute, ": num_experts must be positive, got ", num_experts);
   TORCH_CHECK_VALUE(capacity >= -1, kPermute, ": capacity must be -1 (dropless) or >= 0, got ", capacity);
   const auto device_longs = expert_ids.options();
@@ -265,6 +272,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
     }
     segments = x.is_cpu() ? host_segments : host_segments.to(x.device(), /*non_blocking=*/true);
   }
+  TORCH_CHECK_VALUE(sorted_rows <= std::numeric_limits<int32_t>::max(), kPermute, ": ", sorted_rows,
+                    " sorted rows do not fit the int32 offsets of the grouped GEMM");
   const auto ids = expert_ids.contiguous();
   auto positions = at::empty(ids.sizes(), device_longs);
   const auto& table = kernels_for<MoeKernels>(kPermute, x.device());
@@ -273,7 +282,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> moe_permute(const at::Tensor& x, 
   const auto rows = x.contiguous();
   auto sorted = at::empty({sorted_rows, x.size(1)}, x.options());
   const int64_t* first_rows = segments.defined() ? segments.data_ptr<int64_t>() : nullptr;
-  auto scratch = at::empty({kernels::sort_scratch_size(ids.numel(), num_experts)}, device_longs);
+  auto scratch = at::empty({x.is_cpu() ? 0 : kernels::sort_scratch_size(ids.numel(), num_experts)}, device_longs);
   auto offsets = at::empty({num_experts}, device_longs.dtype(at::kInt));
   const kernels::SortSlotsArgs sort{ids.data_ptr<int64_t>(),
                                     ids.size(0),
@@ -304,7 +313,7 @@ at::Tensor moe_unpermute(const at::Tensor& sorted, const at::Tensor& positions,
   TORCH_CHECK(sorted.dim() >= 2, kUnpermute, ": sorted must be [sorted rows, dim] (or [experts, capacity, dim]), got ",
               sorted.sizes());
   element_type(kUnpermute, sorted.scalar_type());
-  check_slots(kUnpermute, positions, weights, sorted.scalar_type());
+  check_slots(kUnpermute, positions, weights, sorted);
   const auto rows = sorted.reshape({-1, sorted.size(-1)}).contiguous();
   const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
   const auto slots = positions.contiguous();
@@ -323,7 +332,7 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_bwd(const at::Tensor& grad, con
       kUnpermuteBwd, ": grad ", grad.sizes(), " must be [rows of positions, dim of sorted ", sorted.sizes(), "]");
   TORCH_CHECK_TYPE(grad.scalar_type() == sorted.scalar_type(), kUnpermuteBwd, ": grad and sorted must have one dtype");
   element_type(kUnpermuteBwd, grad.scalar_type());
-  check_slots(kUnpermuteBwd, positions, weights, grad.scalar_type());
+  check_slots(kUnpermuteBwd, positions, weights, grad);
   const auto g = grad.contiguous();
   const auto rows = sorted.contiguous();  // its leading dims are rows (sorted may be [experts, capacity, dim])
   const auto slots = positions.contiguous();

@@ -122,8 +122,9 @@ std::vector<ScheduledPass> simulate_interleaved(long p, long m, long v) {
 
 // ZB-H1 (Qi et al. 2024) as fixed orders: stage s runs 1F1B's p - s warm-up forwards, then for each
 // micro-batch its B, a W once more than s weight gradients wait, and the next F; the waiting W last. Stage
-// s holds at most p - s micro-batches' activations plus s deferred W inputs: at most p, 1F1B's peak (its
-// stage 0), where running each W only where a stage would idle piles up to m on the last stage. With
+// s holds at most p - s micro-batches' activations, or right after a B p - s - 1 and s + 1 deferred W
+// inputs (w units each): at most p units for w <= 1, 1F1B's peak (its stage 0), where running each W only
+// where a stage would idle piles up to m on the last stage. With
 // T_F = T_B = T_W the idle fraction is still (p - 1) / (3m + p - 1) for m >= p (tested): the s deferred
 // W of stage s fill the s units it waits for the first B at the start of the drain.
 std::vector<ScheduledPass> simulate_zb_h1(long p, long m) {

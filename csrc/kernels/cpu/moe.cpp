@@ -5,6 +5,7 @@
 #include <cstring>
 #include <limits>
 #include <type_traits>
+#include <vector>
 
 #include "kernels/cpu/element.h"
 #include "kernels/cpu/isa_clones.h"
@@ -103,15 +104,22 @@ void sum_rows(const SumRowsArgs& args, const Launch& launch) {
 
 void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
   const int64_t slots = args.rows * args.top_k;
+  // One pass over the slots for this call's experts [launch.begin, launch.end): each expert's next row and end.
+  std::vector<int64_t> next(launch.end - launch.begin), end(launch.end - launch.begin);
   for (int64_t e = launch.begin; e < launch.end; ++e) {
-    int64_t next = args.capacity >= 0 ? e * args.capacity : args.starts[e];
-    const int64_t end = args.capacity >= 0 ? next + args.capacity : args.ends[e];
-    args.segment_ends[e] = static_cast<int32_t>(end);
-    for (int64_t slot = 0; slot < slots; ++slot) {
-      if (args.experts[slot] != e) continue;
-      args.positions[slot] = next < end ? next++ : -1;
+    next[e - launch.begin] = args.capacity >= 0 ? e * args.capacity : args.starts[e];
+    end[e - launch.begin] = args.capacity >= 0 ? next[e - launch.begin] + args.capacity : args.ends[e];
+    args.segment_ends[e] = static_cast<int32_t>(end[e - launch.begin]);
+  }
+  for (int64_t slot = 0; slot < slots; ++slot) {
+    const int64_t e = args.experts[slot] - launch.begin;
+    if (e < 0 || e >= launch.end - launch.begin) continue;
+    args.positions[slot] = next[e] < end[e] ? next[e]++ : -1;
+  }
+  for (size_t e = 0; e < next.size(); ++e) {
+    if (end[e] > next[e]) {
+      std::memset(static_cast<char*>(args.sorted) + next[e] * args.row_bytes, 0, (end[e] - next[e]) * args.row_bytes);
     }
-    if (end > next) std::memset(static_cast<char*>(args.sorted) + next * args.row_bytes, 0, (end - next) * args.row_bytes);
   }
   // Slots without a local expert belong to no work item: the item of expert 0 marks them.
   if (launch.begin == 0) {
