@@ -9,6 +9,7 @@
 
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <random>
@@ -145,6 +146,32 @@ TEST(CudaMoePermutation, SortsMoreBlocksOfSlotsThanASortBlockHasThreads) {
     EXPECT_EQ(got, want) << "capacity " << capacity;
     EXPECT_EQ(sorted, want_sorted) << "capacity " << capacity;
     EXPECT_EQ(segment_ends, want_ends) << "capacity " << capacity;
+  }
+}
+
+TEST(CudaMoePermutation, MovesRowsElementByElementFromAnAddressOff16Bytes) {
+  // Rows of 8 floats (32 bytes) would move in 16-byte packs; starting 4 bytes past an aligned address, the
+  // kernels take the element-by-element path and still move every row.
+  constexpr int64_t rows = 3, top_k = 2, dim = 8;
+  const std::vector<int64_t> positions = {4, -1, 0, 2, 1, 3};
+  const std::vector<float> weights = {0.5f, 9.0f, 2.0f, 1.0f, -1.0f, 4.0f};
+  alignas(16) float x_storage[rows * dim + 1], sorted_storage[5 * dim + 1], y_storage[rows * dim + 1];
+  float *x = x_storage + 1, *sorted = sorted_storage + 1, *y = y_storage + 1;
+  for (int64_t i = 0; i < rows * dim; ++i) x[i] = static_cast<float>(i) - 7.0f;
+  std::fill(sorted, sorted + 5 * dim, 0.0f);
+  const tdx::kernels::SlotRows plain{ElementType::kFloat32, rows, top_k, dim, positions.data(), nullptr};
+  const tdx::kernels::SlotRows weighted{ElementType::kFloat32, rows, top_k, dim, positions.data(), weights.data()};
+  MoeKernels::cuda().scatter_rows({plain, x, sorted}, tdx::kernels::Launch{0, rows, nullptr});
+  MoeKernels::cuda().gather_sum_rows({weighted, sorted, y}, tdx::kernels::Launch{0, rows, nullptr});
+  EXPECT_EQ(cudaGetLastError(), cudaSuccess);
+  for (int64_t slot = 0; slot < rows * top_k; ++slot) {
+    if (positions[slot] < 0) continue;
+    for (int64_t d = 0; d < dim; ++d) EXPECT_EQ(sorted[positions[slot] * dim + d], x[(slot / top_k) * dim + d]);
+  }
+  for (int64_t r = 0; r < rows; ++r) {
+    float w = 0;
+    for (int64_t j = 0; j < top_k; ++j) w += positions[r * top_k + j] >= 0 ? weights[r * top_k + j] : 0.0f;
+    for (int64_t d = 0; d < dim; ++d) EXPECT_FLOAT_EQ(y[r * dim + d], w * x[r * dim + d]) << r << ", " << d;
   }
 }
 
