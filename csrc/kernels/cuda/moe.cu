@@ -400,8 +400,21 @@ void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
   check_launch("moe sort_slots (padding)");
 }
 
-void scatter_rows(const ScatterRowsArgs& args, const Launch& launch) {
-  const SlotRows& s = args.slots;
+// The kernel templates of the row moves (Kernel::of<T, Acc, Width>()): each takes (from, to, positions,
+// weights, top_k, dim, row_begin).
+struct ScatterRows {
+  template <typename T, typename Acc, int Width>
+  static auto of() { return &scatter_rows_kernel<T, Acc, Width>; }
+};
+struct GatherSumRows {
+  template <typename T, typename Acc, int Width>
+  static auto of() { return &gather_sum_rows_kernel<T, Acc, Width>; }
+};
+
+// Launches Kernel over one block per work item, moving rows of `from` to rows of `to`: in 16-byte packs where
+// the rows' size and both buffers allow, else element by element.
+template <typename Kernel>
+void move_rows(const SlotRows& s, const void* from, void* to, const Launch& launch, const char* name) {
   const int64_t blocks = launch.end - launch.begin;
   if (blocks == 0) return;
   visit_element_type(s.type, [&](auto* tag) {
@@ -409,37 +422,24 @@ void scatter_rows(const ScatterRowsArgs& args, const Launch& launch) {
     using Acc = accumulator_t<T>;
     const auto run = [&](auto kernel, int64_t width) {
       TDX_LAUNCH(blocks, row_threads(s.dim / width), static_cast<cudaStream_t>(launch.stream), kernel)(
-          static_cast<const T*>(args.x), static_cast<T*>(args.sorted), s.positions,
-          static_cast<const Acc*>(s.weights), s.top_k, s.dim, launch.begin);
+          static_cast<const T*>(from), static_cast<T*>(to), s.positions, static_cast<const Acc*>(s.weights), s.top_k,
+          s.dim, launch.begin);
     };
-    if (rows_fit_packs<T>(s.dim, {args.x, args.sorted})) {
-      run(scatter_rows_kernel<T, Acc, kVectorWidth<T>>, kVectorWidth<T>);
+    if (rows_fit_packs<T>(s.dim, {from, to})) {
+      run(Kernel::template of<T, Acc, kVectorWidth<T>>(), kVectorWidth<T>);
     } else {
-      run(scatter_rows_kernel<T, Acc, 1>, 1);
+      run(Kernel::template of<T, Acc, 1>(), 1);
     }
   });
-  check_launch("moe scatter_rows");
+  check_launch(name);
+}
+
+void scatter_rows(const ScatterRowsArgs& args, const Launch& launch) {
+  move_rows<ScatterRows>(args.slots, args.x, args.sorted, launch, "moe scatter_rows");
 }
 
 void gather_sum_rows(const GatherSumRowsArgs& args, const Launch& launch) {
-  const SlotRows& s = args.slots;
-  const int64_t blocks = launch.end - launch.begin;
-  if (blocks == 0) return;
-  visit_element_type(s.type, [&](auto* tag) {
-    using T = std::remove_pointer_t<decltype(tag)>;
-    using Acc = accumulator_t<T>;
-    const auto run = [&](auto kernel, int64_t width) {
-      TDX_LAUNCH(blocks, row_threads(s.dim / width), static_cast<cudaStream_t>(launch.stream), kernel)(
-          static_cast<const T*>(args.sorted), static_cast<T*>(args.y), s.positions,
-          static_cast<const Acc*>(s.weights), s.top_k, s.dim, launch.begin);
-    };
-    if (rows_fit_packs<T>(s.dim, {args.sorted, args.y})) {
-      run(gather_sum_rows_kernel<T, Acc, kVectorWidth<T>>, kVectorWidth<T>);
-    } else {
-      run(gather_sum_rows_kernel<T, Acc, 1>, 1);
-    }
-  });
-  check_launch("moe gather_sum_rows");
+  move_rows<GatherSumRows>(args.slots, args.sorted, args.y, launch, "moe gather_sum_rows");
 }
 
 void slot_dots(const SlotDotsArgs& args, const Launch& launch) {
