@@ -17,7 +17,10 @@ double bubble_fraction(long p, long m, Schedule schedule, long v) {
     case Schedule::kInterleaved: return (stages - 1) / (static_cast<double>(v) * micro + stages - 1);
     case Schedule::kZbH1:
     case Schedule::kZbV:
-      if (m < p) return idle_fraction(simulate_schedule(p, m, schedule), p);  // too few for the closed form
+      // Too few micro-batches for the closed form: the simulated value.
+      if (m < p || (schedule == Schedule::kZbV && m < 2 * p - 1)) {
+        return idle_fraction(simulate_schedule(p, m, schedule), p);
+      }
       return (stages - 1) / ((schedule == Schedule::kZbH1 ? 3 : 6) * micro + stages - 1);
   }
   throw std::invalid_argument("bubble_fraction: unknown schedule");
@@ -143,12 +146,22 @@ std::vector<ScheduledPass> simulate_zb_h1(long p, long m) {
   return run_fixed_orders(orders, p, "simulate_schedule (zb-h1)");
 }
 
-// ZB-V (Qi et al. 2024): device d holds chunk 0 = stage d (the way down) and chunk 1 = stage
-// 2p-1-d (the way back up); every pass of a chunk costs 1/2. A free device starts, in order of
-// preference: a ready backward (chunk 0 first: it ends a micro-batch), a ready forward on chunk 1,
-// a ready forward on chunk 0 while fewer than p micro-batches are in flight on it (1F1B's memory),
-// then a pending weight gradient.
-std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
+// ZB-V (Qi et al. 2024, section 6): device d holds chunk 0 = stage d (the way down) and chunk 1 = stage
+// 2p-1-d (the way back up); every pass of a chunk costs 1/2.
+//
+// With m >= p the order is the paper's handcrafted one (as torch's ScheduleZBVZeroBubble writes it): device
+// d runs 2(p-d)-1 forwards of chunk 0, d pairs (F chunk 1, F chunk 0), p-d triples (F, B, W of chunk 1);
+// then, while forwards remain, F B W of chunk 0 and F B W of chunk 1; then d pairs (B chunk 0, B chunk 1)
+// and p-d pairs (B, W of chunk 0); the waiting W last. It is laid out for max(m, 2p-1) micro-batches and the
+// passes of micro-batches >= m dropped. A device holds at most 2p chunk units, 1F1B's p stages (tested for
+// w <= 1), and for m >= 2p-1 the idle fraction is exactly (p - 1) / (6m + p - 1) (from m >= 3p/2 on, as
+// simulated for p <= 8; below, more: 0.118 against 0.091 at p = 4, m = 5).
+//
+// With m <= p no order can hold more than 2m <= 2p units, so a free device greedily starts, in order of
+// preference: a ready backward (chunk 0 first: it ends a micro-batch), a ready forward on chunk 1, a ready
+// forward on chunk 0, then a pending weight gradient: the closed form at m = p, where the handcrafted
+// order (laid out for 2p-1) idles 0.20 against 0.11 at p = 4.
+std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
   const long stages = 2 * p;
   auto device_of = [&](long stage) { return stage < p ? stage : stages - 1 - stage; };
   std::map<std::tuple<long, char, long>, double> finished;  // (stage, kind, micro-batch) -> end
@@ -156,7 +169,7 @@ std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
     const auto found = finished.find({stage, kind, micro});
     return found != finished.end() && found->second <= t;
   };
-  std::vector<long> next_forward(stages, 0), next_backward(stages, 0), in_flight(p, 0);
+  std::vector<long> next_forward(stages, 0), next_backward(stages, 0);
   std::vector<std::vector<std::pair<long, long>>> pending_weights(p);  // (stage, micro-batch)
   std::vector<double> free_at(p, 0.0);
   std::vector<ScheduledPass> timeline;
@@ -175,12 +188,11 @@ std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
           break;
         }
       }
-      if (kind == 0 && next_forward[up] < m && done_by(up - 1, 'F', next_forward[up], t)) {
-        kind = 'F', stage = up, micro = next_forward[up];
-      }
-      if (kind == 0 && next_forward[down] < m && in_flight[d] < p &&
-          (down == 0 || done_by(down - 1, 'F', next_forward[down], t))) {
-        kind = 'F', stage = down, micro = next_forward[down];
+      for (long candidate : {up, down}) {
+        if (kind == 0 && next_forward[candidate] < m &&
+            (candidate == 0 || done_by(candidate - 1, 'F', next_forward[candidate], t))) {
+          kind = 'F', stage = candidate, micro = next_forward[candidate];
+        }
       }
       if (kind == 0 && !pending_weights[d].empty()) {
         kind = 'W';
@@ -191,18 +203,41 @@ std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
       timeline.push_back({device_of(stage), kind, micro, t, t + 0.5, stage == down ? 0L : 1L});
       finished[{stage, kind, micro}] = t + 0.5;
       free_at[d] = t + 0.5;
-      if (kind == 'F') {
-        ++next_forward[stage];
-        if (stage == down) ++in_flight[d];
-      }
+      if (kind == 'F') ++next_forward[stage];
       if (kind == 'B') {
         ++next_backward[stage];
-        if (stage == down) --in_flight[d];
         pending_weights[d].emplace_back(stage, micro);
       }
     }
   }
   return timeline;
+}
+
+std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
+  if (m <= p) return simulate_zb_v_greedy(p, m);
+  const long laid_out = std::max(m, 2 * p - 1);
+  std::vector<std::vector<FixedPass>> orders(p);
+  for (long d = 0; d < p; ++d) {
+    const long down = d, up = 2 * p - 1 - d;
+    long forward[2] = {0, 0}, backward[2] = {0, 0}, weight[2] = {0, 0};
+    const auto put = [&](long chunk, char kind, long* next) {
+      if (next[chunk] < m) orders[d].push_back({chunk == 0 ? down : up, kind, next[chunk], chunk, 0.5});
+      ++next[chunk];
+    };
+    for (long i = 0; i < 2 * (p - d) - 1; ++i) put(0, 'F', forward);
+    for (long i = 0; i < d; ++i) put(1, 'F', forward), put(0, 'F', forward);
+    for (long i = 0; i < p - d; ++i) put(1, 'F', forward), put(1, 'B', backward), put(1, 'W', weight);
+    while (forward[1] < forward[0] || forward[0] < laid_out) {
+      if (forward[0] < laid_out) put(0, 'F', forward);
+      put(0, 'B', backward), put(0, 'W', weight);
+      put(1, 'F', forward), put(1, 'B', backward), put(1, 'W', weight);
+    }
+    for (long i = 0; i < d; ++i) put(0, 'B', backward), put(1, 'B', backward);
+    for (long i = 0; i < p - d; ++i) put(0, 'B', backward), put(0, 'W', weight);
+    while (weight[1] < backward[1]) put(1, 'W', weight);
+    while (weight[0] < backward[0]) put(0, 'W', weight);
+  }
+  return run_fixed_orders(orders, 2 * p, "simulate_schedule (zb-v)");
 }
 
 }  // namespace

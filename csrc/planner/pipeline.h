@@ -17,9 +17,11 @@ namespace tdx::planner {
 //   zb-v          (p - 1) / (6 m + p - 1)            V-shaped placement, chunks of half a stage: the start-up and
 //                                                    cool-down triangles halve again. Qi et al. report near-zero
 //                                                    bubbles; with equal pass times a pipeline still fills and
-//                                                    drains, and our simulation of their schedule (pipeline.cpp)
-//                                                    reaches exactly this.
-// With m < p the zero-bubble schedules have no closed form here: the value is the simulated one.
+//                                                    drains. Their handcrafted order (pipeline.cpp), which holds
+//                                                    no more than 1F1B, reaches exactly this for m >= 2p - 1,
+//                                                    and our greedy one for m = p.
+// With m < p (zb-v: and p < m < 2p - 1) the zero-bubble schedules have no closed form here: the value is the
+// simulated one.
 double bubble_fraction(long pp, long num_microbatches, Schedule schedule, long virtual_stages);
 
 // The chunks (stages) each pipeline rank holds: virtual_stages under interleaved, 2 under zb-v, else 1.
@@ -45,15 +47,14 @@ struct ScheduledPass {
   long chunk = 0;  // the model chunk on that device (interleaved: 0..v-1)
 };
 
-// The step simulated pass by pass: a pass starts when its stage is free and
-// its inputs exist (F after the previous stage's F; B after the next stage's B
-// and its own F; W after its own B), stages choosing among ready passes by the
-// schedule's priorities, or following a fixed pass order: Megatron-LM's for
-// interleaved, Qi et al.'s ZB-H1 (stage s defers at most s weight gradients, so
-// it holds at most 1F1B's p micro-batches) for zb-h1 (pipeline.cpp). T_F = T_B = T_W = 1 for a whole stage (B = 2 when it
-// includes W; a chunk of an interleaved stage costs 1/v of it, a ZB-V chunk
-// 1/2). Supported: gpipe, 1f1b, zb-h1, zb-v, interleaved (num_microbatches
-// divisible by pp); the simulated idle fraction equals bubble_fraction (tested).
+// The step simulated pass by pass: a pass starts when its stage is free and its inputs exist (F after the
+// previous stage's F; B after the next stage's B and its own F; W after its own B), stages choosing among
+// ready passes by the schedule's priorities, or following a fixed pass order: Megatron-LM's for interleaved,
+// Qi et al.'s ZB-H1 for zb-h1 (stage s defers at most s weight gradients, so it holds at most 1F1B's p
+// micro-batches) and their ZB-V for zb-v with m > p (at most 2p chunk units, 1F1B's p stages; pipeline.cpp).
+// T_F = T_B = T_W = 1 for a whole stage (B = 2 when it includes W; a chunk of an interleaved stage costs 1/v
+// of it, a ZB-V chunk 1/2). Supported: gpipe, 1f1b, zb-h1, zb-v, interleaved (num_microbatches divisible by
+// pp); the simulated idle fraction equals bubble_fraction (tested).
 std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, Schedule schedule,
                                              long virtual_stages = 1);
 

@@ -154,6 +154,22 @@ TEST(Pipeline, PeakHeldActivationsOfTheSimulatedSchedules) {
       EXPECT_LE(peak_held_activations(simulate_schedule(p, m, Schedule::kZbH1), p, 1.0), p) << p << " stages, " << m;
     }
   }
+  // zb-v counts chunk units (half a stage): 2p is 1F1B's p stages. For m >= 2p - 1 its handcrafted order also
+  // idles exactly the closed form, as does the greedy order at m = p; between them it idles at least as much
+  // (more for p < m < 3p / 2).
+  for (long p = 1; p <= 8; ++p) {
+    for (long m = 1; m <= 4 * p + 3; ++m) {
+      const auto timeline = simulate_schedule(p, m, Schedule::kZbV);
+      ASSERT_EQ(timeline.size(), static_cast<size_t>(6 * p * m));
+      EXPECT_LE(peak_held_activations(timeline, p, 1.0), 2 * p) << p << " stages, " << m;
+      const double closed_form = static_cast<double>(p - 1) / static_cast<double>(6 * m + p - 1);
+      if (m == p || m >= 2 * p - 1) {
+        EXPECT_NEAR(idle_fraction(timeline, p), closed_form, 1e-12) << p << " stages, " << m;
+      } else if (m > p) {
+        EXPECT_GE(idle_fraction(timeline, p), closed_form - 1e-12) << p << " stages, " << m;
+      }
+    }
+  }
   EXPECT_THROW(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, -1.0), std::invalid_argument);
 }
 
