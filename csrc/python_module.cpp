@@ -4,7 +4,7 @@
 // torchdist_ext/index_checks.py:
 //   cpu_isas() / supported_cpu_isas() / active_cpu_isa() / set_cpu_isa(name) -> previous
 //   index_checks() / set_index_checks(enabled) -> previous
-//   track_cpu_memory() / cpu_memory_stats() -> (allocated, peak) / reset_cpu_peak_memory()   (cpu_memory.h)
+//   track_cpu_memory() / tracking_cpu_memory() / cpu_memory_stats() -> (allocated, peak) / reset_cpu_peak_memory()   (cpu_memory.h)
 // and the communication ledger's functions (comm/ledger_backend.h), wrapped by
 // torchdist_ext/ledger.py.
 
@@ -87,6 +87,8 @@ PyObject* track_cpu_memory(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+PyObject* tracking_cpu_memory(PyObject*, PyObject*) { return PyBool_FromLong(tdx::tracking_cpu_memory()); }
+
 PyObject* cpu_memory_stats(PyObject*, PyObject*) {
   if (!tdx::tracking_cpu_memory()) {
     PyErr_SetString(PyExc_RuntimeError, "CPU memory is not counted: call torchdist_ext.cpu_memory.track() first");
@@ -109,6 +111,7 @@ PyMethodDef methods[] = {
     {"index_checks", index_checks, METH_NOARGS, "Whether ops check index values."},
     {"set_index_checks", set_index_checks, METH_O, "Switches index checks; returns the previous setting."},
     {"track_cpu_memory", track_cpu_memory, METH_NOARGS, "Counts CPU tensor memory from now on (cpu_memory.h)."},
+    {"tracking_cpu_memory", tracking_cpu_memory, METH_NOARGS, "Whether CPU tensor memory is counted."},
     {"cpu_memory_stats", cpu_memory_stats, METH_NOARGS, "(allocated, peak) bytes of counted CPU storages."},
     {"reset_cpu_peak_memory", reset_cpu_peak_memory, METH_NOARGS, "Sets the peak to the bytes allocated now."},
     {nullptr, nullptr, 0, nullptr},

@@ -4,6 +4,10 @@ measured on every rank.
     memory per rank   planner: params + grads + optimizer + activations + buffers (without its framework reserve)
                       measured: the step's peak of live tensors (the caching allocator's on CUDA,
                       ``torchdist_ext.cpu_memory``'s on the CPU), the largest rank's
+    between passes    with a pipeline, the same planner figure next to the largest live bytes right after a pipeline
+                      action (``TimedAction.live_bytes``): the planner models the memory held between passes,
+                      not the transients inside one (a backward's gradients and scratch while its stage's
+                      activations are still held)
     bubble            planner: the schedule simulated with the step's measured F / B / W times (the closed form,
                       equal times, beside it); measured: the pipeline's idle fraction
     bytes per axis    planner: ``Estimate.comm``; measured: the communication ledger (``torchdist_ext.ledger``),
@@ -33,6 +37,7 @@ class StepMeasurement:
     """One rank's measurement of one step."""
 
     peak_memory: float = 0.0
+    peak_between_passes: float | None = None  # with a pipeline
     sent_bytes: dict[str, float] = field(default_factory=dict)  # per axis label
     calls: dict[str, int] = field(default_factory=dict)
 
@@ -89,6 +94,10 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
              row("memory per rank", planner_memory, max(m.peak_memory for m in measured), "MiB",
                  f"(planner: states {(e.params + e.grads + e.optimizer) / 2**20:.2f}, activations "
                  f"{e.activations / 2**20:.2f}, buffers {(e.buffers - FRAMEWORK_RESERVE_BYTES) / 2**20:.2f})")]
+    between = [m.peak_between_passes for m in measured if m.peak_between_passes is not None]
+    if between:
+        lines.append(row("  between passes", planner_memory, max(between), "MiB",
+                         "(the planner's model; the rest is transients inside a pass)"))
     if bubbles is not None:
         lines.append(row("pipeline bubble", bubbles[0], bubbles[1], "of the step",
                          f"(planner for equal F/B/W times {e.bubble:.3f})"))

@@ -525,6 +525,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             fp8_step(part)  # no-op without --fp8; one amax all-reduce per stage
         if measuring:
             measurement.peak_memory = peak_memory(device)
+            if pipe is not None:
+                measurement.peak_between_passes = max(a.live_bytes for a in pipe.timeline)
             measurement.sent_bytes, measurement.calls = comm_totals(axes)
         sampler.advance()
         # Every dp x cp rank's loss is the mean over the same number of tokens.

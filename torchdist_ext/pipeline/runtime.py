@@ -12,13 +12,18 @@ equal those of ``loss_fn(model(inputs), targets)`` in one process.
 
 Between stages on different ranks activations (forward) and their gradients (backward) travel as
 point-to-point messages on the pipeline group: a small header (shape and dtype) and the data, two tags per
-(direction, stage, micro-batch); sends are asynchronous and complete by the end of the step, and the receive
-of the next action's input is posted before the current action runs, so it arrives while this rank
-computes. Between stages on the same rank (zb-v's turn) they are handed over in memory.
+(direction, stage, micro-batch); sends are asynchronous, and the receive of the next action's input is posted
+before the current action runs, so it arrives while this rank computes. A send's buffer is released as soon
+as a message from its peer shows that the peer has received it (the peer sent that message from a later
+action than the one that consumed ours), not at the end of the step: a stage's outputs and input gradients
+would otherwise stay alive for all the step's micro-batches. Between stages on the same rank (zb-v's turn) they are handed over in memory.
 
 Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
-the last step's actions with their wall-clock start and end on this rank.
+the last step's actions with their wall-clock start and end on this rank, and the bytes of live tensors on
+the device right after each (``torch.cuda.memory_allocated``, or ``torchdist_ext.cpu_memory``'s count once
+``track()`` has run; else None): their largest is the step's peak between passes, what the planner's
+activation model counts (``peak_held_activations``), without the transients inside a pass.
 
 A stage module sharded with FSDP2 (``fully_shard`` over the data-parallel ranks of that stage) all-gathers
 its parameters once per step, at its first forward, and keeps them unsharded through the step's
@@ -46,6 +51,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
+from torchdist_ext import cpu_memory
 from torchdist_ext.weight_grad import SplitLinear, WeightGradStore, give_weight_grad_slot
 from torchdist_ext.pipeline.schedule import (
     Action,
@@ -69,6 +75,23 @@ class TimedAction(NamedTuple):
     microbatch: int
     start: float  # wall-clock seconds (time.time), comparable across the ranks of one machine
     end: float
+    live_bytes: int | None = None  # live tensor bytes on the device right after the action, where counted
+
+
+class _PendingSend(NamedTuple):
+    work: dist.Work
+    message: Tensor  # kept alive until the send completes
+    peer: int
+    consumer: int  # the position of the peer's action that receives it
+
+
+def _live_bytes_counter(device: torch.device) -> Callable[[], int] | None:
+    """What counts the bytes of live tensors on ``device`` (a host-side counter: no synchronisation), or None."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.memory_allocated(device)
+    if device.type == "cpu" and cpu_memory.tracking():
+        return cpu_memory.memory_allocated
+    return None
 
 
 def enable_weight_grad_split(module: nn.Module) -> nn.Module:
@@ -107,6 +130,10 @@ class Pipeline:
         self.schedule, self.virtual_stages, self.num_microbatches = schedule, virtual_stages, num_microbatches
         self.num_stages = num_stages(schedule, self.pp, virtual_stages)
         self.actions = rank_actions(schedule, self.pp, num_microbatches, self.rank, virtual_stages)
+        # Each action's position in its rank's order, every rank's: when a message from a peer arrives, the
+        # peer has finished every earlier action, and so received every message of ours those consumed.
+        self._position = {(a.kind, a.stage, a.microbatch): i for r in range(self.pp)
+                          for i, a in enumerate(rank_actions(schedule, self.pp, num_microbatches, r, virtual_stages))}
         expected = stages_of_rank(schedule, self.pp, self.rank, virtual_stages)
         if not isinstance(stages, Mapping) or sorted(stages) != sorted(expected):
             got = sorted(stages) if isinstance(stages, Mapping) else type(stages).__name__
@@ -147,8 +174,22 @@ class Pipeline:
         peer = rank_of_stage(self.schedule, self.pp, to_stage, self.virtual_stages)
         tag = self._tag(direction, to_stage, microbatch)
         data = tensor.contiguous()
+        consumer = self._position[("F" if direction == _FORWARD else "B", to_stage, microbatch)]
         for message, message_tag in ((header.to(data.device), tag), (data, tag + 1)):
-            self._sends.append((dist.isend(message, group=self.group, group_dst=peer, tag=message_tag), message))
+            work = dist.isend(message, group=self.group, group_dst=peer, tag=message_tag)
+            self._sends.append(_PendingSend(work, message, peer, consumer))
+
+    def _release_sends(self, peer: int, before: int) -> None:
+        """Waits for (at once: they were received) and drops the sends to ``peer`` that its actions before
+        position ``before`` consumed, so that their buffers (a stage's outputs, its input gradients) are freed
+        now rather than at the end of the step."""
+        pending = []
+        for send in self._sends:
+            if send.peer == peer and send.consumer < before:
+                send.work.wait()
+            else:
+                pending.append(send)
+        self._sends = pending
 
     def _post_receive(self, direction: int, stage: int, microbatch: int, from_stage: int) -> None:
         """Posts the header's receive of a message ``stage`` will need (no-op for an in-memory handover)."""
@@ -179,14 +220,17 @@ class Pipeline:
             self._layouts[(direction, stage)] = layout
             data = torch.empty(layout[0], dtype=layout[1], device=self.device)
             dist.recv(data, group=self.group, group_src=peer, tag=self._tag(direction, stage, microbatch) + 1)
-            return data
-        expected = self._layouts[(direction, stage)]
-        if layout != expected:
-            raise ValueError(f"stage {stage}'s input {what} of micro-batch {microbatch} has shape {layout[0]} and "
-                             f"dtype {layout[1]}, but earlier micro-batches' had {expected[0]} and {expected[1]}: "
-                             f"every micro-batch must give the stages the same shapes")
-        posted[2].wait()
-        return posted[3]
+        else:
+            expected = self._layouts[(direction, stage)]
+            if layout != expected:
+                raise ValueError(f"stage {stage}'s input {what} of micro-batch {microbatch} has shape {layout[0]} "
+                                 f"and dtype {layout[1]}, but earlier micro-batches' had {expected[0]} and "
+                                 f"{expected[1]}: every micro-batch must give the stages the same shapes")
+            posted[2].wait()
+            data = posted[3]
+        self._release_sends(peer, before=self._position[("F" if direction == _FORWARD else "B", from_stage,
+                                                         microbatch)])
+        return data
 
     def _input_source(self, action: Action) -> tuple[int, int, int, int] | None:
         """(direction, stage, micro-batch, from stage) of the message an action waits for, or None."""
@@ -240,6 +284,7 @@ class Pipeline:
         self.timeline = []
         self.weight_grads.clear()  # nothing left over from a step that raised
         run = {"F": self._forward, "B": self._backward, "W": lambda s, i, _: self.weight_grads.run((s, i))}
+        live_bytes = _live_bytes_counter(self.device)
         for module in self.stages.values():
             if isinstance(module, FSDPModule):  # accumulate over the micro-batches; reduce once (below)
                 module.set_requires_gradient_sync(False)
@@ -253,11 +298,12 @@ class Pipeline:
                 self._post_receive(*upcoming)
             start = time.time()
             run[action.kind](action.stage, action.microbatch, received)
-            self.timeline.append(TimedAction(action.kind, action.stage, action.microbatch, start, time.time()))
+            self.timeline.append(TimedAction(action.kind, action.stage, action.microbatch, start, time.time(),
+                                             live_bytes() if live_bytes is not None else None))
             if position == self._last_grad_action[action.stage] and isinstance(self.stages[action.stage], FSDPModule):
                 _reduce_fsdp_gradients(self.stages[action.stage])
-        for work, _ in self._sends:
-            work.wait()
+        for send in self._sends:
+            send.work.wait()
         losses = [loss.float() for loss in self._losses]  # fp32 on every rank, whatever the logits' dtype
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
