@@ -8,6 +8,14 @@
 // all-gathers a fingerprint of the exchange (the op's name, the tensor's dtype
 // and shape) and raises on every rank, naming this rank's values and those of
 // the first rank that differs. At any other debug level the check costs nothing.
+//
+// It lives here, in the ops' comm layer, and not in the communication ledger's
+// c10d backend (comm/ledger_backend.h), which also sees every exchange: the
+// check must hold whether or not a run counts its traffic, it compares what
+// the ranks are about to exchange as a whole (one all-gather before a ring of
+// many sends), and a backend would have to check each receive against its
+// sender's fingerprint by waiting inside an asynchronous irecv, which under
+// NCCL's grouped point-to-point calls would deadlock.
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
