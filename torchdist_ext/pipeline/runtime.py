@@ -47,6 +47,7 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -256,12 +257,16 @@ class Pipeline:
         else:
             self._saved[(stage, microbatch)] = (x, out)
             self._send(out.detach(), _FORWARD, stage + 1, microbatch)
+            _release_storage(out)
 
     def _backward(self, stage: int, microbatch: int, grad: Tensor | None) -> None:
         x, out = self._saved.pop((stage, microbatch))
         collecting = self.weight_grads.collecting((stage, microbatch)) if self.split else nullcontext()
         with collecting:
-            torch.autograd.backward(out, grad)
+            if grad is None:  # the last stage: out is the loss
+                torch.autograd.backward(out)
+            else:  # out's storage may be released: the engine needs only its grad_fn
+                Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
         if stage > 0:
             self._send(x.grad, _BACKWARD, stage - 1, microbatch)
 
@@ -309,6 +314,15 @@ class Pipeline:
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
         self._inputs = self._targets = self._saved = self._sends = None
         return loss
+
+
+def _release_storage(out: Tensor) -> None:
+    """Frees a stage output's storage once nothing else holds it (the send of it, or the in-memory handover
+    to the next stage on this rank, keeps an alias until done): its backward needs only its ``grad_fn``, so
+    each micro-batch in flight does not keep one more [batch, seq, hidden] (Megatron-LM's
+    ``deallocate_output_tensor``). A view, or an output without a ``grad_fn``, is left as it is."""
+    if out._base is None and out.grad_fn is not None:
+        out.data = torch.empty((0,), dtype=out.dtype, device=out.device)
 
 
 def _reduce_fsdp_gradients(module: FSDPModule) -> None:
