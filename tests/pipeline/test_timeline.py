@@ -6,7 +6,6 @@ import pytest
 import torch
 from torch import nn
 
-from torchdist_ext import cpu_memory
 from torchdist_ext.pipeline import (
     Pipeline,
     TimedAction,
@@ -55,27 +54,3 @@ def test_measured_figures_of_a_synthetic_timeline():
     assert per_rank == pytest.approx([1 - 3 / 5, 1 - 2 / 5]) and overall == pytest.approx(0.5)
     assert mean_costs(timelines, 2) == {"F": [1.0, 1.0], "B": [2.0, 1.0], "W": [0.0, 0.0]}
 
-
-def live_bytes_after_each_action():
-    cpu_memory.track()  # counts from here on, for the rest of this world's life (transparent to other tests)
-    mesh = cached_mesh((2,), ("pp",))
-    stage = nn.Sequential(nn.Linear(64, 64), nn.Tanh())
-    pipe = Pipeline({mesh.get_local_rank(): stage}, pp_mesh=mesh, schedule="1f1b", num_microbatches=4,
-                    loss_fn=nn.functional.mse_loss)
-    inputs, targets = torch.randn(64, 64), torch.randn(64, 64)
-    pipe.step(inputs, targets)  # allocates the .grad buffers, which the next step accumulates into
-    before = cpu_memory.memory_allocated()
-    pipe.step(inputs, targets)
-    return before, [(a.kind, a.microbatch, a.live_bytes) for a in pipe.timeline]
-
-
-def test_each_action_records_the_live_bytes_after_it(world2):
-    """1F1B, stage 0 of 2: two forwards' activations held (the tanh's output, 16 rows of 64 fp32, at least: the
-    linear's input is a view of the step's inputs), then each backward frees one micro-batch's."""
-    before, actions = world2.run(live_bytes_after_each_action)[0]
-    assert [(kind, i) for kind, i, _ in actions[:3]] == [("F", 0), ("F", 1), ("B", 0)]
-    live = [b for _, _, b in actions]
-    assert all(isinstance(b, int) for b in live)
-    one_microbatch = 16 * 64 * 4
-    assert live[1] - live[0] >= one_microbatch and live[0] - before >= one_microbatch
-    assert live[2] < live[1]
