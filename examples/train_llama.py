@@ -242,7 +242,8 @@ def planner_layout(args, dp: int) -> Layout:
                   micro_batch=args.batch // dp // m, num_microbatches=m,
                   schedule=planner_name(args.schedule) if args.pp > 1 else "1f1b",
                   virtual_stages=virtual_stages(args) if args.pp > 1 else 1,
-                  precision=PLANNER_PRECISION[precision(args), bool(args.fp8)])
+                  precision=PLANNER_PRECISION[precision(args), bool(args.fp8)],
+                  norm="composite" if args.device == "cpu" else "fused")
 
 
 def check_tolerance_key(args: argparse.Namespace) -> str:

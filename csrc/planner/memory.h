@@ -49,7 +49,8 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 //              their product)] + 4T (2R + a/t) (the norms' fp32 1/rms, the attention's fp32 log-sum-exp)
 //              attention="eager" stores the a x s softmax probabilities (T e a s / t) instead of the
 //              log-sum-exp; norm="composite" (torch's CPU RMSNorm) also stores each norm's input
-//              in fp32 and its normalised input before the weight (2 T h R (e + 4)).
+//              in fp32 and its normalised input before the weight (2 T h R (e + 4); in fp32 training
+//              the input is already fp32 and the normalised input stays fp32: 2 T h R 4).
 //   selective  torchdist_ext's policy: the outputs of the GEMMs, the attention kernel and the collectives
 //              are kept, the element-wise rest recomputed: T e [3hR (the layer input, both output
 //              projections) + (2 + 2g/a) h/t (q, k, v, the attention output) + 2f/t (w1 x, w3 x)] + 4T a/t,

@@ -1,9 +1,9 @@
 """The planner's activation model (``layer_activation_bytes``, the estimate's per-layer term) against what one
 Llama layer built from our layers keeps for its backward, measured on CPU in bf16 with ``RetainedMemory`` (the
 storages alive after the forward: two stacked layers minus one, so a layer's own input counts): equal to the
-byte for recompute none, selective and full, on one rank and at tp=2 with and without sequence parallelism.
-CPU runs torch's composite RMSNorm (the planner's ``norm="composite"``); the activations are bf16, the planner's
-16-bit e = 2. And the MoE terms against our MoE layer (ep = 1 and 2; bf16 and fp32; recompute none and
+byte for recompute none, selective and full, on one rank and at tp=2 with and without sequence parallelism, in
+bf16 (the planner's 16-bit e = 2) and fp32. CPU runs torch's composite RMSNorm (the planner's
+``norm="composite"``). And the MoE terms against our MoE layer (ep = 1 and 2; bf16 and fp32; recompute none and
 selective), and what a layer in split mode leaves queued for its deferred weight gradients
 (``layer_weight_grad_input_bytes``, the zero-bubble schedules' extra term), also to the byte."""
 
@@ -32,9 +32,9 @@ class LlamaLayer(nn.Module):
     """The main job's transformer block over our tensor-parallel layers (examples/llama.py after
     parallelize_llama): RMSNorm, grouped-query attention with RoPE and SDPA, SwiGLU."""
 
-    def __init__(self, tp_mesh, sequence_parallel: bool):
+    def __init__(self, tp_mesh, sequence_parallel: bool, dtype: torch.dtype = torch.bfloat16):
         super().__init__()
-        kw = dict(tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, dtype=torch.bfloat16)
+        kw = dict(tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, dtype=dtype)
         self.attention_norm, self.ffn_norm = RMSNorm(DIM, **kw), RMSNorm(DIM, **kw)
         self.wq = ColumnParallelLinear(DIM, HEADS * HEAD_DIM, False, **kw)
         self.wk = ColumnParallelLinear(DIM, KV_HEADS * HEAD_DIM, False, **kw)
@@ -64,11 +64,12 @@ def least_of(measure, tries: int = 3) -> int:
     return min(measure() for _ in range(tries))
 
 
-def retained_bytes(num_layers: int, tp_mesh, sequence_parallel: bool, mode: str) -> int:
+def retained_bytes(num_layers: int, tp_mesh, sequence_parallel: bool, mode: str,
+                   dtype: torch.dtype = torch.bfloat16) -> int:
     torch.manual_seed(0)
-    layers = [recompute(LlamaLayer(tp_mesh, sequence_parallel), mode) for _ in range(num_layers)]
+    layers = [recompute(LlamaLayer(tp_mesh, sequence_parallel, dtype), mode) for _ in range(num_layers)]
     seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
-    x = torch.randn(BATCH, seq, DIM, dtype=torch.bfloat16, requires_grad=True)
+    x = torch.randn(BATCH, seq, DIM, dtype=dtype, requires_grad=True)
     with RetainedMemory() as meter:
         out = x
         for layer in layers:
@@ -78,16 +79,17 @@ def retained_bytes(num_layers: int, tp_mesh, sequence_parallel: bool, mode: str)
     return retained
 
 
-def measured_and_planned(sequence_parallel: bool) -> list[tuple[str, int, float]]:
+def measured_and_planned(sequence_parallel: bool) -> list[tuple[str, str, int, float]]:
     tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
     model = ModelSpec(2, DIM, HEADS, num_kv_heads=KV_HEADS, ffn_hidden=FFN, vocab_size=256)
     results = []
-    for mode in ("none", "selective", "full"):
-        measured = (least_of(lambda: retained_bytes(2, tp_mesh, sequence_parallel, mode))
-                    - least_of(lambda: retained_bytes(1, tp_mesh, sequence_parallel, mode)))
-        layout = Layout(tp=tp_mesh.size(), sequence_parallel=sequence_parallel, recompute=mode, norm="composite",
-                        seq_len=SEQ, micro_batch=BATCH)
-        results.append((mode, measured, layer_activation_bytes(model, layout)))
+    for dtype, precision in ((torch.bfloat16, "bf16-mixed"), (torch.float32, "fp32")):
+        for mode in ("none", "selective", "full"):
+            measured = (least_of(lambda: retained_bytes(2, tp_mesh, sequence_parallel, mode, dtype))
+                        - least_of(lambda: retained_bytes(1, tp_mesh, sequence_parallel, mode, dtype)))
+            layout = Layout(tp=tp_mesh.size(), sequence_parallel=sequence_parallel, recompute=mode,
+                            norm="composite", seq_len=SEQ, micro_batch=BATCH, precision=precision)
+            results.append((precision, mode, measured, layer_activation_bytes(model, layout)))
     return results
 
 
@@ -95,8 +97,8 @@ def measured_and_planned(sequence_parallel: bool) -> list[tuple[str, int, float]
                          ids=["tp1", "tp2", "tp2-sp"])
 def test_planner_activations_equal_what_a_llama_layer_keeps(world_pool, world_size, sequence_parallel):
     for rank_results in world_pool.get(world_size).run(measured_and_planned, sequence_parallel):
-        for mode, measured, planned in rank_results:
-            assert measured == planned, (mode, measured, planned)
+        for precision, mode, measured, planned in rank_results:
+            assert measured == planned, (precision, mode, measured, planned)
 
 
 def test_flash_attention_and_fused_norms_are_the_gpu_default():
