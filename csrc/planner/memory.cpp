@@ -87,7 +87,7 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
                  router;
   // Torch's composite RMSNorm keeps x.float() (x itself in fp32) and the fp32 x * rstd cast back to x's
   // dtype (the product itself in fp32), where the fused kernel keeps x alone.
-  if (layout.norm == NormKernel::kComposite) bytes += 2 * tokens * h * replicated * (e < 4 ? e + 4 : 4);
+  if (layout.norm == NormKernel::kComposite) bytes += 2 * tokens * h * replicated * (e < 4 ? e + 4 : e);
   if (layout.attention == AttentionKernel::kEager) {
     bytes += tokens * e * a * static_cast<double>(layout.seq_len) / static_cast<double>(layout.cp) / t;
   } else {

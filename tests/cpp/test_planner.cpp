@@ -161,7 +161,7 @@ TEST(Pipeline, PeakHeldActivationsOfTheSimulatedSchedules) {
     for (long m = 1; m <= 4 * p + 3; ++m) {
       const auto timeline = simulate_schedule(p, m, Schedule::kZbV);
       ASSERT_EQ(timeline.size(), static_cast<size_t>(6 * p * m));
-      EXPECT_LE(peak_held_activations(timeline, p, 1.0), 2 * p) << p << " stages, " << m;
+      for (double w : {0.0, 0.5, 1.0}) EXPECT_LE(peak_held_activations(timeline, p, w), 2 * p) << p << " stages, " << m;
       const double closed_form = static_cast<double>(p - 1) / static_cast<double>(6 * m + p - 1);
       if (m == p || m >= 2 * p - 1) {
         EXPECT_NEAR(idle_fraction(timeline, p), closed_form, 1e-12) << p << " stages, " << m;

@@ -16,14 +16,17 @@ point-to-point messages on the pipeline group: a small header (shape and dtype) 
 before the current action runs, so it arrives while this rank computes. A send's buffer is released as soon
 as a message from its peer shows that the peer has received it (the peer sent that message from a later
 action than the one that consumed ours), not at the end of the step: a stage's outputs and input gradients
-would otherwise stay alive for all the step's micro-batches. Between stages on the same rank (zb-v's turn) they are handed over in memory.
+would otherwise stay alive for all the step's micro-batches. A stage's output tensor itself gives up its
+storage once sent (its backward needs only its ``grad_fn``; Megatron-LM's ``deallocate_output_tensor``): code
+that keeps a reference to the very tensor a stage module returns (a forward hook, a module attribute, an op
+of the stage that saved it as an input) sees an empty tensor after the send. Compute from it inside the stage. Between stages on the same rank (zb-v's turn) they are handed over in memory.
 
 Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
-the last step's actions with their wall-clock start and end on this rank, and the bytes of live tensors on
-the device right after each (``torch.cuda.memory_allocated``, or ``torchdist_ext.cpu_memory``'s count once
-``track()`` has run; else None): their largest is the step's peak between passes, what the planner's
-activation model counts (``peak_held_activations``), without the transients inside a pass.
+the last step's actions with their wall-clock start and end on this rank, and the bytes of live tensors
+right after each (``torchdist_ext.cpu_memory``'s count once ``track()`` has run; else None): their largest is
+the step's peak between passes, what the planner's activation model counts (``peak_held_activations``),
+without the transients inside a pass.
 
 A stage module sharded with FSDP2 (``fully_shard`` over the data-parallel ranks of that stage) all-gathers
 its parameters once per step, at its first forward, and keeps them unsharded through the step's
@@ -47,7 +50,6 @@ from typing import NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.autograd import Variable
 from torch.distributed.device_mesh import DeviceMesh
 
 from torch.distributed.fsdp import FSDPModule, fully_shard
@@ -87,9 +89,8 @@ class _PendingSend(NamedTuple):
 
 
 def _live_bytes_counter(device: torch.device) -> Callable[[], int] | None:
-    """What counts the bytes of live tensors on ``device`` (a host-side counter: no synchronisation), or None."""
-    if device.type == "cuda":
-        return lambda: torch.cuda.memory_allocated(device)
+    """What counts the bytes of live tensors on ``device``: ``torchdist_ext.cpu_memory`` once tracking (the
+    messages go over gloo, so the stages run on the CPU for now), else None."""
     if device.type == "cpu" and cpu_memory.tracking():
         return cpu_memory.memory_allocated
     return None
@@ -132,7 +133,7 @@ class Pipeline:
         self.num_stages = num_stages(schedule, self.pp, virtual_stages)
         self.actions = rank_actions(schedule, self.pp, num_microbatches, self.rank, virtual_stages)
         # Each action's position in its rank's order, every rank's: when a message from a peer arrives, the
-        # peer has finished every earlier action, and so received every message of ours those consumed.
+        # peer has received every message of ours that the action sending it, or an earlier one, consumed.
         self._position = {(a.kind, a.stage, a.microbatch): i for r in range(self.pp)
                           for i, a in enumerate(rank_actions(schedule, self.pp, num_microbatches, r, virtual_stages))}
         expected = stages_of_rank(schedule, self.pp, self.rank, virtual_stages)
@@ -181,12 +182,12 @@ class Pipeline:
             self._sends.append(_PendingSend(work, message, peer, consumer))
 
     def _release_sends(self, peer: int, before: int) -> None:
-        """Waits for (at once: they were received) and drops the sends to ``peer`` that its actions before
-        position ``before`` consumed, so that their buffers (a stage's outputs, its input gradients) are freed
-        now rather than at the end of the step."""
+        """Waits for (at once: they were received) and drops the sends to ``peer`` that its actions up to
+        position ``before`` consumed (each received its input before it ran), so that their buffers (a stage's
+        outputs, its input gradients) are freed now rather than at the end of the step."""
         pending = []
         for send in self._sends:
-            if send.peer == peer and send.consumer < before:
+            if send.peer == peer and send.consumer <= before:
                 send.work.wait()
             else:
                 pending.append(send)
@@ -265,8 +266,8 @@ class Pipeline:
         with collecting:
             if grad is None:  # the last stage: out is the loss
                 torch.autograd.backward(out)
-            else:  # out's storage may be released: the engine needs only its grad_fn
-                Variable._execution_engine.run_backward((out,), (grad,), False, False, (), True, True)
+            else:  # out's storage may be released: its gradient edge (grad_fn) and metadata are what count
+                torch.autograd.backward(torch.autograd.graph.get_gradient_edge(out), grad)
         if stage > 0:
             self._send(x.grad, _BACKWARD, stage - 1, microbatch)
 
