@@ -4,7 +4,8 @@
 // torchdist_ext/index_checks.py:
 //   cpu_isas() / supported_cpu_isas() / active_cpu_isa() / set_cpu_isa(name) -> previous
 //   index_checks() / set_index_checks(enabled) -> previous
-//   track_cpu_memory() / tracking_cpu_memory() / cpu_memory_stats() -> (allocated, peak) / reset_cpu_peak_memory()   (cpu_memory.h)
+//   track_cpu_memory() / tracking_cpu_memory() / cpu_memory_stats() -> (allocated, peak) /
+//   reset_cpu_peak_memory()   (cpu_memory.h)
 // and the communication ledger's functions (comm/ledger_backend.h), wrapped by
 // torchdist_ext/ledger.py.
 

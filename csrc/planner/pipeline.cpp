@@ -154,8 +154,9 @@ std::vector<ScheduledPass> simulate_zb_h1(long p, long m) {
 // then, while forwards remain, F B W of chunk 0 and F B W of chunk 1; then d pairs (B chunk 0, B chunk 1)
 // and p-d pairs (B, W of chunk 0); the waiting W last. It is laid out for max(m, 2p-1) micro-batches and the
 // passes of micro-batches >= m dropped. A device holds at most 2p chunk units, 1F1B's p stages (tested for
-// W inputs of 0, 1/2 and 1 activations' worth), and for m >= 2p-1 the idle fraction is exactly (p - 1) / (6m + p - 1) (from m >= 3p/2 on, as
-// simulated for p <= 8; below, more: 0.118 against 0.091 at p = 4, m = 5).
+// W inputs of 0, 1/2 and 1 activations' worth), and for m >= 2p-1 the idle fraction is exactly
+// (p - 1) / (6m + p - 1) (from m >= 3p/2 on, as simulated for p <= 8; below, more: 0.118 against 0.091 at
+// p = 4, m = 5).
 //
 // With m <= p no order can hold more than 2m <= 2p units, so a free device greedily starts, in order of
 // preference: a ready backward (chunk 0 first: it ends a micro-batch), a ready forward on chunk 1, a ready

@@ -19,7 +19,8 @@ action than the one that consumed ours), not at the end of the step: a stage's o
 would otherwise stay alive for all the step's micro-batches. A stage's output tensor itself gives up its
 storage once sent (its backward needs only its ``grad_fn``; Megatron-LM's ``deallocate_output_tensor``): code
 that keeps a reference to the very tensor a stage module returns (a forward hook, a module attribute, an op
-of the stage that saved it as an input) sees an empty tensor after the send. Compute from it inside the stage. Between stages on the same rank (zb-v's turn) they are handed over in memory.
+of the stage that saved it as an input) sees an empty tensor after the send: compute from it inside the
+stage. Between stages on the same rank (zb-v's turn) they are handed over in memory.
 
 Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
@@ -58,8 +59,8 @@ from torchdist_ext import cpu_memory
 from torchdist_ext.weight_grad import SplitLinear, WeightGradStore, give_weight_grad_slot
 from torchdist_ext.pipeline.schedule import (
     Action,
+    every_rank_actions,
     num_stages,
-    rank_actions,
     rank_of_stage,
     splits_weight_grad,
     stages_of_rank,
@@ -70,6 +71,7 @@ __all__ = ["Pipeline", "TimedAction", "enable_weight_grad_split"]
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
 _MAX_DIMS = 6
 _FORWARD, _BACKWARD = 0, 1
+_PASS_OF = ("F", "B")  # the pass that sends, and the one that receives, a message of each direction
 
 
 class TimedAction(NamedTuple):
@@ -131,11 +133,11 @@ class Pipeline:
         self.pp, self.rank = pp_mesh.size(), pp_mesh.get_local_rank()
         self.schedule, self.virtual_stages, self.num_microbatches = schedule, virtual_stages, num_microbatches
         self.num_stages = num_stages(schedule, self.pp, virtual_stages)
-        self.actions = rank_actions(schedule, self.pp, num_microbatches, self.rank, virtual_stages)
+        every_rank = every_rank_actions(schedule, self.pp, num_microbatches, virtual_stages)
+        self.actions = every_rank[self.rank]
         # Each action's position in its rank's order, every rank's: when a message from a peer arrives, the
         # peer has received every message of ours that the action sending it, or an earlier one, consumed.
-        self._position = {(a.kind, a.stage, a.microbatch): i for r in range(self.pp)
-                          for i, a in enumerate(rank_actions(schedule, self.pp, num_microbatches, r, virtual_stages))}
+        self._position = {(a.kind, a.stage, a.microbatch): i for actions in every_rank for i, a in enumerate(actions)}
         expected = stages_of_rank(schedule, self.pp, self.rank, virtual_stages)
         if not isinstance(stages, Mapping) or sorted(stages) != sorted(expected):
             got = sorted(stages) if isinstance(stages, Mapping) else type(stages).__name__
@@ -176,7 +178,7 @@ class Pipeline:
         peer = rank_of_stage(self.schedule, self.pp, to_stage, self.virtual_stages)
         tag = self._tag(direction, to_stage, microbatch)
         data = tensor.contiguous()
-        consumer = self._position[("F" if direction == _FORWARD else "B", to_stage, microbatch)]
+        consumer = self._position[(_PASS_OF[direction], to_stage, microbatch)]
         for message, message_tag in ((header.to(data.device), tag), (data, tag + 1)):
             work = dist.isend(message, group=self.group, group_dst=peer, tag=message_tag)
             self._sends.append(_PendingSend(work, message, peer, consumer))
@@ -230,8 +232,7 @@ class Pipeline:
                                  f"{expected[1]}: every micro-batch must give the stages the same shapes")
             posted[2].wait()
             data = posted[3]
-        self._release_sends(peer, before=self._position[("F" if direction == _FORWARD else "B", from_stage,
-                                                         microbatch)])
+        self._release_sends(peer, before=self._position[(_PASS_OF[direction], from_stage, microbatch)])
         return data
 
     def _input_source(self, action: Action) -> tuple[int, int, int, int] | None:

@@ -89,6 +89,11 @@ def rank_of_stage(schedule: str, pp: int, stage: int, virtual_stages: int = 1) -
 
 def rank_actions(schedule: str, pp: int, num_microbatches: int, rank: int, virtual_stages: int = 1) -> list[Action]:
     """The actions ``rank`` runs in one step, in order (the planner's simulated timeline)."""
+    return every_rank_actions(schedule, pp, num_microbatches, virtual_stages)[rank]
+
+
+def every_rank_actions(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
+    """``rank_actions`` of every rank (index: rank), from one simulation."""
     _check(schedule, pp, virtual_stages)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
@@ -96,5 +101,7 @@ def rank_actions(schedule: str, pp: int, num_microbatches: int, rank: int, virtu
         raise ValueError(f"schedule 'interleaved-1f1b' needs num_microbatches divisible by pp={pp} (Megatron's "
                          f"order walks micro-batches in groups of pp), got {num_microbatches}")
     timeline = _planner.simulate_schedule(pp, num_microbatches, planner_name(schedule), virtual_stages)
-    mine = sorted((p for p in timeline if p.stage == rank), key=lambda p: p.start)
-    return [Action(p.kind, _stage(schedule, pp, rank, p.chunk), p.microbatch) for p in mine]
+    actions: list[list[Action]] = [[] for _ in range(pp)]
+    for p in sorted(timeline, key=lambda p: p.start):  # stable: each rank's passes keep their order
+        actions[p.stage].append(Action(p.kind, _stage(schedule, pp, p.stage, p.chunk), p.microbatch))
+    return actions

@@ -107,9 +107,10 @@ void sort_slots(const SortSlotsArgs& args, const Launch& launch) {
   // One pass over the slots for this call's experts [launch.begin, launch.end): each expert's next row and end.
   std::vector<int64_t> next(launch.end - launch.begin), end(launch.end - launch.begin);
   for (int64_t e = launch.begin; e < launch.end; ++e) {
-    next[e - launch.begin] = args.capacity >= 0 ? e * args.capacity : args.starts[e];
-    end[e - launch.begin] = args.capacity >= 0 ? next[e - launch.begin] + args.capacity : args.ends[e];
-    args.segment_ends[e] = static_cast<int32_t>(end[e - launch.begin]);
+    const size_t i = static_cast<size_t>(e - launch.begin);
+    next[i] = args.capacity >= 0 ? e * args.capacity : args.starts[e];
+    end[i] = args.capacity >= 0 ? next[i] + args.capacity : args.ends[e];
+    args.segment_ends[e] = static_cast<int32_t>(end[i]);
   }
   for (int64_t slot = 0; slot < slots; ++slot) {
     const int64_t e = args.experts[slot] - launch.begin;
