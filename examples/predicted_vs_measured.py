@@ -8,6 +8,9 @@ measured on every rank.
                       action (``TimedAction.live_bytes``): the planner models the memory held between passes,
                       not the transients inside one (a backward's gradients and scratch while its stage's
                       activations are still held)
+    pp rank r         with a pipeline, each pipeline rank's: the planner's for that rank (its own ends and
+                      held micro-batches: ``Estimate.pipeline_ranks``) next to the largest peak, and peak
+                      between passes, among the ranks at that pipeline coordinate
     bubble            planner: the schedule simulated with the step's measured F / B / W times (the closed form,
                       equal times, beside it); measured: the pipeline's idle fraction
     bytes per axis    planner: ``Estimate.comm``; measured: the communication ledger (``torchdist_ext.ledger``),
@@ -36,6 +39,7 @@ FRAMEWORK_RESERVE_BYTES = 2 * 2**30
 class StepMeasurement:
     """One rank's measurement of one step."""
 
+    pipeline_rank: int = 0
     peak_memory: float = 0.0
     peak_between_passes: float | None = None  # with a pipeline
     sent_bytes: dict[str, float] = field(default_factory=dict)  # per axis label
@@ -98,6 +102,13 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
     if between:
         lines.append(row("  between passes", planner_memory, max(between), "MiB",
                          "(the planner's model; the rest is transients inside a pass)"))
+        for pipeline_rank, predicted in enumerate(e.pipeline_ranks):
+            ranks = [m for m in measured if m.pipeline_rank == pipeline_rank]
+            held = max(m.peak_between_passes for m in ranks)
+            lines.append(row(f"  pp rank {pipeline_rank}", predicted.total - FRAMEWORK_RESERVE_BYTES,
+                             max(m.peak_memory for m in ranks), "MiB",
+                             f"(between passes {held / 2**20:.3f}: "
+                             f"{held / (predicted.total - FRAMEWORK_RESERVE_BYTES):.2f})"))
     if bubbles is not None:
         lines.append(row("pipeline bubble", bubbles[0], bubbles[1], "of the step",
                          f"(planner for equal F/B/W times {e.bubble:.3f})"))

@@ -233,12 +233,14 @@ def layout_refusals(args, world_size: int) -> list[str]:
 
 def planner_layout(args, dp: int) -> Layout:
     """This run's layout as the planner sees it: FSDP2 is ZeRO-3 over dp x cp, its micro-batches those of the
-    pipeline (or of --grad-accum), in the run's precision."""
+    pipeline (or of --grad-accum), in the run's precision; recompute stops at the experts
+    (``apply_recompute_and_compile``)."""
     # The planner's ep ranks are data-parallel ranks; an ep that also spans cp ranks is checked by the caller.
     ep = args.ep if args.experts and dp % args.ep == 0 else 1
     m = microbatches(args) if args.pp > 1 else args.grad_accum
     return Layout(tp=args.tp, pp=args.pp, dp=dp // ep, cp=args.cp, ep=ep, zero_stage=3,
-                  sequence_parallel=args.sequence_parallel, recompute=args.recompute, seq_len=args.seq,
+                  sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+                  recompute_experts=False, seq_len=args.seq,
                   micro_batch=args.batch // dp // m, num_microbatches=m,
                   schedule=planner_name(args.schedule) if args.pp > 1 else "1f1b",
                   virtual_stages=virtual_stages(args) if args.pp > 1 else 1,
@@ -497,7 +499,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     axes = {"tp": mesh["tp"], "cp": [mesh["ring"], mesh["ulysses"]], "pp": mesh["pp"],
             "dp": [fsdp_mesh, *([expert_dp_mesh] if expert_dp_mesh is not None else [])],
             **({"ep": ep_mesh} if ep_mesh is not None else {})}
-    measurement = StepMeasurement()
+    measurement = StepMeasurement(pipeline_rank=mesh["pp"].get_local_rank())
     positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
         positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")

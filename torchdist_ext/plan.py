@@ -104,7 +104,7 @@ def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
     count = model.count_params()
     print(f"{model.name}: {count.total / 1e9:.1f}B parameters ({count.active / 1e9:.1f}B active); "
           f"layout {_describe(layout)} on {layout.num_gpus} GPUs")
-    print("memory per GPU (fullest stage):")
+    print("memory per GPU (fullest pipeline rank):")
     for part in ("params", "grads", "optimizer", "activations", "buffers", "total_memory"):
         print(f"  {part:<12} {_gib(getattr(e, part))}")
     print(f"  {'GPU':<12} {_gib(e.gpu_memory)}   {'fits' if e.fits else 'DOES NOT FIT'}")

@@ -76,55 +76,96 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // Stages get ceil(L / pp) layers at most (Llama 3 405B: 126 layers on 16 stages).
   const double layers_per_stage = static_cast<double>((model.num_layers + l.pp - 1) / l.pp);
 
-  // Parameters on the fullest stage: its share of the layers plus the last stage's LM head and final norm
-  // (with pp = 1 also the input embedding), split over tp; experts are split over ep instead (they are not
-  // tensor-parallel: every tp rank of an ep rank holds the same experts, as torchdist_ext's MoE).
+  // Which ends of the model pipeline rank r holds: the first stage (the input embedding) and the last (the final
+  // norm and the LM head); without pp both. ZB-V's V puts both on rank 0.
+  const long chunks = l.pp > 1 ? chunks_per_rank(l.schedule, l.virtual_stages) : 1;
+  auto holds_stage = [&](long rank, long stage) {
+    for (long chunk = 0; chunk < chunks; ++chunk) {
+      if (l.pp == 1 || stage_of(rank, chunk, l.pp, l.schedule) == stage) return true;
+    }
+    return false;
+  };
+  auto holds_first = [&](long rank) { return holds_stage(rank, 0); };
+  auto holds_last = [&](long rank) { return holds_stage(rank, l.pp * chunks - 1); };
+
+  // Parameters of pipeline rank r: its share of the layers, split over tp (experts over ep instead: they are
+  // not tensor-parallel; every tp rank of an ep rank holds the same experts, as torchdist_ext's MoE), and
+  // the ends it holds, split over tp (the embedding and head are vocab-parallel).
   const double layer_params_total = params.total - params.embedding;
-  const double last_stage_extra = h * static_cast<double>(model.vocab_size) + h;
+  const double input_embedding = h * static_cast<double>(model.vocab_size);
+  const double head_and_norm = params.embedding - input_embedding;
   const double expert_per_stage = params.expert / layers * layers_per_stage / static_cast<double>(l.ep);
-  const double ends_per_stage = (l.pp == 1 ? params.embedding : last_stage_extra) / t;
-  const double dense_per_stage = (layer_params_total - params.expert) / layers * layers_per_stage / t + ends_per_stage;
+  const double dense_layers_per_stage = (layer_params_total - params.expert) / layers * layers_per_stage / t;
+  auto ends_of = [&](long rank) {
+    return ((holds_first(rank) ? input_embedding : 0) + (holds_last(rank) ? head_and_norm : 0)) / t;
+  };
+  // The communication below prices the rank holding the most parameters.
+  long busiest = 0;
+  for (long rank = 1; rank < l.pp; ++rank) busiest = ends_of(rank) > ends_of(busiest) ? rank : busiest;
+  const double ends_per_stage = ends_of(busiest);
+  const double dense_per_stage = dense_layers_per_stage + ends_per_stage;
   e.params_per_gpu = dense_per_stage + expert_per_stage;
-  // Dense parameters are replicated over dp x cp x ep ranks, expert parameters over dp x cp: ZeRO shards
-  // them, and their gradients are reduced, over those (context-parallel ranks hold the same parameters).
-  const int64_t dense_replicas = l.dp * l.cp * l.ep, expert_replicas = l.dp * l.cp;
-  const auto dense_states = model_state_bytes(dense_per_stage, l.zero_stage, dense_replicas, l.precision);
-  ModelStateBytes expert_states;
-  if (expert_per_stage > 0) {
-    expert_states = model_state_bytes(expert_per_stage, l.zero_stage, expert_replicas, l.precision);
-  }
-  e.params = dense_states.params + expert_states.params;
-  e.grads = dense_states.grads + expert_states.grads;
-  e.optimizer = dense_states.optimizer + expert_states.optimizer;
 
   // Activations: what one layer stores (the mean over dense and MoE layers) on the local sequence s / cp,
-  // times the stage's layers and the micro-batches in flight, on the fullest rank. The zero-bubble schedules
-  // also hold their deferred weight gradients' inputs: their peak comes from the simulated order that runs
-  // (pipeline.h). Not counted: the embedding's and LM head's queued inputs (the head's [T, V/t] output
-  // gradient per pending micro-batch on the last stage).
+  // times the stage's layers and the micro-batches in flight. With pp each rank holds its own count: its
+  // peak in the order of passes that runs (pipeline.h; 1F1B's rank r holds min(p - r, m)). The zero-bubble
+  // schedules also hold their deferred weight gradients' inputs. Not counted: the embedding's and LM head's
+  // queued W inputs (the head's [T, V/t] output gradient per pending micro-batch on the last stage).
   const double moe_layers = static_cast<double>(model.num_moe_layers());
   auto mean_over_layers = [&](double (*bytes)(const ModelSpec&, const Layout&, bool)) {
     return ((layers - moe_layers) * bytes(model, l, false) + moe_layers * bytes(model, l, true)) / layers;
   };
   const double per_layer = mean_over_layers(layer_activation_bytes);
-  double held = in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages);
-  if (l.pp > 1 && (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV)) {
-    const double weight_inputs = mean_over_layers(layer_weight_grad_input_bytes) / per_layer;
-    held = peak_held_activations(simulate_schedule(l.pp, l.num_microbatches, l.schedule, l.virtual_stages), l.pp,
-                                 weight_inputs) /
-           static_cast<double>(chunks_per_rank(l.schedule, l.virtual_stages));
+  std::vector<double> held{in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages)};
+  if (l.pp > 1) {
+    const bool deferred = l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV;
+    const double weight_inputs = deferred ? mean_over_layers(layer_weight_grad_input_bytes) / per_layer : 0.0;
+    held = held_activations_per_rank(l.pp, l.num_microbatches, l.schedule, l.virtual_stages, weight_inputs);
+    for (double& units : held) units /= static_cast<double>(chunks);
   }
-  e.activations = per_layer * layers_per_stage * held;
-  // Buffers: the last stage's fp32 logits of one micro-batch (vocab split over tp), the framework reserve,
-  // and ZeRO-3's unsharded parameters (bf16, fp32 in fp32 training): two prefetched layers, or with pp
-  // the whole stage's with their unsharded gradients, which a pipeline keeps through the step's
+
+  // The end of the model (the final norm, the head's input and the loss's logits) is held by the last stage
+  // from a micro-batch's forward to its backward, which every schedule but GPipe runs right after it there.
+  const double head_held = l.schedule == Schedule::kGPipe && l.pp > 1 ? m : 1;
+  const double head_activations = head_activation_bytes(model, l) * head_held;
+
+  // Model states: dense parameters are replicated over dp x cp x ep ranks, expert parameters over dp x cp:
+  // ZeRO shards them, and their gradients are reduced, over those (context-parallel ranks hold the same
+  // parameters). ZeRO-3 also holds unsharded parameters (bf16, fp32 in fp32 training), counted as buffers:
+  // two prefetched layers', or with pp the whole stage's, which a pipeline keeps unsharded through the step's
   // micro-batches (reduce-scattering once, after the stage's last backward: torchdist_ext.pipeline, as
-  // torch's pipelining).
+  // torch's pipelining), with their gradients accumulated unsharded in fp32 (FSDP2 with an fp32 reduce_dtype,
+  // as Megatron-LM's fp32 main_grad). Those are the gradients at the step's peak: the sharded ones exist only
+  // from that reduce-scatter to the optimizer's zero_grad, when no activations are held. The buffers also
+  // hold the framework reserve.
+  const int64_t dense_replicas = l.dp * l.cp * l.ep, expert_replicas = l.dp * l.cp;
   const double element = element_bytes(l.precision);
-  const double logits = b * s_local * static_cast<double>(model.vocab_size) / t * 4;
   const double layer_params_gpu = (layer_params_total / layers) / t;
-  const double unsharded = l.pp > 1 ? 2 * element * e.params_per_gpu : 2 * element * layer_params_gpu;
-  e.buffers = logits + (l.zero_stage == 3 ? unsharded : 0) + kFrameworkReserveBytes;
+  const bool unsharded_through_step = l.zero_stage == 3 && l.pp > 1;
+  for (long rank = 0; rank < l.pp; ++rank) {
+    const double dense = dense_layers_per_stage + ends_of(rank);
+    const auto dense_states = model_state_bytes(dense, l.zero_stage, dense_replicas, l.precision);
+    ModelStateBytes expert_states;
+    if (expert_per_stage > 0) {
+      expert_states = model_state_bytes(expert_per_stage, l.zero_stage, expert_replicas, l.precision);
+    }
+    RankMemory memory;
+    memory.params = dense_states.params + expert_states.params;
+    memory.grads = unsharded_through_step ? 4 * (dense + expert_per_stage) : dense_states.grads + expert_states.grads;
+    memory.optimizer = dense_states.optimizer + expert_states.optimizer;
+    memory.activations = per_layer * layers_per_stage * held.at(static_cast<size_t>(rank)) +
+                         (holds_last(rank) ? head_activations : 0);
+    const double unsharded = unsharded_through_step ? element * (dense + expert_per_stage)
+                                                    : 2 * element * layer_params_gpu;
+    memory.buffers = (l.zero_stage == 3 ? unsharded : 0) + kFrameworkReserveBytes;
+    e.pipeline_ranks.push_back(memory);
+    if (memory.total() > e.pipeline_ranks.at(static_cast<size_t>(e.fullest_pipeline_rank)).total()) {
+      e.fullest_pipeline_rank = rank;
+    }
+  }
+  const RankMemory& fullest = e.pipeline_ranks.at(static_cast<size_t>(e.fullest_pipeline_rank));
+  e.params = fullest.params, e.grads = fullest.grads, e.optimizer = fullest.optimizer;
+  e.activations = fullest.activations, e.buffers = fullest.buffers;
   e.gpu_memory = cluster.min_memory_bytes();
 
   // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
@@ -174,7 +215,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     // layer's experts are not tensor-parallel: its tp ranks run them on the same tokens, gathered from the
     // sequence shards (2 units with SP, none without). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
     // SP a reduce-scatter forward and an all-gather backward: 2 units) and the output head, a column-
-    // parallel linear (2; with SP 3). The fullest stage holds the head, with pp = 1 also the embedding.
+    // parallel linear (2; with SP 3): those the busiest rank holds (the head; without pp, or zb-v's rank 0, both).
     // On the critical path: not hidden.
     const bool full = l.recompute == Recompute::kFull;
     const bool fp8 = uses_fp8_gemms(l.precision);
@@ -188,7 +229,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     const double moe_block = l.sequence_parallel ? 2 + (full ? 1 : 0) : 0;
     const double moe_share = static_cast<double>(model.num_moe_layers()) / layers;
     const double per_layer = attention_block + (1 - moe_share) * mlp_block + moe_share * moe_block;
-    const double ends = (l.sequence_parallel ? 3 : 2) + (l.pp == 1 ? 2 : 0);
+    const double ends = (holds_last(busiest) ? (l.sequence_parallel ? 3 : 2) : 0) + (holds_first(busiest) ? 2 : 0);
     add("tp", m * (layers_per_stage * per_layer + ends) * (t - 1) / t * activation, 0.0);
   }
   if (l.cp > 1) {

@@ -4,6 +4,7 @@
 
 #include <map>
 #include <string>
+#include <vector>
 
 #include "planner/specs.h"
 
@@ -16,14 +17,25 @@ struct AxisComm {
   bool intra_domain = true;
 };
 
+// Memory of one GPU, bytes.
+struct RankMemory {
+  double params = 0, grads = 0, optimizer = 0, activations = 0, buffers = 0;
+  double total() const { return params + grads + optimizer + activations + buffers; }
+};
+
 struct Estimate {
-  // memory, bytes per GPU (the fullest pipeline stage)
+  // memory, bytes per GPU: the fullest pipeline rank's (pipeline_ranks[fullest_pipeline_rank])
   double params = 0, grads = 0, optimizer = 0, activations = 0, buffers = 0;
   double total_memory() const { return params + grads + optimizer + activations + buffers; }
   double gpu_memory = 0;  // the smallest GPU's
   bool fits() const { return total_memory() <= gpu_memory; }
+  // Each pipeline rank's memory, in pipeline-rank order (one entry without pp): its own layers, the
+  // embedding if it holds the first stage, the final norm, LM head and logits if it holds the last, and
+  // the micro-batches its own order of passes holds at its peak.
+  std::vector<RankMemory> pipeline_ranks;
+  long fullest_pipeline_rank = 0;
 
-  double params_per_gpu = 0;     // parameters held (before ZeRO sharding)
+  double params_per_gpu = 0;     // parameters held on the rank holding the most (before ZeRO sharding)
   double tokens_per_step = 0;
   double model_flops_per_step = 0;  // 6 N_active D + causal attention, without recomputation
   double compute_seconds = 0;       // busy time of one GPU, with recomputation

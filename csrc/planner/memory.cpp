@@ -70,21 +70,25 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   const double f_moe = static_cast<double>(model.moe_ffn_hidden);
   const double shared = static_cast<double>(model.num_shared_experts);
   const double experts = static_cast<double>(model.num_experts);
-  if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated;
-  if (layout.recompute == Recompute::kSelective) {
-    const double mlp = moe_layer ? expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep) * h +
-                                       (k + shared) * (2 * f_moe + h)
-                                 : 2 * static_cast<double>(model.ffn_hidden) / t;
-    const double router = moe_layer ? tokens * (4 * experts + 12 * k) : 0;
-    const double all_reduces = layout.tp > 1 && !layout.sequence_parallel ? 2 * h : 0;
-    return tokens * e * (3 * h * replicated + attention_heads + mlp + all_reduces) + lse + router;
-  }
-  const double mlp = moe_layer ? k * (2 * h + 4 * f_moe) + 4 * f_moe * shared
-                               : 4 * static_cast<double>(model.ffn_hidden) / t;
+  // What the MoE (router and experts) keeps without recomputation.
   const double router_input = e < 4 ? 4 * h : 0;  // the router's fp32 copy of 16-bit tokens
-  const double router = moe_layer ? tokens * (router_input + 8 * experts + 12 * k) : 0;
+  const double moe_kept = tokens * e * (k * (2 * h + 4 * f_moe) + 4 * f_moe * shared) +
+                          tokens * (router_input + 8 * experts + 12 * k);
+  const bool kept_experts = moe_layer && !layout.recompute_experts;
+  if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated + (kept_experts ? moe_kept : 0);
+  if (layout.recompute == Recompute::kSelective) {
+    const double mlp = !moe_layer ? 2 * static_cast<double>(model.ffn_hidden) / t
+                       : kept_experts
+                           ? 0
+                           : expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep) * h +
+                                 (k + shared) * (2 * f_moe + h);
+    const double moe = moe_layer ? (kept_experts ? moe_kept : tokens * (4 * experts + 12 * k)) : 0;
+    const double all_reduces = layout.tp > 1 && !layout.sequence_parallel ? 2 * h : 0;
+    return tokens * e * (3 * h * replicated + attention_heads + mlp + all_reduces) + lse + moe;
+  }
+  const double mlp = moe_layer ? 0 : 4 * static_cast<double>(model.ffn_hidden) / t;
   double bytes = tokens * e * (4 * h * replicated + attention_heads + h / t + mlp) + 4 * tokens * 2 * replicated +
-                 router;
+                 (moe_layer ? moe_kept : 0);
   // Torch's composite RMSNorm keeps x.float() (x itself in fp32) and the fp32 x * rstd cast back to x's
   // dtype (the product itself in fp32), where the fused kernel keeps x alone.
   if (layout.norm == NormKernel::kComposite) bytes += 2 * tokens * h * replicated * (e < 4 ? e + 4 : e);
@@ -94,6 +98,13 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
     bytes += lse;
   }
   return bytes;
+}
+
+double head_activation_bytes(const ModelSpec& model, const Layout& layout) {
+  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
+  const double composite = layout.norm == NormKernel::kComposite ? h * replicated * (e < 4 ? e + 4 : e) : 0;
+  const double loss = e * static_cast<double>(model.vocab_size) / t + 8 + 4;  // logits, int64 target, fp32 lse
+  return tokens * (2 * h * replicated * e + 4 * replicated + composite + loss);
 }
 
 double expected_ranks_per_token(int64_t num_experts, int64_t top_k, int64_t ep) {

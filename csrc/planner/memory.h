@@ -65,10 +65,23 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 //              experts' int64 ids and fp32 weights))
 //   selective  T e [d h (the dispatched rows) + k (2 f_moe + h) (the grouped GEMMs' outputs) + (2 f_moe + h)
 //              per shared expert] + T (4E + 12k)
+//   full       nothing (the layer input above)
+// With layout.recompute_experts = false the MoE term is none's under every policy. The main job's MoE block
+// (norms and attention recomputed each on its own, the MoE not) keeps, per token at tp = 1, 1 e h more than
+// this under selective and 2 under full in fp32 (0.1 and 1.1 in bf16: each checkpoint keeps its own input,
+// and the fp32 router its input), and 1 e h less under none; not yet modelled.
 // (within 0.02 % of what our MoE layer, without shared experts and at tp = 1, keeps on one rank; on two
 // ranks within 0.3 % on average, each rank within 2 %, as routing sends it:
 // tests/planner/test_activation_memory.py; the shared experts' terms are not measured).
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
+
+// Bytes the model keeps per micro-batch outside its layers, on the stage holding its end: the final RMSNorm's
+// input and output (the LM head's input), h R each at e, its fp32 1/rms (4 R), torch's composite norm's extra
+// copies (norm="composite": h R (e + 4); h R 4 in fp32), and what the vocab-parallel cross-entropy keeps: the
+// logits (e V/t), the int64 target and the fp32 log-sum-exp (12), per token T (layer_activation_bytes's
+// notation; no recomputation reaches outside the layers). Not counted: under the zero-bubble schedules the
+// head's deferred weight gradient keeps its [T, V/t] output gradient until its W.
+double head_activation_bytes(const ModelSpec& model, const Layout& layout);
 
 // The ranks of an ep group a token is dispatched to, on average, when it picks top_k distinct experts
 // uniformly among num_experts split evenly over ep ranks and goes once to each rank holding one:
@@ -94,7 +107,7 @@ double layer_weight_grad_input_bytes(const ModelSpec& model, const Layout& layou
 //   gpipe: all m;  1f1b: min(p, m) (the first stage warms up p);
 //   interleaved with v virtual stages: min(m, p) * (1 + (p - 1) / (p v)) (Narayanan et al. 2021).
 //   zb-h1, zb-v: min(p, m) forwards too, but they also keep the inputs of the deferred weight-gradient
-//   passes: estimate() takes their peak from the simulated schedule (pipeline.h: peak_held_activations).
+//   passes. With pp > 1 estimate() takes each rank's own count (pipeline.h: held_activations_per_rank).
 double in_flight_microbatches(long pp, long num_microbatches, Schedule schedule, long virtual_stages);
 
 }  // namespace tdx::planner

@@ -347,18 +347,19 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
   return run_fixed_orders(orders, stages, "replay_schedule");
 }
 
-double peak_held_activations(const std::vector<ScheduledPass>& timeline, long p, double weight_inputs) {
+std::vector<double> peak_held_activations_per_rank(const std::vector<ScheduledPass>& timeline, long p,
+                                                   double weight_inputs) {
   if (!(weight_inputs >= 0)) throw std::invalid_argument("peak_held_activations: weight_inputs must be >= 0");
   const bool deferred = std::any_of(timeline.begin(), timeline.end(), [](const ScheduledPass& pass) {
     return pass.kind == 'W';
   });
   std::vector<std::vector<ScheduledPass>> orders(p);
   for (const auto& pass : timeline) orders.at(pass.stage).push_back(pass);
-  double peak = 0;
+  std::vector<double> peaks;
   for (auto& order : orders) {
     std::stable_sort(order.begin(), order.end(),
                      [](const ScheduledPass& a, const ScheduledPass& b) { return a.start < b.start; });
-    double held = 0;
+    double held = 0, peak = 0;
     for (const auto& pass : order) {
       if (pass.kind == 'F') {
         held += 1;
@@ -371,8 +372,28 @@ double peak_held_activations(const std::vector<ScheduledPass>& timeline, long p,
       }
       peak = std::max(peak, held);
     }
+    peaks.push_back(peak);
   }
-  return peak;
+  return peaks;
+}
+
+std::vector<double> held_activations_per_rank(long p, long m, Schedule schedule, long v, double weight_inputs) {
+  if (schedule == Schedule::kZbH1 || schedule == Schedule::kZbV) {
+    return peak_held_activations_per_rank(simulate_schedule(p, m, schedule, v), p, weight_inputs);
+  }
+  std::vector<double> held;
+  for (long r = 0; r < p; ++r) {
+    const long units = schedule == Schedule::kGPipe        ? m
+                       : schedule == Schedule::kInterleaved ? std::min(2 * (p - r - 1) + (v - 1) * p + 1, v * m)
+                                                            : std::min(p - r, m);
+    held.push_back(static_cast<double>(units));
+  }
+  return held;
+}
+
+double peak_held_activations(const std::vector<ScheduledPass>& timeline, long p, double weight_inputs) {
+  const auto peaks = peak_held_activations_per_rank(timeline, p, weight_inputs);
+  return peaks.empty() ? 0.0 : *std::max_element(peaks.begin(), peaks.end());
 }
 
 double idle_fraction(const std::vector<ScheduledPass>& timeline, long p) {

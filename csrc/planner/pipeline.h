@@ -79,6 +79,17 @@ std::vector<ScheduledPass> replay_schedule(long pp, long num_microbatches, Sched
 // closed forms of in_flight_microbatches (times the chunks per rank; tested).
 double peak_held_activations(const std::vector<ScheduledPass>& timeline, long pp, double weight_inputs);
 
+// peak_held_activations of each pipeline rank, in rank order (its maximum is peak_held_activations).
+std::vector<double> peak_held_activations_per_rank(const std::vector<ScheduledPass>& timeline, long pp,
+                                                   double weight_inputs);
+
+// The same for the schedule that runs, without simulating where the order's warm-up gives it (the planner's
+// search prices thousands of layouts): rank r of gpipe holds m units, of 1f1b min(p - r, m), of interleaved
+// min(2 (p - r - 1) + (v - 1) p + 1, v m) chunk units (Megatron-LM's warm-up forwards and the first steady
+// one); zb-h1 and zb-v with their deferred W inputs come from simulate_schedule (equal: tested).
+std::vector<double> held_activations_per_rank(long pp, long num_microbatches, Schedule schedule,
+                                              long virtual_stages, double weight_inputs);
+
 // Idle fraction of a simulated timeline: 1 - busy time / (stages x makespan).
 double idle_fraction(const std::vector<ScheduledPass>& timeline, long pp);
 

@@ -82,6 +82,10 @@ struct Layout {
   int zero_stage = 0;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
+  // Whether recompute reaches the MoE layers' router and experts. When it does not (FSDP2 units of their own
+  // that a checkpoint would all-gather again in its rerun: the main job's MoE blocks recompute their norms and
+  // attention only), they keep what recompute="none" keeps.
+  bool recompute_experts = true;
   AttentionKernel attention = AttentionKernel::kFlash;  // what the attention stores for the backward
   NormKernel norm = NormKernel::kFused;  // RMSNorm's kernel: CUDA's fused one, or torch's CPU composite
   int64_t micro_batch = 1;

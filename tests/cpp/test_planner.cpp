@@ -171,6 +171,18 @@ TEST(Pipeline, PeakHeldActivationsOfTheSimulatedSchedules) {
     }
   }
   EXPECT_THROW(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, -1.0), std::invalid_argument);
+  // Rank by rank, the closed forms the estimate uses equal the simulated orders' peaks.
+  for (long p = 1; p <= 8; ++p) {
+    for (long m = 1; m <= 4 * p; ++m) {
+      for (Schedule schedule : {Schedule::kGPipe, Schedule::k1F1B, Schedule::kInterleaved, Schedule::kZbH1}) {
+        if (schedule == Schedule::kInterleaved && m % p) continue;  // it needs m divisible by p
+        const long v = schedule == Schedule::kInterleaved ? 3 : 1;
+        EXPECT_EQ(held_activations_per_rank(p, m, schedule, v, 0.5),
+                  peak_held_activations_per_rank(simulate_schedule(p, m, schedule, v), p, 0.5))
+            << p << " stages, " << m << " micro-batches, schedule " << static_cast<int>(schedule);
+      }
+    }
+  }
 }
 
 TEST(Pipeline, BubbleOf8StagesAnd4MicroBatches) {
@@ -341,10 +353,66 @@ TEST(Estimate, MemoryBreakdownOfZero3Tp8OnH100) {
   // One micro-batch in flight without pp; selective with SP: T e [3h/t + (2 + 2g/a) h/t + 2f/t] + 4 T a/t.
   const double selective = 4096.0 * 2 * (3 * 8192 / 8.0 + (2 + 2 * 8 / 64.0) * 8192 / 8 + 2 * 28672 / 8.0) +
                            4 * 4096.0 * 64 / 8;
-  EXPECT_NEAR(e.activations, 80 * selective, 1);
+  // And the model's end: the final norm's bf16 input and output and fp32 1/rms, the loss's bf16 logits,
+  // int64 target and fp32 log-sum-exp.
+  const double head = 4096.0 * (2 * 8192 / 8.0 * 2 + 4 / 8.0 + 2 * 128256 / 8.0 + 12);
+  EXPECT_NEAR(e.activations, 80 * selective + head, 1);
   EXPECT_TRUE(e.fits());
   EXPECT_GT(e.mfu, 0.2);
   EXPECT_LT(e.mfu, 0.7);
+}
+
+TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
+  // Llama-3 70B on pp = 4 x tp = 8, ZeRO-1 (bf16 parameters 2 B each, unsharded), SP, selective, m = 8.
+  const ModelSpec model = llama3_70b();
+  Layout l;
+  l.pp = 4, l.tp = 8, l.zero_stage = 1, l.sequence_parallel = true, l.recompute = Recompute::kSelective;
+  l.num_microbatches = 8;
+  const Estimate e = estimate(model, cluster_of(h100(), 32), l);
+  ASSERT_EQ(e.pipeline_ranks.size(), 4u);
+  const double per_layer = layer_activation_bytes(model, l, false), V = 128256, h = 8192, t = 8;
+  // The model's end per micro-batch: the final norm's input and output (bf16, sequence-sharded), its fp32
+  // 1/rms, and the loss's bf16 logits, int64 target and fp32 log-sum-exp.
+  const double head = 4096 * (2 * h / t * 2 + 4 / t + 2 * V / t + 12);
+  EXPECT_DOUBLE_EQ(head_activation_bytes(model, l), head);
+  // 1F1B's rank r holds p - r micro-batches of its 20 layers; the last rank also one micro-batch's end.
+  for (size_t r = 0; r < 4; ++r) {
+    EXPECT_NEAR(e.pipeline_ranks[r].activations, per_layer * 20 * (4 - r) + (r == 3 ? head : 0), 1) << r;
+  }
+  // The embedding on rank 0; the final norm and LM head on rank 3.
+  const RankMemory &first = e.pipeline_ranks[0], &middle = e.pipeline_ranks[1], &last = e.pipeline_ranks[3];
+  EXPECT_NEAR(first.params - middle.params, 2 * V * h / t, 1);
+  EXPECT_NEAR(last.params - middle.params, 2 * (V * h + h) / t, 1);
+  // The estimate is the fullest rank's: the first (four micro-batches).
+  EXPECT_EQ(e.fullest_pipeline_rank, 0);
+  EXPECT_DOUBLE_EQ(e.total_memory(), first.total());
+  EXPECT_NEAR(e.params_per_gpu, (count_params(model).total - 2 * V * h - h) / 4 / t + (V * h + h) / t, 1);
+
+  // ZeRO-3 over dp = 4 with the pipeline: each rank's bf16 parameters sharded (2 B / 4), its whole stage
+  // unsharded (2 B, a buffer) with its gradients accumulated unsharded in fp32 (4 B): the sharded gradients
+  // exist only after the step's reduce-scatter, when no activations are held.
+  Layout zero3 = l;
+  zero3.zero_stage = 3, zero3.dp = 4;
+  const Estimate z = estimate(model, cluster_of(h100(), 128), zero3);
+  for (size_t r = 0; r < 4; ++r) {
+    const double held = z.pipeline_ranks[r].params / 2 * 4;  // the rank's parameters, from their sharded bytes
+    EXPECT_NEAR(z.pipeline_ranks[r].grads, 4 * held, 1) << r;
+    EXPECT_NEAR(z.pipeline_ranks[r].buffers, 2 * held + 2.0 * kGiB, 1) << r;
+    EXPECT_NEAR(z.pipeline_ranks[r].optimizer, 12 * held / 4, 1) << r;
+  }
+  EXPECT_NEAR(z.pipeline_ranks[3].params - z.pipeline_ranks[1].params, 2 * (V * h + h) / t / 4, 1);
+
+  // ZB-V's V puts the first and the last stage on rank 0.
+  l.schedule = Schedule::kZbV;
+  const Estimate v = estimate(model, cluster_of(h100(), 32), l);
+  EXPECT_NEAR(v.pipeline_ranks[0].params - v.pipeline_ranks[1].params, 2 * (2 * V * h + h) / t, 1);
+  // Each rank its own peak of the simulated order (in half-stage chunk units, with the deferred W inputs).
+  const double w = layer_weight_grad_input_bytes(model, l, false) / per_layer;
+  const auto units = peak_held_activations_per_rank(simulate_schedule(4, 8, Schedule::kZbV), 4, w);
+  for (size_t r = 0; r < 4; ++r) {
+    EXPECT_NEAR(v.pipeline_ranks[r].activations, per_layer * 20 * units[r] / 2 + (r == 0 ? head : 0), 1) << r;
+  }
+  EXPECT_NEAR(v.params_per_gpu, (count_params(model).total - 2 * V * h - h) / 4 / t + (2 * V * h + h) / t, 1);
 }
 
 TEST(Estimate, MoeTokensTravelOnceToEachRankHoldingOneOfTheirExperts) {

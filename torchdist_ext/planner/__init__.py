@@ -18,7 +18,7 @@ this package is its Python face, and ``python -m torchdist_ext.plan`` its CLI.
     search(model, cluster, *, seq_len, global_batch, top=10) -> list[(Layout, Estimate)]
 """
 
-from torchdist_ext.planner.estimate import AxisComm, Estimate, Finding, check, estimate, search
+from torchdist_ext.planner.estimate import AxisComm, Estimate, Finding, RankMemory, check, estimate, search
 from torchdist_ext.planner.formulas import (
     activation_bytes_per_layer,
     bubble_fraction,
@@ -42,6 +42,7 @@ __all__ = [
     "GpuSpec",
     "Layout",
     "ModelSpec",
+    "RankMemory",
     "activation_bytes_per_layer",
     "bubble_fraction",
     "check",

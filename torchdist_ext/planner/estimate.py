@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from torchdist_ext import _planner
 from torchdist_ext.planner.specs import ClusterSpec, Layout, ModelSpec
 
-__all__ = ["AxisComm", "Estimate", "Finding", "estimate", "check", "search"]
+__all__ = ["AxisComm", "Estimate", "RankMemory", "Finding", "estimate", "check", "search"]
 
 
 @dataclass(frozen=True)
@@ -41,9 +41,24 @@ class AxisComm:
 
 
 @dataclass(frozen=True)
-class Estimate:
-    """Per-GPU memory (bytes, on the fullest pipeline stage), step time and its parts.
+class RankMemory:
+    """One GPU's memory, bytes."""
 
+    params: float
+    grads: float
+    optimizer: float
+    activations: float
+    buffers: float
+    total: float
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Per-GPU memory (bytes, on the fullest pipeline rank), step time and its parts.
+
+    ``pipeline_ranks`` holds each pipeline rank's memory in rank order (one entry without pp): its own layers,
+    the embedding with the first stage, the final norm, LM head and logits with the last, and the micro-batches
+    its own order of passes holds at its peak; the top-level figures are ``pipeline_ranks[fullest_pipeline_rank]``.
     ``comm`` maps each parallel axis of size > 1 to its ``AxisComm``.
     """
 
@@ -64,6 +79,8 @@ class Estimate:
     step_seconds: float = 0.0
     mfu: float = 0.0
     tokens_per_second: float = 0.0
+    pipeline_ranks: list[RankMemory] = field(default_factory=list)
+    fullest_pipeline_rank: int = 0
 
     @classmethod
     def from_cpp(cls, e) -> "Estimate":
@@ -72,7 +89,10 @@ class Estimate:
                    buffers=e.buffers, total_memory=e.total_memory(), gpu_memory=e.gpu_memory, fits=e.fits(),
                    params_per_gpu=e.params_per_gpu, tokens_per_step=e.tokens_per_step,
                    model_flops_per_step=e.model_flops_per_step, compute_seconds=e.compute_seconds, bubble=e.bubble,
-                   comm=comm, step_seconds=e.step_seconds, mfu=e.mfu, tokens_per_second=e.tokens_per_second())
+                   comm=comm, step_seconds=e.step_seconds, mfu=e.mfu, tokens_per_second=e.tokens_per_second(),
+                   pipeline_ranks=[RankMemory(r.params, r.grads, r.optimizer, r.activations, r.buffers, r.total())
+                                   for r in e.pipeline_ranks],
+                   fullest_pipeline_rank=e.fullest_pipeline_rank)
 
     def to_dict(self) -> dict:
         return asdict(self)

@@ -33,7 +33,7 @@ def plot_plan(path: str | Path, layouts: list[tuple[str, Estimate]], timeline: l
     limit = min(e.gpu_memory for _, e in layouts) / 2**30
     memory_axes.axhline(limit, color="black", linestyle="--", label=f"GPU memory ({limit:.0f} GiB)")
     memory_axes.set_ylabel("GiB per GPU")
-    memory_axes.set_title("Per-GPU memory (fullest pipeline stage)")
+    memory_axes.set_title("Per-GPU memory (fullest pipeline rank)")
     memory_axes.legend(loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
     memory_axes.tick_params(axis="x", labelrotation=20, labelsize="small")
     if timeline:

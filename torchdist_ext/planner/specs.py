@@ -186,6 +186,7 @@ class Layout:
     zero_stage: int = 0
     sequence_parallel: bool = False
     recompute: str = "none"
+    recompute_experts: bool = True
     attention: str = "flash"
     norm: str = "fused"
     micro_batch: int = 1
