@@ -104,10 +104,13 @@ def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
     count = model.count_params()
     print(f"{model.name}: {count.total / 1e9:.1f}B parameters ({count.active / 1e9:.1f}B active); "
           f"layout {_describe(layout)} on {layout.num_gpus} GPUs")
-    print("memory per GPU (fullest pipeline rank):")
+    fullest = f" (pipeline rank {e.fullest_pipeline_rank}, the fullest)" if len(e.pipeline_ranks) > 1 else ""
+    print(f"memory per GPU{fullest}:")
     for part in ("params", "grads", "optimizer", "activations", "buffers", "total_memory"):
         print(f"  {part:<12} {_gib(getattr(e, part))}")
     print(f"  {'GPU':<12} {_gib(e.gpu_memory)}   {'fits' if e.fits else 'DOES NOT FIT'}")
+    if len(e.pipeline_ranks) > 1:
+        print("  per pipeline rank: " + ", ".join(_gib(r.total).strip() for r in e.pipeline_ranks))
     print(f"step: {e.tokens_per_step:,.0f} tokens, {e.model_flops_per_step:.3e} model FLOPs; compute "
           f"{e.compute_seconds:.3f} s, bubble {100 * e.bubble:.1f}%, step {e.step_seconds:.3f} s, "
           f"MFU {100 * e.mfu:.1f}%, {e.tokens_per_second:,.0f} tokens/s")

@@ -1,6 +1,7 @@
 """The planner CLI (text, --json parsed back, --plot PNG) and the static lint of training scripts."""
 
 import json
+import re
 import subprocess
 import sys
 import textwrap
@@ -22,6 +23,15 @@ def test_estimate_text(capsys):
     assert "llama3-70b: 70.6B parameters" in out
     assert "layout tp=8 dp=4 zero3 sp" in out
     assert "fits" in out and "MFU" in out and "findings: none" in out
+    assert "per pipeline rank" not in out
+
+
+def test_estimate_text_lists_each_pipeline_rank(capsys):
+    """1F1B's first rank holds the most micro-batches (and the embedding): it is the fullest."""
+    out = run_cli(capsys, "--model", "llama3-70b", "--gpus", "64", "--tp", "8", "--pp", "4", "--zero", "1", "--sp")
+    assert "memory per GPU (pipeline rank 0, the fullest):" in out
+    ranks = re.search(r"per pipeline rank: ([\d.]+) GiB, ([\d.]+) GiB, ([\d.]+) GiB, ([\d.]+) GiB", out)
+    assert ranks and sorted(map(float, ranks.groups()), reverse=True) == list(map(float, ranks.groups())), out
 
 
 def test_estimate_json_round_trip(capsys):
@@ -32,6 +42,7 @@ def test_estimate_json_round_trip(capsys):
     assert [f["code"] for f in document["findings"]] == ["TDX001"]
     assert document["estimate"]["total_memory"] > 0
     assert document["estimate"]["comm"]["tp"]["intra_domain"] is False
+    assert [r["total"] for r in document["estimate"]["pipeline_ranks"]] == [document["estimate"]["total_memory"]]
 
 
 def test_search_json_and_table(capsys):
