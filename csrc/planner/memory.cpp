@@ -75,19 +75,29 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   const double moe_kept = tokens * e * (k * (2 * h + 4 * f_moe) + 4 * f_moe * shared) +
                           tokens * (router_input + 8 * experts + 12 * k);
   const bool kept_experts = moe_layer && !layout.recompute_experts;
-  if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated + (kept_experts ? moe_kept : 0);
+  if (kept_experts && layout.recompute != Recompute::kNone) {
+    // The norms and the attention recomputed each on its own keep their inputs: the layer input, the
+    // normalised input, the attention's output added back (and under selective the attention's kept
+    // tensors); the fp32 router keeps its (gathered) input itself, where a 16-bit one keeps the fp32 copy.
+    const double router_tokens = e < 4 ? 0 : tokens * e * h;
+    if (layout.recompute == Recompute::kFull) return tokens * e * 3 * h * replicated + moe_kept + router_tokens;
+    const double all_reduce = layout.tp > 1 && !layout.sequence_parallel ? h : 0;
+    return tokens * e * (4 * h * replicated + attention_heads + all_reduce) + lse + moe_kept + router_tokens;
+  }
+  if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated;
   if (layout.recompute == Recompute::kSelective) {
     const double mlp = !moe_layer ? 2 * static_cast<double>(model.ffn_hidden) / t
-                       : kept_experts
-                           ? 0
-                           : expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep) * h +
-                                 (k + shared) * (2 * f_moe + h);
-    const double moe = moe_layer ? (kept_experts ? moe_kept : tokens * (4 * experts + 12 * k)) : 0;
+                                  : expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep) * h +
+                                        (k + shared) * (2 * f_moe + h);
+    const double moe = moe_layer ? tokens * (4 * experts + 12 * k) : 0;
     const double all_reduces = layout.tp > 1 && !layout.sequence_parallel ? 2 * h : 0;
     return tokens * e * (3 * h * replicated + attention_heads + mlp + all_reduces) + lse + moe;
   }
   const double mlp = moe_layer ? 0 : 4 * static_cast<double>(model.ffn_hidden) / t;
-  double bytes = tokens * e * (4 * h * replicated + attention_heads + h / t + mlp) + 4 * tokens * 2 * replicated +
+  // A 16-bit MoE does not keep its input (the FFN norm's output): its router keeps an fp32 copy, its dispatch
+  // the rows' indices.
+  const double norms = moe_layer && e < 4 ? 3 * h * replicated : 4 * h * replicated;
+  double bytes = tokens * e * (norms + attention_heads + h / t + mlp) + 4 * tokens * 2 * replicated +
                  (moe_layer ? moe_kept : 0);
   // Torch's composite RMSNorm keeps x.float() (x itself in fp32) and the fp32 x * rstd cast back to x's
   // dtype (the product itself in fp32), where the fused kernel keeps x alone.

@@ -59,17 +59,22 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 // An MoE layer replaces the MLP term by what torchdist_ext's MoE keeps (experts are not tensor-parallel:
 // its terms are at T, not divided by t), with k experts per token, E experts and d the ranks a token is
 // dispatched to (expected_ranks_per_token):
-//   none       T e [k (2h + 4 f_moe) (the expert-major rows and the expert outputs; w1 x, w3 x,
+//   none       (in 16-bit without the FFN norm's output, which only the router reads, through its fp32 copy)
+//              T e [k (2h + 4 f_moe) (the expert-major rows and the expert outputs; w1 x, w3 x,
 //              silu(w1 x), their product) + 4 f_moe per shared expert] + T (4h (the router's fp32 copy of
 //              16-bit tokens; none in fp32) + 8E (its fp32 logits and probabilities) + 12k (the chosen
 //              experts' int64 ids and fp32 weights))
 //   selective  T e [d h (the dispatched rows) + k (2 f_moe + h) (the grouped GEMMs' outputs) + (2 f_moe + h)
 //              per shared expert] + T (4E + 12k)
 //   full       nothing (the layer input above)
-// With layout.recompute_experts = false the MoE term is none's under every policy. The main job's MoE block
-// (norms and attention recomputed each on its own, the MoE not) keeps, per token at tp = 1, 1 e h more than
-// this under selective and 2 under full in fp32 (0.1 and 1.1 in bf16: each checkpoint keeps its own input,
-// and the fp32 router its input), and 1 e h less under none; not yet modelled.
+// With layout.recompute_experts = false (the main job's MoE blocks: their norms and attention recomputed each on
+// its own, the MoE not) the MoE term is none's, and each recomputed part keeps its input:
+//   selective  T e [4hR (the layer input, the normalised input, the attention's output, their sum) + (2 + 2g/a)
+//              h/t + h with tp > 1 and no SP (the output projection's partial sum)] + 4T a/t + the MoE's none
+//              term + T e h in fp32 (the router keeps its gathered input itself; a 16-bit one keeps the fp32
+//              copy, already counted)
+//   full       T e 3hR (the layer input, the normalised input, their sum) + the same MoE and router terms
+// (measured on our main job's block at tp 1 and tp 2 with SP, fp32 and bf16: within 0.04 T e h).
 // (within 0.02 % of what our MoE layer, without shared experts and at tp = 1, keeps on one rank; on two
 // ranks within 0.3 % on average, each rank within 2 %, as routing sends it:
 // tests/planner/test_activation_memory.py; the shared experts' terms are not measured).
