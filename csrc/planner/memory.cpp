@@ -74,15 +74,17 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   const double router_input = e < 4 ? 4 * h : 0;  // the router's fp32 copy of 16-bit tokens
   const double moe_kept = tokens * e * (k * (2 * h + 4 * f_moe) + 4 * f_moe * shared) +
                           tokens * (router_input + 8 * experts + 12 * k);
+  // The MoE's input (the FFN norm's output, gathered over tp with SP) is kept by an fp32 router (its .float()
+  // is the tensor itself) and by shared experts; a 16-bit router keeps its fp32 copy instead (counted above)
+  // and the dispatch only the rows' indices.
+  const double moe_input = moe_layer && (e >= 4 || shared > 0) ? tokens * e * h : 0;
   const bool kept_experts = moe_layer && !layout.recompute_experts;
   if (kept_experts && layout.recompute != Recompute::kNone) {
     // The norms and the attention recomputed each on its own keep their inputs: the layer input, the
-    // normalised input, the attention's output added back (and under selective the attention's kept
-    // tensors); the fp32 router keeps its (gathered) input itself, where a 16-bit one keeps the fp32 copy.
-    const double router_tokens = e < 4 ? 0 : tokens * e * h;
-    if (layout.recompute == Recompute::kFull) return tokens * e * 3 * h * replicated + moe_kept + router_tokens;
+    // normalised input, the attention's output added back (and under selective the attention's kept tensors).
+    if (layout.recompute == Recompute::kFull) return tokens * e * 3 * h * replicated + moe_kept + moe_input;
     const double all_reduce = layout.tp > 1 && !layout.sequence_parallel ? h : 0;
-    return tokens * e * (4 * h * replicated + attention_heads + all_reduce) + lse + moe_kept + router_tokens;
+    return tokens * e * (4 * h * replicated + attention_heads + all_reduce) + lse + moe_kept + moe_input;
   }
   if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated;
   if (layout.recompute == Recompute::kSelective) {
@@ -94,11 +96,10 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
     return tokens * e * (3 * h * replicated + attention_heads + mlp + all_reduces) + lse + moe;
   }
   const double mlp = moe_layer ? 0 : 4 * static_cast<double>(model.ffn_hidden) / t;
-  // A 16-bit MoE does not keep its input (the FFN norm's output): its router keeps an fp32 copy, its dispatch
-  // the rows' indices.
-  const double norms = moe_layer && e < 4 ? 3 * h * replicated : 4 * h * replicated;
+  // An MoE layer counts its input as moe_input instead of the FFN norm's (sequence-sharded) output.
+  const double norms = moe_layer ? 3 * h * replicated : 4 * h * replicated;
   double bytes = tokens * e * (norms + attention_heads + h / t + mlp) + 4 * tokens * 2 * replicated +
-                 (moe_layer ? moe_kept : 0);
+                 (moe_layer ? moe_kept + moe_input : 0);
   // Torch's composite RMSNorm keeps x.float() (x itself in fp32) and the fp32 x * rstd cast back to x's
   // dtype (the product itself in fp32), where the fused kernel keeps x alone.
   if (layout.norm == NormKernel::kComposite) bytes += 2 * tokens * h * replicated * (e < 4 ? e + 4 : e);

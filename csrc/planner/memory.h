@@ -59,7 +59,8 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 // An MoE layer replaces the MLP term by what torchdist_ext's MoE keeps (experts are not tensor-parallel:
 // its terms are at T, not divided by t), with k experts per token, E experts and d the ranks a token is
 // dispatched to (expected_ranks_per_token):
-//   none       (in 16-bit without the FFN norm's output, which only the router reads, through its fp32 copy)
+//   none       (with the MoE's input in place of the FFN norm's output: T e h, gathered over tp with SP, where an
+//              fp32 router or shared experts keep it; a 16-bit router keeps its fp32 copy instead)
 //              T e [k (2h + 4 f_moe) (the expert-major rows and the expert outputs; w1 x, w3 x,
 //              silu(w1 x), their product) + 4 f_moe per shared expert] + T (4h (the router's fp32 copy of
 //              16-bit tokens; none in fp32) + 8E (its fp32 logits and probabilities) + 12k (the chosen
@@ -71,10 +72,10 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 // its own, the MoE not) the MoE term is none's, and each recomputed part keeps its input:
 //   selective  T e [4hR (the layer input, the normalised input, the attention's output, their sum) + (2 + 2g/a)
 //              h/t + h with tp > 1 and no SP (the output projection's partial sum)] + 4T a/t + the MoE's none
-//              term + T e h in fp32 (the router keeps its gathered input itself; a 16-bit one keeps the fp32
-//              copy, already counted)
-//   full       T e 3hR (the layer input, the normalised input, their sum) + the same MoE and router terms
-// (measured on our main job's block at tp 1 and tp 2 with SP, fp32 and bf16: within 0.04 T e h).
+//              term, its input included
+//   full       T e 3hR (the layer input, the normalised input, their sum) + the same MoE terms
+// (measured on a replica of that block at tp 1 and at tp 2 with SP, none, selective and full, fp32 and bf16:
+// within 0.12 T e h of 22-36; tests/planner/test_activation_memory.py).
 // (within 0.02 % of what our MoE layer, without shared experts and at tp = 1, keeps on one rank; on two
 // ranks within 0.3 % on average, each rank within 2 %, as routing sends it:
 // tests/planner/test_activation_memory.py; the shared experts' terms are not measured).

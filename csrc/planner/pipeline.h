@@ -85,8 +85,9 @@ std::vector<double> peak_held_activations_per_rank(const std::vector<ScheduledPa
 
 // The same for the schedule that runs, without simulating where the order's warm-up gives it (the planner's
 // search prices thousands of layouts): rank r of gpipe holds m units, of 1f1b min(p - r, m), of interleaved
-// min(2 (p - r - 1) + (v - 1) p + 1, v m) chunk units (Megatron-LM's warm-up forwards and the first steady
-// one); zb-h1 and zb-v with their deferred W inputs come from simulate_schedule (equal: tested).
+// min(2 (p - r - 1) + (v - 1) p + 1, v m) chunk units (our interleaved order's warm-up forwards and the first
+// steady one, pipeline.cpp); zb-h1 and zb-v with their deferred W inputs come from simulate_schedule (equal:
+// tested).
 std::vector<double> held_activations_per_rank(long pp, long num_microbatches, Schedule schedule,
                                               long virtual_stages, double weight_inputs);
 

@@ -83,8 +83,10 @@ struct Layout {
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;
   // Whether recompute reaches the MoE layers' router and experts. When it does not (FSDP2 units of their own
-  // that a checkpoint would all-gather again in its rerun: the main job's MoE blocks recompute their norms and
-  // attention only), they keep what recompute="none" keeps.
+  // that a checkpoint would all-gather again in its rerun), the layer is the main job's MoE block: its norms
+  // and attention recomputed each on its own, keeping its input, the MoE all that recompute="none" keeps
+  // (memory.h). Only the activations follow it: the recompute FLOPs and the SP gather's rerun are priced as
+  // for a whole recomputed layer.
   bool recompute_experts = true;
   AttentionKernel attention = AttentionKernel::kFlash;  // what the attention stores for the backward
   NormKernel norm = NormKernel::kFused;  // RMSNorm's kernel: CUDA's fused one, or torch's CPU composite
