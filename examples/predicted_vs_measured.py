@@ -105,10 +105,9 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
         for pipeline_rank, predicted in enumerate(e.pipeline_ranks):
             ranks = [m for m in measured if m.pipeline_rank == pipeline_rank]
             held = max(m.peak_between_passes for m in ranks)
-            lines.append(row(f"  pp rank {pipeline_rank}", predicted.total - FRAMEWORK_RESERVE_BYTES,
-                             max(m.peak_memory for m in ranks), "MiB",
-                             f"(between passes {held / 2**20:.3f}: "
-                             f"{held / (predicted.total - FRAMEWORK_RESERVE_BYTES):.2f})"))
+            tensors = predicted.total - FRAMEWORK_RESERVE_BYTES
+            lines.append(row(f"  pp rank {pipeline_rank}", tensors, max(m.peak_memory for m in ranks), "MiB",
+                             f"(between passes {held / 2**20:.3f}: {held / tensors:.2f})"))
     if bubbles is not None:
         lines.append(row("pipeline bubble", bubbles[0], bubbles[1], "of the step",
                          f"(planner for equal F/B/W times {e.bubble:.3f})"))

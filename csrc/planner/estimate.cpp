@@ -80,8 +80,9 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // norm and the LM head); without pp both. ZB-V's V puts both on rank 0.
   const long chunks = l.pp > 1 ? chunks_per_rank(l.schedule, l.virtual_stages) : 1;
   auto holds_stage = [&](long rank, long stage) {
+    if (l.pp == 1) return true;
     for (long chunk = 0; chunk < chunks; ++chunk) {
-      if (l.pp == 1 || stage_of(rank, chunk, l.pp, l.schedule) == stage) return true;
+      if (stage_of(rank, chunk, l.pp, l.schedule) == stage) return true;
     }
     return false;
   };

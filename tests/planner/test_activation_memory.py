@@ -104,11 +104,12 @@ def least_of(measure, tries: int = 3) -> int:
     return min(measure() for _ in range(tries))
 
 
-def retained_bytes(num_layers: int, tp_mesh, sequence_parallel: bool, mode: str,
-                   dtype: torch.dtype = torch.bfloat16) -> int:
+def stacked_retained_bytes(make_layer, num_layers: int, sequence_parallel: bool, dtype: torch.dtype) -> int:
+    """The storages the forward of ``num_layers`` stacked ``make_layer()`` leaves alive (their output included),
+    on this rank's sequence block of a [BATCH, SEQ, DIM] input."""
     torch.manual_seed(0)
-    layers = [recompute(LlamaLayer(tp_mesh, sequence_parallel, dtype), mode) for _ in range(num_layers)]
-    seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
+    layers = [make_layer() for _ in range(num_layers)]
+    seq = SEQ // torch.distributed.get_world_size() if sequence_parallel else SEQ
     x = torch.randn(BATCH, seq, DIM, dtype=dtype, requires_grad=True)
     with RetainedMemory() as meter:
         out = x
@@ -119,14 +120,20 @@ def retained_bytes(num_layers: int, tp_mesh, sequence_parallel: bool, mode: str,
     return retained
 
 
+def one_layer_bytes(make_layer, sequence_parallel: bool, dtype: torch.dtype) -> int:
+    """What one ``make_layer()`` keeps for its backward, its input included: two stacked layers less one."""
+    return (least_of(lambda: stacked_retained_bytes(make_layer, 2, sequence_parallel, dtype))
+            - least_of(lambda: stacked_retained_bytes(make_layer, 1, sequence_parallel, dtype)))
+
+
 def measured_and_planned(sequence_parallel: bool) -> list[tuple[str, str, int, float]]:
     tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
     model = ModelSpec(2, DIM, HEADS, num_kv_heads=KV_HEADS, ffn_hidden=FFN, vocab_size=256)
     results = []
     for dtype, precision in ((torch.bfloat16, "bf16-mixed"), (torch.float32, "fp32")):
         for mode in ("none", "selective", "full"):
-            measured = (least_of(lambda: retained_bytes(2, tp_mesh, sequence_parallel, mode, dtype))
-                        - least_of(lambda: retained_bytes(1, tp_mesh, sequence_parallel, mode, dtype)))
+            measured = one_layer_bytes(lambda: recompute(LlamaLayer(tp_mesh, sequence_parallel, dtype), mode),
+                                       sequence_parallel, dtype)
             layout = Layout(tp=tp_mesh.size(), sequence_parallel=sequence_parallel, recompute=mode,
                             norm="composite", seq_len=SEQ, micro_batch=BATCH, precision=precision)
             results.append((precision, mode, measured, layer_activation_bytes(model, layout)))
@@ -205,24 +212,8 @@ def test_planner_moe_activations_against_our_moe(world_pool, world_size):
 MOE_BLOCK_EXPERTS = 4
 
 
-def moe_block_retained_bytes(num_blocks: int, sequence_parallel: bool, mode: str, dtype: torch.dtype) -> int:
-    torch.manual_seed(0)
-    blocks = [MoEBlock(sequence_parallel, mode, dtype) for _ in range(num_blocks)]
-    seq = SEQ // torch.distributed.get_world_size() if sequence_parallel else SEQ
-    x = torch.randn(BATCH, seq, DIM, dtype=dtype, requires_grad=True)
-    with RetainedMemory() as meter:
-        out = x
-        for block in blocks:
-            out = block(out)
-    retained = meter.retained_bytes()
-    out.float().square().mean().backward()
-    return retained
-
-
 def moe_block_kept_bytes(sequence_parallel: bool, mode: str, dtype: torch.dtype) -> int:
-    """One block's bytes, its input included: two stacked blocks less one."""
-    return (least_of(lambda: moe_block_retained_bytes(2, sequence_parallel, mode, dtype))
-            - least_of(lambda: moe_block_retained_bytes(1, sequence_parallel, mode, dtype)))
+    return one_layer_bytes(lambda: MoEBlock(sequence_parallel, mode, dtype), sequence_parallel, dtype)
 
 
 @pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, True)], ids=["tp1", "tp2-sp"])
