@@ -16,12 +16,17 @@ measured on every rank.
     bytes per axis    planner: ``Estimate.comm``; measured: the communication ledger (``torchdist_ext.ledger``),
                       bytes sent per step, the busiest rank's
 
+With experts the planner is asked at the step's measured routing (``Layout.expert_imbalance``: the busiest ep
+rank's routed rows over the mean, ``RoutingLoad``), each pipeline rank at its own stage's, as the bubble is
+predicted for the measured pass times; the uniform-routing figure is printed beside it.
+
 The planner models bf16 or fp8 training on GPUs; it is asked about this run's precision (``fp32`` on the CPU),
 so its bytes are this run's.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import torch
@@ -44,6 +49,33 @@ class StepMeasurement:
     peak_between_passes: float | None = None  # with a pipeline
     sent_bytes: dict[str, float] = field(default_factory=dict)  # per axis label
     calls: dict[str, int] = field(default_factory=dict)
+    expert_imbalance: float = 1.0  # RoutingLoad.imbalance of the step
+
+
+class RoutingLoad:
+    """The (token, expert) rows this rank's MoE layers route to each expert in a step: every call's kept counts
+    (``MoE.last_tokens_per_expert``, through forward hooks) summed while ``recording``."""
+
+    def __init__(self, moes: list):
+        self.recording = False
+        self.rows: torch.Tensor | None = None
+        for moe in moes:
+            moe.register_forward_hook(self._add)
+
+    def _add(self, moe, args, output) -> None:
+        if self.recording:
+            counts = moe.last_tokens_per_expert
+            self.rows = counts.clone() if self.rows is None else self.rows + counts
+
+    def imbalance(self, ep_mesh) -> float:
+        """The busiest ep rank's rows over the mean, the rows of every rank of ``ep_mesh`` summed (a collective
+        over it; the experts in ep contiguous blocks); 1 without expert parallelism or rows."""
+        if ep_mesh is None or ep_mesh.size() == 1 or self.rows is None:
+            return 1.0
+        rows = self.rows.to(torch.float64)
+        dist.all_reduce(rows, group=ep_mesh.get_group())
+        per_rank = rows.view(ep_mesh.size(), -1).sum(1)
+        return float(per_rank.max() / per_rank.mean()) if per_rank.sum() > 0 else 1.0
 
 
 def reset_peak_memory(device: torch.device) -> None:
@@ -84,7 +116,16 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
                  bubbles: tuple[float, float] | None) -> None:
     """Rank 0 prints the table (``measured`` holds every rank's; ``bubbles``: the planner's for the measured
     times and the measured, with a pipeline)."""
-    e = estimate(model, ClusterSpec.preset("h100-80gb", world_size), layout)
+    cluster = ClusterSpec.preset("h100-80gb", world_size)
+
+    def at_routing(ranks: list[StepMeasurement]) -> Estimate:
+        imbalance = min(max(m.expert_imbalance for m in ranks), float(layout.ep))
+        return estimate(model, cluster, dataclasses.replace(layout, expert_imbalance=imbalance))
+
+    imbalance = min(max(m.expert_imbalance for m in measured), float(layout.ep))
+    e = at_routing(measured)
+    per_rank = [at_routing([m for m in measured if m.pipeline_rank == r]).pipeline_ranks[r] for r in range(layout.pp)]
+    fullest = max(per_rank, key=lambda memory: memory.total)
 
     def row(name: str, predicted: float | None, value: float, unit: str, note: str = "") -> str:
         scale = 2**20 if unit == "MiB" else 1
@@ -92,17 +133,25 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
         ratio = "    " if not predicted else f"{value / predicted:5.2f}"
         return f"  {name:<22}{shown} {value / scale:11.3f}  {ratio}  {unit} {note}"
 
-    planner_memory = e.params + e.grads + e.optimizer + e.activations + e.buffers - FRAMEWORK_RESERVE_BYTES
-    lines = [f"planner vs measured ({layout.precision}, the last step; measured: the busiest rank's)",
-             f"  {'':<22}{'planner':>11} {'measured':>11}  ratio",
-             row("memory per rank", planner_memory, max(m.peak_memory for m in measured), "MiB",
-                 f"(planner: states {(e.params + e.grads + e.optimizer) / 2**20:.2f}, activations "
-                 f"{e.activations / 2**20:.2f}, buffers {(e.buffers - FRAMEWORK_RESERVE_BYTES) / 2**20:.2f})")]
+    planner_memory = fullest.total - FRAMEWORK_RESERVE_BYTES
+    lines = [f"planner vs measured ({layout.precision}, the last step; measured: the busiest rank's)"]
+    if any(m.expert_imbalance > 1 for m in measured):
+        stages = ", ".join(f"{max(m.expert_imbalance for m in measured if m.pipeline_rank == r):.2f}"
+                           for r in range(layout.pp))
+        uniform = estimate(model, cluster, layout)
+        lines.append(f"  routing: the busiest ep rank's experts got {imbalance:.2f} x the mean of the "
+                     f"rows{f' (per pp rank {stages})' if layout.pp > 1 else ''}; the planner is asked at that "
+                     f"(at uniform routing: memory {(uniform.total_memory - FRAMEWORK_RESERVE_BYTES) / 2**20:.3f} MiB,"
+                     f" ep bytes {planner_bytes(uniform, 'ep') / 2**20:.3f} MiB)")
+    lines += [f"  {'':<22}{'planner':>11} {'measured':>11}  ratio",
+              row("memory per rank", planner_memory, max(m.peak_memory for m in measured), "MiB",
+                  f"(planner: states {(fullest.params + fullest.grads + fullest.optimizer) / 2**20:.2f}, activations "
+                  f"{fullest.activations / 2**20:.2f}, buffers {(fullest.buffers - FRAMEWORK_RESERVE_BYTES) / 2**20:.2f})")]
     between = [m.peak_between_passes for m in measured if m.peak_between_passes is not None]
     if between:
         lines.append(row("  between passes", planner_memory, max(between), "MiB",
                          "(the planner's model; the rest is transients inside a pass)"))
-        for pipeline_rank, predicted in enumerate(e.pipeline_ranks):
+        for pipeline_rank, predicted in enumerate(per_rank):
             ranks = [m for m in measured if m.pipeline_rank == pipeline_rank]
             held = max(m.peak_between_passes for m in ranks)
             tensors = predicted.total - FRAMEWORK_RESERVE_BYTES

@@ -69,7 +69,7 @@ from llama import (  # noqa: E402
 )
 
 from predicted_vs_measured import (  # noqa: E402
-    StepMeasurement, comm_totals, gather_measurements, peak_memory, print_report, reset_peak_memory,
+    RoutingLoad, StepMeasurement, comm_totals, gather_measurements, peak_memory, print_report, reset_peak_memory,
 )
 
 from torchdist_ext import checkpoint, clip_grad_norm_, cpu_memory, ledger  # noqa: E402
@@ -500,6 +500,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             "dp": [fsdp_mesh, *([expert_dp_mesh] if expert_dp_mesh is not None else [])],
             **({"ep": ep_mesh} if ep_mesh is not None else {})}
     measurement = StepMeasurement(pipeline_rank=mesh["pp"].get_local_rank())
+    routing = RoutingLoad([m for part in parts for m in part.modules() if isinstance(m, MoE)])
     positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
         positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")
@@ -510,6 +511,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         if measuring:
             ledger.reset()
             reset_peak_memory(device)
+            routing.recording = True
         start = time.perf_counter()
         tokens, target = (t.to(device) for t in next(data))
         if cp_mesh is not None:
@@ -531,6 +533,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             if pipe is not None:
                 measurement.peak_between_passes = max(a.live_bytes for a in pipe.timeline)
             measurement.sent_bytes, measurement.calls = comm_totals(axes)
+            measurement.expert_imbalance = routing.imbalance(ep_mesh)
         sampler.advance()
         # Every dp x cp rank's loss is the mean over the same number of tokens.
         global_loss = loss.detach().to(torch.float32, copy=True)  # with --bf16 the loss is bf16

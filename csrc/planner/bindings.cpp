@@ -63,6 +63,8 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("total", &ParamCount::total)
       .def_readonly("active", &ParamCount::active)
       .def_readonly("expert", &ParamCount::expert)
+      .def_readonly("moe_active", &ParamCount::moe_active)
+      .def_readonly("routed_active", &ParamCount::routed_active)
       .def_readonly("per_layer_dense", &ParamCount::per_layer_dense)
       .def_readonly("embedding", &ParamCount::embedding);
   m.def("count_params", &count_params);
@@ -92,6 +94,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("zero_stage", &Layout::zero_stage)
       .def_readwrite("sequence_parallel", &Layout::sequence_parallel)
       .def_readwrite("recompute_experts", &Layout::recompute_experts)
+      .def_readwrite("expert_imbalance", &Layout::expert_imbalance)
       .def_readwrite("micro_batch", &Layout::micro_batch)
       .def_readwrite("num_microbatches", &Layout::num_microbatches)
       .def_readwrite("virtual_stages", &Layout::virtual_stages)
@@ -132,6 +135,10 @@ PYBIND11_MODULE(_planner, m) {
         py::arg("ep"));
   m.def("layer_weight_grad_input_bytes", &layer_weight_grad_input_bytes, py::arg("model"), py::arg("layout"),
         py::arg("moe_layer"));
+  m.def("head_activation_bytes", &head_activation_bytes, py::arg("model"), py::arg("layout"));
+  m.def("head_weight_grad_input_bytes", &head_weight_grad_input_bytes, py::arg("model"), py::arg("layout"));
+  m.def("embedding_weight_grad_input_bytes", &embedding_weight_grad_input_bytes, py::arg("model"),
+        py::arg("layout"));
   m.def(
       "bubble_fraction",
       [](long pp, long m, const std::string& schedule, long v) {

@@ -109,26 +109,37 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
 
   // Activations: what one layer stores (the mean over dense and MoE layers) on the local sequence s / cp,
   // times the stage's layers and the micro-batches in flight. With pp each rank holds its own count: its
-  // peak in the order of passes that runs (pipeline.h; 1F1B's rank r holds min(p - r, m)). The zero-bubble
-  // schedules also hold their deferred weight gradients' inputs. Not counted: the embedding's and LM head's
-  // queued W inputs (the head's [T, V/t] output gradient per pending micro-batch on the last stage).
+  // peak in the order of passes that runs (pipeline.h; 1F1B's rank r holds min(p - r, m)). The end of the
+  // model (the final norm, the head's input and the loss's logits) is held by the last stage from a
+  // micro-batch's forward to its backward, which every schedule but GPipe runs right after it there. The
+  // zero-bubble schedules also hold their deferred weight gradients' inputs, the embedding's and the head's
+  // (its [T, V/t] output gradient) with their stages': each rank's peak in the simulated order, by bytes.
   const double moe_layers = static_cast<double>(model.num_moe_layers());
   auto mean_over_layers = [&](double (*bytes)(const ModelSpec&, const Layout&, bool)) {
     return ((layers - moe_layers) * bytes(model, l, false) + moe_layers * bytes(model, l, true)) / layers;
   };
   const double per_layer = mean_over_layers(layer_activation_bytes);
-  std::vector<double> held{in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages)};
-  if (l.pp > 1) {
-    const bool deferred = l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV;
-    const double weight_inputs = deferred ? mean_over_layers(layer_weight_grad_input_bytes) / per_layer : 0.0;
-    held = held_activations_per_rank(l.pp, l.num_microbatches, l.schedule, l.virtual_stages, weight_inputs);
-    for (double& units : held) units /= static_cast<double>(chunks);
+  std::vector<double> activations;
+  if (l.pp > 1 && (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV)) {
+    const double chunk_layers = layers_per_stage / static_cast<double>(chunks);
+    const double weight_inputs = mean_over_layers(layer_weight_grad_input_bytes);
+    std::vector<StageBytes> stages(static_cast<size_t>(l.pp * chunks),
+                                   {per_layer * chunk_layers, weight_inputs * chunk_layers});
+    stages.front().weight_input += embedding_weight_grad_input_bytes(model, l);
+    stages.back().forward += head_activation_bytes(model, l);
+    stages.back().weight_input += head_weight_grad_input_bytes(model, l);
+    activations = peak_held_bytes_per_rank(simulate_schedule(l.pp, l.num_microbatches, l.schedule), l.pp,
+                                           l.schedule, stages);
+  } else {
+    std::vector<double> held{in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages)};
+    if (l.pp > 1) held = held_activations_per_rank(l.pp, l.num_microbatches, l.schedule, l.virtual_stages, 0.0);
+    const double head_held = l.schedule == Schedule::kGPipe && l.pp > 1 ? m : 1;
+    for (long rank = 0; rank < l.pp; ++rank) {
+      const double units = held.at(static_cast<size_t>(rank)) / static_cast<double>(chunks);
+      activations.push_back(per_layer * layers_per_stage * units +
+                            (holds_last(rank) ? head_activation_bytes(model, l) * head_held : 0));
+    }
   }
-
-  // The end of the model (the final norm, the head's input and the loss's logits) is held by the last stage
-  // from a micro-batch's forward to its backward, which every schedule but GPipe runs right after it there.
-  const double head_held = l.schedule == Schedule::kGPipe && l.pp > 1 ? m : 1;
-  const double head_activations = head_activation_bytes(model, l) * head_held;
 
   // Model states: dense parameters are replicated over dp x cp x ep ranks, expert parameters over dp x cp:
   // ZeRO shards them, and their gradients are reduced, over those (context-parallel ranks hold the same
@@ -154,8 +165,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     memory.params = dense_states.params + expert_states.params;
     memory.grads = unsharded_through_step ? 4 * (dense + expert_per_stage) : dense_states.grads + expert_states.grads;
     memory.optimizer = dense_states.optimizer + expert_states.optimizer;
-    memory.activations = per_layer * layers_per_stage * held.at(static_cast<size_t>(rank)) +
-                         (holds_last(rank) ? head_activations : 0);
+    memory.activations = activations.at(static_cast<size_t>(rank));
     const double unsharded = unsharded_through_step ? element * (dense + expert_per_stage)
                                                     : 2 * element * layer_params_gpu;
     memory.buffers = (l.zero_stage == 3 ? unsharded : 0) + kFrameworkReserveBytes;
@@ -170,8 +180,10 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   e.gpu_memory = cluster.min_memory_bytes();
 
   // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
-  // half of the score matrix, forward + backward). Recomputation adds forward work: full the whole
-  // forward (a third of everything); selective keeps the GEMMs' and the attention's outputs and reruns
+  // half of the score matrix, forward + backward). Recomputation adds forward work: full the blocks' whole
+  // forward (2 N per token, N the blocks' active parameters: not the embedding, head and final norm outside
+  // the checkpointed blocks, nor the MoE layers' routers and experts where recompute does not reach them)
+  // and the attention's (a third of it); selective keeps the GEMMs' and the attention's outputs and reruns
   // only element-wise work (no FLOPs counted).
   e.tokens_per_step = static_cast<double>(l.sequences_per_step()) * s;
   const double gemm_flops = 6 * params.active * e.tokens_per_step;
@@ -179,16 +191,21 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   e.model_flops_per_step = gemm_flops + attention_flops;
   double recompute_gemm = 0, recompute_attention = 0;
   if (l.recompute == Recompute::kFull) {
-    recompute_gemm = gemm_flops / 3;
+    const double recomputed = params.active - params.embedding - (l.recompute_experts ? 0 : params.moe_active);
+    recompute_gemm = 2 * recomputed * e.tokens_per_step;
     recompute_attention = attention_flops / 3;
   }
+  // The ep rank whose experts get the most rows runs expert_imbalance times the mean of the routed GEMMs
+  // (forward, backward and any rerun), and the step waits for it.
+  const double routed_excess = (l.expert_imbalance - 1) * 6 * params.routed_active * e.tokens_per_step *
+                               (l.recompute == Recompute::kFull && l.recompute_experts ? 4.0 / 3.0 : 1.0);
   const double gemm_speed = uses_fp8_gemms(l.precision)         ? kFp8GemmSpeedup
                             : l.precision == Precision::kFp32   ? kFp32GemmSpeedup
                                                                 : 1.0;
   const double gpus = static_cast<double>(l.world_size());
   const double rate = cluster.min_bf16_flops() * kKernelEfficiency;
   const double attention_seconds = (attention_flops + recompute_attention) / gpus / rate;
-  e.compute_seconds = (gemm_flops + recompute_gemm) / gemm_speed / gpus / rate + attention_seconds;
+  e.compute_seconds = (gemm_flops + recompute_gemm + routed_excess) / gemm_speed / gpus / rate + attention_seconds;
   e.bubble = l.pp > 1 ? bubble_fraction(l.pp, l.num_microbatches, l.schedule, l.virtual_stages) : 0.0;
 
   // Communication per GPU per step, ring algorithms: all-reduce 2(n-1)/n X, all-gather and
@@ -214,7 +231,8 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     // scale) a column gathers its input as fp8 bytes (1 per element: 1/e units) and keeps the gathered fp8
     // input for its weight gradient: 2 + c (1 + 1/e). Full recomputation reruns the forward's part. An MoE
     // layer's experts are not tensor-parallel: its tp ranks run them on the same tokens, gathered from the
-    // sequence shards (2 units with SP, none without). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
+    // sequence shards (2 units with SP, none without; full recompute reruns the gather where it reaches the
+    // experts). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
     // SP a reduce-scatter forward and an all-gather backward: 2 units) and the output head, a column-
     // parallel linear (2; with SP 3): those the busiest rank holds (the head; without pp, or zb-v's rank 0, both).
     // On the critical path: not hidden.
@@ -227,7 +245,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     };
     const bool fused = model.fused_projections;
     const double attention_block = block_units(fused ? 1 : 3), mlp_block = block_units(fused ? 1 : 2);
-    const double moe_block = l.sequence_parallel ? 2 + (full ? 1 : 0) : 0;
+    const double moe_block = l.sequence_parallel ? 2 + (full && l.recompute_experts ? 1 : 0) : 0;
     const double moe_share = static_cast<double>(model.num_moe_layers()) / layers;
     const double per_layer = attention_block + (1 - moe_share) * mlp_block + moe_share * moe_block;
     const double ends = (holds_last(busiest) ? (l.sequence_parallel ? 3 : 2) : 0) + (holds_first(busiest) ? 2 : 0);
@@ -242,10 +260,17 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   if (l.ep > 1) {
     // MoE dispatch and combine, forward and backward: 4 all-to-alls per MoE layer. A token travels once
     // to each other rank holding one of its experts (DeepEP's rule, as tdx::moe_dispatch does), with
-    // uniform routing expected_remote_ranks of them (k (ep-1)/ep without the deduplication).
+    // uniform routing expected_remote_ranks of them (k (ep-1)/ep without the deduplication). A rank sends
+    // the rows of its own tokens that go elsewhere in the dispatch and the combine's backward, and the other
+    // ranks' rows its experts got in the combine and the dispatch's backward. When every rank's tokens send
+    // the share x/ep of their rows to the busiest rank's experts (x = expert_imbalance), it sends
+    // (1 - x/ep) + (ep - 1) x/ep of a rank's rows each way, (ep + x (ep - 2)) / (2 (ep - 1)) times uniform
+    // routing's: at ep = 2 as many (it keeps more of its own rows and sends back more of the other's).
     const double moe_layers_per_stage = static_cast<double>(model.num_moe_layers()) / layers * layers_per_stage;
     const double routed = activation * expected_remote_ranks(model.num_experts, model.experts_per_token, l.ep);
-    add("ep", m * moe_layers_per_stage * 4 * routed, 0.0);
+    const double ep = static_cast<double>(l.ep);
+    const double busiest = (ep + l.expert_imbalance * (ep - 2)) / (2 * (ep - 1));
+    add("ep", m * moe_layers_per_stage * 4 * routed * busiest, 0.0);
   }
   {
     // Data parallelism over the gradients (bf16; fp32 in fp32 training): ZeRO 0-2 all-reduce them once

@@ -70,9 +70,11 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   const double f_moe = static_cast<double>(model.moe_ffn_hidden);
   const double shared = static_cast<double>(model.num_shared_experts);
   const double experts = static_cast<double>(model.num_experts);
-  // What the MoE (router and experts) keeps without recomputation.
+  // What the MoE (router and experts) keeps without recomputation, on the ep rank whose experts get the most
+  // routed rows (layout.expert_imbalance times the mean).
+  const double load = layout.expert_imbalance;
   const double router_input = e < 4 ? 4 * h : 0;  // the router's fp32 copy of 16-bit tokens
-  const double moe_kept = tokens * e * (k * (2 * h + 4 * f_moe) + 4 * f_moe * shared) +
+  const double moe_kept = tokens * e * (k * load * (2 * h + 4 * f_moe) + 4 * f_moe * shared) +
                           tokens * (router_input + 8 * experts + 12 * k);
   // The MoE's input (the FFN norm's output, gathered over tp with SP) is kept by an fp32 router (its .float()
   // is the tensor itself) and by shared experts; a 16-bit router keeps its fp32 copy instead (counted above)
@@ -89,8 +91,9 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   if (layout.recompute == Recompute::kFull) return tokens * e * h * replicated;
   if (layout.recompute == Recompute::kSelective) {
     const double mlp = !moe_layer ? 2 * static_cast<double>(model.ffn_hidden) / t
-                                  : expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep) * h +
-                                        (k + shared) * (2 * f_moe + h);
+                                  : expected_ranks_per_token(model.num_experts, model.experts_per_token, layout.ep) *
+                                            load * h +
+                                        (k * load + shared) * (2 * f_moe + h);
     const double moe = moe_layer ? tokens * (4 * experts + 12 * k) : 0;
     const double all_reduces = layout.tp > 1 && !layout.sequence_parallel ? 2 * h : 0;
     return tokens * e * (3 * h * replicated + attention_heads + mlp + all_reduces) + lse + moe;
@@ -116,6 +119,16 @@ double head_activation_bytes(const ModelSpec& model, const Layout& layout) {
   const double composite = layout.norm == NormKernel::kComposite ? h * replicated * (e < 4 ? e + 4 : e) : 0;
   const double loss = e * static_cast<double>(model.vocab_size) / t + 8 + 4;  // logits, int64 target, fp32 lse
   return tokens * (2 * h * replicated * e + 4 * replicated + composite + loss);
+}
+
+double head_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout) {
+  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
+  return tokens * e * (3 * h * replicated + static_cast<double>(model.vocab_size) / t);
+}
+
+double embedding_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout) {
+  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
+  return tokens * (e * h + 8);
 }
 
 double expected_ranks_per_token(int64_t num_experts, int64_t top_k, int64_t ep) {

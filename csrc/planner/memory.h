@@ -79,15 +79,25 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 // (within 0.02 % of what our MoE layer, without shared experts and at tp = 1, keeps on one rank; on two
 // ranks within 0.3 % on average, each rank within 2 %, as routing sends it:
 // tests/planner/test_activation_memory.py; the shared experts' terms are not measured).
+// The routed rows' terms (k in none's, d and k in selective's) are the busiest ep rank's: the mean times
+// layout.expert_imbalance.
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
 // Bytes the model keeps per micro-batch outside its layers, on the stage holding its end: the final RMSNorm's
 // input and output (the LM head's input), h R each at e, its fp32 1/rms (4 R), torch's composite norm's extra
 // copies (norm="composite": h R (e + 4); h R 4 in fp32), and what the vocab-parallel cross-entropy keeps: the
 // logits (e V/t), the int64 target and the fp32 log-sum-exp (12), per token T (layer_activation_bytes's
-// notation; no recomputation reaches outside the layers). Not counted: under the zero-bubble schedules the
-// head's deferred weight gradient keeps its [T, V/t] output gradient until its W.
+// notation; no recomputation reaches outside the layers).
 double head_activation_bytes(const ModelSpec& model, const Layout& layout);
+
+// Bytes the ends of the model leave queued per micro-batch for their deferred weight gradients under the
+// zero-bubble schedules (layer_weight_grad_input_bytes's rules), per token T at e:
+//   head       the final RMSNorm's normalised input and output gradient (2 h R), the LM head's input (h R) and
+//              its output gradient, the logits' (V/t)
+//   embedding  its output gradient, gathered over the sequence ([T, h]: h), and its int64 ids made local to its
+//              rows (8 bytes, not at e)
+double head_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout);
+double embedding_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout);
 
 // The ranks of an ep group a token is dispatched to, on average, when it picks top_k distinct experts
 // uniformly among num_experts split evenly over ep ranks and goes once to each rank holding one:

@@ -347,9 +347,19 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
   return run_fixed_orders(orders, stages, "replay_schedule");
 }
 
-std::vector<double> peak_held_activations_per_rank(const std::vector<ScheduledPass>& timeline, long p,
-                                                   double weight_inputs) {
-  if (!(weight_inputs >= 0)) throw std::invalid_argument("peak_held_activations: weight_inputs must be >= 0");
+std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& timeline, long p, Schedule schedule,
+                                             const std::vector<StageBytes>& stages) {
+  long needed = 0;
+  for (const auto& pass : timeline) needed = std::max(needed, stage_of(pass.stage, pass.chunk, p, schedule) + 1);
+  if (static_cast<long>(stages.size()) < needed) {
+    throw std::invalid_argument("peak_held_bytes: the timeline runs " + std::to_string(needed) +
+                                " stages, stages has " + std::to_string(stages.size()));
+  }
+  for (const auto& stage : stages) {
+    if (!(stage.forward >= 0 && stage.weight_input >= 0)) {
+      throw std::invalid_argument("peak_held_bytes: a stage's forward and weight_input bytes must be >= 0");
+    }
+  }
   const bool deferred = std::any_of(timeline.begin(), timeline.end(), [](const ScheduledPass& pass) {
     return pass.kind == 'W';
   });
@@ -361,20 +371,29 @@ std::vector<double> peak_held_activations_per_rank(const std::vector<ScheduledPa
                      [](const ScheduledPass& a, const ScheduledPass& b) { return a.start < b.start; });
     double held = 0, peak = 0;
     for (const auto& pass : order) {
+      const StageBytes& bytes = stages.at(static_cast<size_t>(stage_of(pass.stage, pass.chunk, p, schedule)));
       if (pass.kind == 'F') {
-        held += 1;
+        held += bytes.forward;
       } else if (pass.kind == 'W') {
-        held -= weight_inputs;
-      } else if (deferred) {
-        held += weight_inputs - 1;
+        held -= bytes.weight_input;
       } else {
-        held -= 1;
+        held += (deferred ? bytes.weight_input : 0) - bytes.forward;
       }
       peak = std::max(peak, held);
     }
     peaks.push_back(peak);
   }
   return peaks;
+}
+
+std::vector<double> peak_held_activations_per_rank(const std::vector<ScheduledPass>& timeline, long p,
+                                                   double weight_inputs) {
+  if (!(weight_inputs >= 0)) throw std::invalid_argument("peak_held_activations: weight_inputs must be >= 0");
+  long chunks = 1;
+  for (const auto& pass : timeline) chunks = std::max(chunks, pass.chunk + 1);
+  // Equal stages: the chunks' placement does not matter (round-robin's numbering is the simplest).
+  return peak_held_bytes_per_rank(timeline, p, Schedule::kInterleaved,
+                                  std::vector<StageBytes>(static_cast<size_t>(p * chunks), {1.0, weight_inputs}));
 }
 
 std::vector<double> held_activations_per_rank(long p, long m, Schedule schedule, long v, double weight_inputs) {

@@ -79,6 +79,19 @@ std::vector<ScheduledPass> replay_schedule(long pp, long num_microbatches, Sched
 // closed forms of in_flight_microbatches (times the chunks per rank; tested).
 double peak_held_activations(const std::vector<ScheduledPass>& timeline, long pp, double weight_inputs);
 
+// What one micro-batch holds on one model chunk (stage) for its backward: `forward` bytes from its F to its B and,
+// where the schedule defers weight gradients, `weight_input` bytes (what its W needs) from its B to its W.
+struct StageBytes {
+  double forward = 0;
+  double weight_input = 0;
+};
+
+// The most bytes each pipeline rank holds between passes of a simulated step (in rank order), each pass
+// counted by what its stage holds: `stages` in stage order, the chunks placed on the ranks as `schedule`
+// places them (stage_of). Unequal stages: the first stage's embedding, the last one's head and loss.
+std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& timeline, long pp, Schedule schedule,
+                                             const std::vector<StageBytes>& stages);
+
 // peak_held_activations of each pipeline rank, in rank order (its maximum is peak_held_activations).
 std::vector<double> peak_held_activations_per_rank(const std::vector<ScheduledPass>& timeline, long pp,
                                                    double weight_inputs);

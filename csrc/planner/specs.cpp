@@ -67,12 +67,16 @@ ParamCount count_params(const ModelSpec& m) {
   const double shared = moe_layers * (m.num_shared_experts * expert_mlp + router);
   count.total = m.num_layers * count.per_layer_dense + dense_layers * dense_mlp + count.expert + shared +
                 count.embedding;
-  count.active = count.total - count.expert + moe_layers * m.experts_per_token * expert_mlp;
+  count.routed_active = moe_layers * m.experts_per_token * expert_mlp;
+  count.moe_active = shared + count.routed_active;
+  count.active = count.total - count.expert - shared + count.moe_active;
   if (m.num_params > 0) {
     const double scale = m.num_params / count.total;
     count.total *= scale;
     count.active *= scale;
     count.expert *= scale;
+    count.moe_active *= scale;
+    count.routed_active *= scale;
   }
   return count;
 }
@@ -152,6 +156,10 @@ void Layout::validate() const {
   require_positive("Layout.virtual_stages", virtual_stages);
   require_positive("Layout.seq_len", seq_len);
   require_positive("Layout.fp8_amax_history", fp8_amax_history);
+  if (!(expert_imbalance >= 1 && expert_imbalance <= static_cast<double>(ep))) {
+    invalid("Layout.expert_imbalance must lie in [1, ep=" + str(ep) +
+            "] (the busiest ep rank's routed rows over the mean), got " + str(expert_imbalance));
+  }
   if (zero_stage < 0 || zero_stage > 3) invalid("Layout.zero_stage must be 0, 1, 2 or 3, got " + str(zero_stage));
   if (schedule != Schedule::kInterleaved && virtual_stages != 1) {
     invalid("Layout.virtual_stages=" + str(virtual_stages) + " needs schedule='interleaved', got '" +

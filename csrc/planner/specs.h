@@ -44,6 +44,8 @@ struct ParamCount {
   double total = 0;        // every parameter
   double active = 0;       // used per token (routed experts: top-k of them)
   double expert = 0;       // in routed experts (sharded by expert parallelism)
+  double moe_active = 0;   // of active, the MoE layers' routers, shared experts and top-k routed experts
+  double routed_active = 0;  // of moe_active, the top-k routed experts
   double per_layer_dense = 0;  // attention + norms of one layer
   double embedding = 0;    // input embedding + LM head
 };
@@ -85,9 +87,13 @@ struct Layout {
   // Whether recompute reaches the MoE layers' router and experts. When it does not (FSDP2 units of their own
   // that a checkpoint would all-gather again in its rerun), the layer is the main job's MoE block: its norms
   // and attention recomputed each on its own, keeping its input, the MoE all that recompute="none" keeps
-  // (memory.h). Only the activations follow it: the recompute FLOPs and the SP gather's rerun are priced as
-  // for a whole recomputed layer.
+  // (memory.h); under full recompute the experts' forward GEMMs and the SP gather of their input are not
+  // rerun (estimate.cpp).
   bool recompute_experts = true;
+  // The busiest ep rank's routed (token, expert) rows over the mean, in [1, ep]: 1 is uniform routing; a capacity
+  // factor c bounds it by c. That rank's experts keep and compute that many times the rows (memory.h,
+  // estimate.cpp, which also prices what it sends).
+  double expert_imbalance = 1.0;
   AttentionKernel attention = AttentionKernel::kFlash;  // what the attention stores for the backward
   NormKernel norm = NormKernel::kFused;  // RMSNorm's kernel: CUDA's fused one, or torch's CPU composite
   int64_t micro_batch = 1;

@@ -171,6 +171,19 @@ TEST(Pipeline, PeakHeldActivationsOfTheSimulatedSchedules) {
     }
   }
   EXPECT_THROW(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, -1.0), std::invalid_argument);
+  // Unequal stages by bytes (the ends of the model), zb-h1, p = 2, m = 4, in the orders above: stage 0 holds
+  // at most two forwards (2 f0) or one and a W input (f0 + w0); stage 1 one forward and a W input (f1 + w1) or
+  // two W inputs (2 w1).
+  const auto zb_h1 = simulate_schedule(2, 4, Schedule::kZbH1);
+  EXPECT_EQ(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 0.5}, {3, 2}}), (std::vector<double>{2, 5}));
+  EXPECT_EQ(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 3}, {1, 0.25}}), (std::vector<double>{4, 1.25}));
+  EXPECT_THROW(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 1}}), std::invalid_argument);
+  EXPECT_THROW(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 1}, {1, -1}}), std::invalid_argument);
+  // ZB-V's chunk 1 of rank 0 is the last stage: its bytes count there.
+  const auto zb_v = simulate_schedule(2, 4, Schedule::kZbV);
+  const auto heavy_end = peak_held_bytes_per_rank(zb_v, 2, Schedule::kZbV, {{1, 0}, {1, 0}, {1, 0}, {10, 0}});
+  EXPECT_GE(heavy_end[0], 10);
+  EXPECT_LT(heavy_end[1], 10);
   // Rank by rank, the closed forms the estimate uses equal the simulated orders' peaks.
   for (long p = 1; p <= 8; ++p) {
     for (long m = 1; m <= 4 * p; ++m) {
@@ -406,12 +419,22 @@ TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
   l.schedule = Schedule::kZbV;
   const Estimate v = estimate(model, cluster_of(h100(), 32), l);
   EXPECT_NEAR(v.pipeline_ranks[0].params - v.pipeline_ranks[1].params, 2 * (2 * V * h + h) / t, 1);
-  // Each rank its own peak of the simulated order (in half-stage chunk units, with the deferred W inputs).
-  const double w = layer_weight_grad_input_bytes(model, l, false) / per_layer;
-  const auto units = peak_held_activations_per_rank(simulate_schedule(4, 8, Schedule::kZbV), 4, w);
-  for (size_t r = 0; r < 4; ++r) {
-    EXPECT_NEAR(v.pipeline_ranks[r].activations, per_layer * 20 * units[r] / 2 + (r == 0 ? head : 0), 1) << r;
-  }
+  // Each rank its own peak of the simulated order, with the deferred W inputs: on the middle ranks in half-stage
+  // chunk units; rank 0's chunks are the ends, the embedding's W input on the first and the head's forward
+  // and W input on the last.
+  const double w = layer_weight_grad_input_bytes(model, l, false);
+  const auto timeline = simulate_schedule(4, 8, Schedule::kZbV);
+  const auto units = peak_held_activations_per_rank(timeline, 4, w / per_layer);
+  for (size_t r : {1, 2}) EXPECT_NEAR(v.pipeline_ranks[r].activations, per_layer * 20 * units[r] / 2, 1) << r;
+  std::vector<StageBytes> stages(8, {per_layer * 10, w * 10});
+  stages.front().weight_input += embedding_weight_grad_input_bytes(model, l);
+  EXPECT_DOUBLE_EQ(embedding_weight_grad_input_bytes(model, l), 4096 * (2 * h + 8));
+  stages.back().forward += head;
+  stages.back().weight_input += head_weight_grad_input_bytes(model, l);
+  EXPECT_DOUBLE_EQ(head_weight_grad_input_bytes(model, l), 4096 * 2 * (3 * h / t + V / t));
+  const auto with_ends = peak_held_bytes_per_rank(timeline, 4, Schedule::kZbV, stages);
+  for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].activations, with_ends[r], 1) << r;
+  EXPECT_GT(with_ends[0], per_layer * 20 * units[0] / 2 + head);
   EXPECT_NEAR(v.params_per_gpu, (count_params(model).total - 2 * V * h - h) / 4 / t + (2 * V * h + h) / t, 1);
 }
 

@@ -114,15 +114,19 @@ def test_eight_ranks_of_every_axis_match_one_process():
     rows = ledger_rows(output)
     for axis in ("tp", "dp", "pp"):  # measured 1.00, 1.01, 1.00
         assert 0.98 <= rows[f"{axis} bytes sent"][2] <= 1.03, output
-    assert 0.8 <= rows["ep bytes sent"][2] <= 1.25, output  # measured 1.09 (load max/mean 1.53)
+    # The planner is asked at the measured routing: the untrained router sends the last stage's busiest ep rank
+    # 1.57 x the mean of the rows (the first stage's 1.01). At ep = 2 that rank sends as many rows as with
+    # uniform routing; the deduplicated dispatch sends more when the routing skews (measured 1.09).
+    routing = re.search(r"routing: the busiest ep rank's experts got ([\d.]+) x the mean", output)
+    assert routing and 1 <= float(routing.group(1)) <= 2, output
+    assert 0.8 <= rows["ep bytes sent"][2] <= 1.25, output
     assert 0.95 <= rows["memory per rank"][2] <= 1.2, output  # measured 1.06
     # Between pipeline passes (what the planner models): measured 1.02, the rest being the backward's transients.
     assert 0.95 <= rows["between passes"][2] <= rows["memory per rank"][2], output
-    # Each pipeline rank against its own estimate (the fullest, with the planner's figure above, is rank 0);
-    # on the ep rank the untrained router favours, the last stage's experts take its peak to 1.23 of it (1.15
-    # between passes; the planner assumes uniform routing).
+    # Each pipeline rank against its own estimate (the fullest, with the planner's figure above, is rank 0),
+    # each at its stage's routing: measured 1.02 and 1.02 between passes (1.02 and 1.15 at uniform routing).
     assert rows["pp rank 0"][0] == rows["memory per rank"][0] > rows["pp rank 1"][0], output
-    assert 0.95 <= rows["pp rank 1"][2] <= 1.35, output
+    assert 0.95 <= rows["pp rank 1"][2] <= 1.2, output
     assert 0 < rows["pipeline bubble"][1] < 1, output
 
 

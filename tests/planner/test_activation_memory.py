@@ -12,11 +12,19 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from torchdist_ext.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear
+from torchdist_ext.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear, vocab_parallel_cross_entropy
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.recompute import recompute
 from torchdist_ext.parallel.regions import gather_from_region, scatter_to_region
-from torchdist_ext.planner import Layout, ModelSpec, layer_activation_bytes, layer_weight_grad_input_bytes
+from torchdist_ext.planner import (
+    Layout,
+    ModelSpec,
+    embedding_weight_grad_input_bytes,
+    head_activation_bytes,
+    head_weight_grad_input_bytes,
+    layer_activation_bytes,
+    layer_weight_grad_input_bytes,
+)
 from torchdist_ext.testing import RetainedMemory, cached_mesh
 
 DIM, HEADS, KV_HEADS, FFN, BATCH, SEQ = 128, 8, 4, 256, 2, 64
@@ -271,3 +279,89 @@ def test_planner_weight_grad_inputs_equal_what_the_store_keeps(world_pool, world
     planned = layer_weight_grad_input_bytes(model, layout)
     for kept in world_pool.get(world_size).run(deferred_weight_grad_bytes, sequence_parallel):
         assert kept == planned, (kept, planned)
+
+
+VOCAB = 256
+
+
+class ModelEnd(nn.Module):
+    """The main job's end of the model over our layers (examples/llama.py after parallelize_llama): the final
+    RMSNorm, the column-parallel LM head and the vocab-parallel loss, its backward in place."""
+
+    def __init__(self, tp_mesh, sequence_parallel: bool):
+        super().__init__()
+        kw = dict(tp_mesh=tp_mesh, sequence_parallel=sequence_parallel, dtype=torch.bfloat16)
+        self.norm, self.output, self.tp_mesh = RMSNorm(DIM, **kw), ColumnParallelLinear(DIM, VOCAB, False, **kw), tp_mesh
+
+    def forward(self, x: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        return vocab_parallel_cross_entropy(self.output(self.norm(x)), target, tp_mesh=self.tp_mesh,
+                                            inplace_backward=True)
+
+
+def model_end_bytes(sequence_parallel: bool) -> tuple[int, int]:
+    """What the model's end in split mode keeps from its forward to its backward (its input and the step's
+    target included: the planner counts them there), and what it leaves queued for its weight gradients."""
+    from torchdist_ext.pipeline import enable_weight_grad_split
+    from torchdist_ext.weight_grad import WeightGradStore
+
+    tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
+    torch.manual_seed(0)
+    end = enable_weight_grad_split(ModelEnd(tp_mesh, sequence_parallel))
+    seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
+    x = torch.randn(BATCH, seq, DIM, dtype=torch.bfloat16, requires_grad=True)
+    target = torch.randint(VOCAB, (BATCH, SEQ))
+    store = WeightGradStore()
+    with RetainedMemory() as meter:
+        loss = end(x, target)
+        forward = meter.retained_bytes() - loss.untyped_storage().nbytes()
+        with store.collecting(0):
+            loss.backward()
+        del loss
+    queued = meter.retained_bytes() - x.grad.untyped_storage().nbytes()
+    store.run(0)
+    inputs = x.untyped_storage().nbytes() + target.untyped_storage().nbytes()
+    return forward + inputs, queued
+
+
+def embedding_bytes(sequence_parallel: bool) -> int:
+    """What the vocab-parallel embedding in split mode leaves queued for its weight gradient."""
+    from torchdist_ext.parallel import VocabParallelEmbedding
+    from torchdist_ext.pipeline import enable_weight_grad_split
+    from torchdist_ext.weight_grad import WeightGradStore
+
+    tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
+    torch.manual_seed(0)
+    embedding = enable_weight_grad_split(VocabParallelEmbedding(VOCAB, DIM, tp_mesh=tp_mesh,
+                                                                sequence_parallel=sequence_parallel,
+                                                                dtype=torch.bfloat16))
+    ids = torch.randint(VOCAB, (BATCH, SEQ))
+    store = WeightGradStore()
+    with RetainedMemory() as meter:
+        out = embedding(ids)
+        with store.collecting(0):
+            out.float().square().mean().backward()
+        del out
+    queued = meter.retained_bytes()
+    store.run(0)
+    return queued
+
+
+def ends_measured(sequence_parallel: bool) -> tuple[int, int, int]:
+    head = least_of(lambda: model_end_bytes(sequence_parallel)[0])
+    head_queued = least_of(lambda: model_end_bytes(sequence_parallel)[1])
+    return head, head_queued, least_of(lambda: embedding_bytes(sequence_parallel))
+
+
+@pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
+                         ids=["tp1", "tp2", "tp2-sp"])
+def test_planner_model_ends_equal_what_our_layers_keep(world_pool, world_size, sequence_parallel):
+    """The last stage's end (head_activation_bytes, and under the zero-bubble schedules what the final norm and
+    the LM head queue for W) and the first stage's embedding queue, against our layers in split mode."""
+    model = ModelSpec(2, DIM, HEADS, num_kv_heads=KV_HEADS, ffn_hidden=FFN, vocab_size=VOCAB)
+    layout = Layout(tp=world_size, sequence_parallel=sequence_parallel, norm="composite", seq_len=SEQ,
+                    micro_batch=BATCH)
+    planned = (head_activation_bytes(model, layout), head_weight_grad_input_bytes(model, layout),
+               embedding_weight_grad_input_bytes(model, layout))
+    for (head, head_queued, embedding) in world_pool.get(world_size).run(ends_measured, sequence_parallel):
+        assert 0 <= head - planned[0] <= 16, (head, planned)  # and the loss's 0-d count of targets
+        assert (head_queued, embedding) == planned[1:], ((head_queued, embedding), planned)

@@ -18,6 +18,7 @@ from torchdist_ext.planner import (
     check,
     estimate,
     gpu_hours,
+    layer_activation_bytes,
     model_state_bytes,
     search,
     simulate_schedule,
@@ -184,6 +185,49 @@ def test_mixtral_with_expert_parallelism():
     # half of the rest.
     count = model.count_params()
     assert e.params_per_gpu == pytest.approx(count.expert / 8 + (count.total - count.expert) / 2)
+
+
+def test_full_recompute_reruns_only_what_it_reaches():
+    """Full recompute reruns the blocks' forward (2 N per token, N their active parameters: not the embedding
+    and head outside the checkpointed blocks) and, under SP, each block's gathers. Where it does not reach the
+    experts (``recompute_experts=False``, the main job's MoE blocks) the MoE layers' router and experts and the
+    gather of their input are not rerun."""
+    model, cluster = ModelSpec.preset("mixtral-8x7b"), ClusterSpec.preset("h100-80gb", 64)
+    layout = Layout(tp=2, ep=8, dp=4, zero_stage=1, sequence_parallel=True, num_microbatches=4)
+    none = estimate(model, cluster, layout)
+    whole = estimate(model, cluster, dataclasses.replace(layout, recompute="full"))
+    blocks = estimate(model, cluster, dataclasses.replace(layout, recompute="full", recompute_experts=False))
+    count, rate = model.count_params(), 64 * 989e12 * 0.7  # H100 bf16 dense peak; the kernels' efficiency
+    attention = 2 * model.num_layers * 4096 * model.hidden * none.tokens_per_step
+    rerun = 2 * (count.active - count.embedding) * none.tokens_per_step + attention
+    assert whole.compute_seconds - none.compute_seconds == pytest.approx(rerun / rate)
+    experts = 2 * count.moe_active * none.tokens_per_step
+    assert whole.compute_seconds - blocks.compute_seconds == pytest.approx(experts / rate)
+    # The gather of each MoE layer's input, (t - 1)/t of [b, s, h] per micro-batch, is not rerun.
+    gather = 4 * model.num_layers * 0.5 * 4096 * model.hidden * 2
+    assert whole.comm["tp"].bytes - blocks.comm["tp"].bytes == pytest.approx(gather)
+
+
+def test_an_imbalanced_expert_rank_keeps_computes_and_sends_back_more_rows():
+    """``expert_imbalance`` x: the busiest ep rank's experts get x times the mean of the routed rows. They keep x
+    times the rows' activations and run x times the routed GEMMs (the step waits for them). With every rank's
+    tokens sending x/ep of their rows there, that rank sends (1 - x/ep) of its own rows and (ep - 1) x/ep of a
+    rank's rows back: at ep = 8, x = 1.5, (8 + 9) / 14 times uniform routing's bytes."""
+    model, cluster = ModelSpec.preset("mixtral-8x7b"), ClusterSpec.preset("h100-80gb", 64)
+    uniform = Layout(tp=2, ep=8, dp=4, zero_stage=1, sequence_parallel=True, num_microbatches=4)
+    skewed = dataclasses.replace(uniform, expert_imbalance=1.5)
+    tokens, h, k, f = 4096, model.hidden, model.experts_per_token, model.moe_ffn_hidden
+    rows = layer_activation_bytes(model, skewed, moe_layer=True) - layer_activation_bytes(model, uniform, moe_layer=True)
+    assert rows == pytest.approx(0.5 * tokens * 2 * k * (2 * h + 4 * f))  # bf16: e = 2
+    e, busy = estimate(model, cluster, uniform), estimate(model, cluster, skewed)
+    routed = 6 * model.count_params().routed_active * e.tokens_per_step
+    assert busy.compute_seconds - e.compute_seconds == pytest.approx(0.5 * routed / (64 * 989e12 * 0.7))
+    assert busy.comm["ep"].bytes == pytest.approx(e.comm["ep"].bytes * (8 + 1.5 * 6) / 14)
+    assert busy.model_flops_per_step == e.model_flops_per_step
+    with pytest.raises(ValueError, match=r"Layout.expert_imbalance must lie in \[1, ep=8\].*got 9"):
+        dataclasses.replace(uniform, expert_imbalance=9)
+    with pytest.raises(TypeError, match="Layout.expert_imbalance must be a number, got 'x'"):
+        dataclasses.replace(uniform, expert_imbalance="x")
 
 
 @pytest.mark.parametrize(

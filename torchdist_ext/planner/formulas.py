@@ -9,6 +9,9 @@ __all__ = [
     "activation_bytes_per_layer",
     "layer_activation_bytes",
     "layer_weight_grad_input_bytes",
+    "head_activation_bytes",
+    "head_weight_grad_input_bytes",
+    "embedding_weight_grad_input_bytes",
     "bubble_fraction",
     "gpu_hours",
     "model_state_bytes",
@@ -52,6 +55,26 @@ def layer_weight_grad_input_bytes(model: ModelSpec, layout: Layout, *, moe_layer
     zero-bubble schedules (what torchdist_ext's split layers queue; csrc/planner/memory.h): for a dense layer
     ``T e [6hR + (2 + 2g/a) h/t + 3f/t + 2h]``, with T, e and R as ``layer_activation_bytes``'s."""
     return _planner.layer_weight_grad_input_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
+
+
+def head_activation_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes the model's end keeps per micro-batch on the last stage from its forward to its backward: the
+    final RMSNorm's input, output and 1/rms, and the vocab-parallel loss's logits, target and log-sum-exp
+    (csrc/planner/memory.h)."""
+    return _planner.head_activation_bytes(model.to_cpp(), layout.to_cpp())
+
+
+def head_weight_grad_input_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes the final RMSNorm and the LM head in split mode keep per micro-batch from their backward to their
+    deferred weight gradients: ``T e (3hR + V/t)`` (the norm's normalised input and output gradient, the head's
+    input and its ``[T, V/t]`` output gradient)."""
+    return _planner.head_weight_grad_input_bytes(model.to_cpp(), layout.to_cpp())
+
+
+def embedding_weight_grad_input_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes the vocab-parallel embedding in split mode keeps per micro-batch for its deferred weight
+    gradient: its output gradient gathered over the sequence and its int64 ids made local, ``T (e h + 8)``."""
+    return _planner.embedding_weight_grad_input_bytes(model.to_cpp(), layout.to_cpp())
 
 
 def bubble_fraction(pp: int, num_microbatches: int, *, schedule: str = "1f1b", virtual_stages: int = 1) -> float:

@@ -80,6 +80,8 @@ class ModelSpec:
     def count_params(self) -> _planner.ParamCount:
         """Parameter counts: ``total`` (embeddings and LM head included), ``active`` (what a token goes
         through: for MoE the routed top-k experts plus shared ones), ``expert`` (in routed experts),
+        ``moe_active`` (of ``active``, the MoE layers' routers, shared and top-k routed experts),
+        ``routed_active`` (of ``moe_active``, the top-k routed experts),
         ``embedding``, ``per_layer_dense``."""
         return _planner.count_params(self.to_cpp())
 
@@ -175,7 +177,9 @@ class Layout:
     Expert-parallel ranks see different tokens (dense parameters are
     data-parallel over dp x ep). A step trains micro_batch x num_microbatches
     x dp x ep sequences of seq_len tokens. The fp8 fields apply with
-    ``precision="fp8-mixed"``.
+    ``precision="fp8-mixed"``. ``expert_imbalance``: the busiest ep rank's routed (token, expert) rows over
+    the mean, in [1, ep] (1: uniform routing; a capacity factor c bounds it by c): that many times the rows
+    that rank's experts keep and compute, and what it sends (csrc/planner/specs.h).
     """
 
     tp: int = 1
@@ -187,6 +191,7 @@ class Layout:
     sequence_parallel: bool = False
     recompute: str = "none"
     recompute_experts: bool = True
+    expert_imbalance: float = 1.0
     attention: str = "flash"
     norm: str = "fused"
     micro_batch: int = 1
@@ -212,6 +217,8 @@ class Layout:
             value = getattr(self, f.name)
             if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
                 raise TypeError(f"Layout.{f.name} must be an int, got {value!r}")
+            if f.type == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
+                raise TypeError(f"Layout.{f.name} must be a number, got {value!r}")
             setattr(spec, f.name, value)
         spec.validate()
         return spec
