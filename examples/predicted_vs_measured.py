@@ -54,13 +54,17 @@ class StepMeasurement:
 
 class RoutingLoad:
     """The (token, expert) rows this rank's MoE layers route to each expert in a step: every call's kept counts
-    (``MoE.last_tokens_per_expert``, through forward hooks) summed while ``recording``."""
+    (``MoE.last_tokens_per_expert``, through forward hooks) summed from ``start()`` to ``imbalance()``."""
 
     def __init__(self, moes: list):
         self.recording = False
         self.rows: torch.Tensor | None = None
         for moe in moes:
             moe.register_forward_hook(self._add)
+
+    def start(self) -> None:
+        """Records the calls from now on, from no rows."""
+        self.recording, self.rows = True, None
 
     def _add(self, moe, args, output) -> None:
         if self.recording:
@@ -69,7 +73,8 @@ class RoutingLoad:
 
     def imbalance(self, ep_mesh) -> float:
         """The busiest ep rank's rows over the mean, the rows of every rank of ``ep_mesh`` summed (a collective
-        over it; the experts in ep contiguous blocks); 1 without expert parallelism or rows."""
+        over it; the experts in ep contiguous blocks); 1 without expert parallelism or rows. Stops recording."""
+        self.recording = False
         if ep_mesh is None or ep_mesh.size() == 1 or self.rows is None:
             return 1.0
         rows = self.rows.to(torch.float64)
@@ -135,18 +140,19 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
 
     planner_memory = fullest.total - FRAMEWORK_RESERVE_BYTES
     lines = [f"planner vs measured ({layout.precision}, the last step; measured: the busiest rank's)"]
-    if any(m.expert_imbalance > 1 for m in measured):
-        stages = ", ".join(f"{max(m.expert_imbalance for m in measured if m.pipeline_rank == r):.2f}"
+    if layout.ep > 1 and imbalance > 1:
+        stages = ", ".join(f"{min(max(m.expert_imbalance for m in measured if m.pipeline_rank == r), layout.ep):.2f}"
                            for r in range(layout.pp))
         uniform = estimate(model, cluster, layout)
         lines.append(f"  routing: the busiest ep rank's experts got {imbalance:.2f} x the mean of the "
                      f"rows{f' (per pp rank {stages})' if layout.pp > 1 else ''}; the planner is asked at that "
                      f"(at uniform routing: memory {(uniform.total_memory - FRAMEWORK_RESERVE_BYTES) / 2**20:.3f} MiB,"
                      f" ep bytes {planner_bytes(uniform, 'ep') / 2**20:.3f} MiB)")
+    states = fullest.params + fullest.grads + fullest.optimizer
     lines += [f"  {'':<22}{'planner':>11} {'measured':>11}  ratio",
               row("memory per rank", planner_memory, max(m.peak_memory for m in measured), "MiB",
-                  f"(planner: states {(fullest.params + fullest.grads + fullest.optimizer) / 2**20:.2f}, activations "
-                  f"{fullest.activations / 2**20:.2f}, buffers {(fullest.buffers - FRAMEWORK_RESERVE_BYTES) / 2**20:.2f})")]
+                  f"(planner: states {states / 2**20:.2f}, activations {fullest.activations / 2**20:.2f}, "
+                  f"buffers {(fullest.buffers - FRAMEWORK_RESERVE_BYTES) / 2**20:.2f})")]
     between = [m.peak_between_passes for m in measured if m.peak_between_passes is not None]
     if between:
         lines.append(row("  between passes", planner_memory, max(between), "MiB",

@@ -511,7 +511,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         if measuring:
             ledger.reset()
             reset_peak_memory(device)
-            routing.recording = True
+            routing.start()
         start = time.perf_counter()
         tokens, target = (t.to(device) for t in next(data))
         if cp_mesh is not None:

@@ -258,19 +258,23 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     add("cp", m * layers_per_stage * kv * (3 * (c - 1) + 1), attention_seconds);
   }
   if (l.ep > 1) {
-    // MoE dispatch and combine, forward and backward: 4 all-to-alls per MoE layer. A token travels once
-    // to each other rank holding one of its experts (DeepEP's rule, as tdx::moe_dispatch does), with
-    // uniform routing expected_remote_ranks of them (k (ep-1)/ep without the deduplication). A rank sends
-    // the rows of its own tokens that go elsewhere in the dispatch and the combine's backward, and the other
-    // ranks' rows its experts got in the combine and the dispatch's backward. When every rank's tokens send
-    // the share x/ep of their rows to the busiest rank's experts (x = expert_imbalance), it sends
-    // (1 - x/ep) + (ep - 1) x/ep of a rank's rows each way, (ep + x (ep - 2)) / (2 (ep - 1)) times uniform
-    // routing's: at ep = 2 as many (it keeps more of its own rows and sends back more of the other's).
+    // MoE dispatch and combine, forward and backward: 4 all-to-alls per MoE layer (6 where full recompute
+    // reruns the experts' forward). A token travels once to each other rank holding one of its experts
+    // (DeepEP's rule, as tdx::moe_dispatch does), with uniform routing expected_remote_ranks of them
+    // (k (ep-1)/ep without the deduplication). A rank sends the rows of its own tokens that go elsewhere in
+    // the dispatch and the combine's backward, and the other ranks' rows its experts got in the combine and
+    // the dispatch's backward. When every rank's tokens send the share x/ep of their rows to the busiest
+    // rank's experts (x = expert_imbalance), it sends (1 - x/ep) + (ep - 1) x/ep of a rank's rows each way,
+    // (ep + x (ep - 2)) / (2 (ep - 1)) times uniform routing's: at ep = 2 as many (it keeps more of its own
+    // rows and sends back more of the other's). Counted in rows, this is exact with k = 1 and an
+    // approximation of the deduplicated messages otherwise (skewed routing changes how often a token's
+    // experts share a rank).
     const double moe_layers_per_stage = static_cast<double>(model.num_moe_layers()) / layers * layers_per_stage;
     const double routed = activation * expected_remote_ranks(model.num_experts, model.experts_per_token, l.ep);
     const double ep = static_cast<double>(l.ep);
-    const double busiest = (ep + l.expert_imbalance * (ep - 2)) / (2 * (ep - 1));
-    add("ep", m * moe_layers_per_stage * 4 * routed * busiest, 0.0);
+    const double skewed_share = (ep + l.expert_imbalance * (ep - 2)) / (2 * (ep - 1));
+    const double exchanges = l.recompute == Recompute::kFull && l.recompute_experts ? 6 : 4;
+    add("ep", m * moe_layers_per_stage * exchanges * routed * skewed_share, 0.0);
   }
   {
     // Data parallelism over the gradients (bf16; fp32 in fp32 training): ZeRO 0-2 all-reduce them once

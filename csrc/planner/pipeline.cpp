@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <map>
 #include <stdexcept>
+#include <limits>
 #include <string>
 #include <tuple>
 
@@ -349,15 +350,25 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
 
 std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& timeline, long p, Schedule schedule,
                                              const std::vector<StageBytes>& stages) {
+  // Interleaved timelines have any number of chunks; the other schedules one, zb-v two.
+  const long last_chunk = schedule == Schedule::kInterleaved ? std::numeric_limits<long>::max()
+                                                              : chunks_per_rank(schedule, 1) - 1;
   long needed = 0;
-  for (const auto& pass : timeline) needed = std::max(needed, stage_of(pass.stage, pass.chunk, p, schedule) + 1);
+  for (const auto& pass : timeline) {
+    if (pass.stage < 0 || pass.stage >= p || pass.chunk < 0 || pass.chunk > last_chunk) {
+      throw std::invalid_argument("peak_held_bytes_per_rank: a pass on rank " + std::to_string(pass.stage) +
+                                  ", chunk " + std::to_string(pass.chunk) + " is not in a " + std::to_string(p) +
+                                  "-rank timeline of this schedule");
+    }
+    needed = std::max(needed, stage_of(pass.stage, pass.chunk, p, schedule) + 1);
+  }
   if (static_cast<long>(stages.size()) < needed) {
-    throw std::invalid_argument("peak_held_bytes: the timeline runs " + std::to_string(needed) +
+    throw std::invalid_argument("peak_held_bytes_per_rank: the timeline runs " + std::to_string(needed) +
                                 " stages, stages has " + std::to_string(stages.size()));
   }
   for (const auto& stage : stages) {
     if (!(stage.forward >= 0 && stage.weight_input >= 0)) {
-      throw std::invalid_argument("peak_held_bytes: a stage's forward and weight_input bytes must be >= 0");
+      throw std::invalid_argument("peak_held_bytes_per_rank: a stage's forward and weight_input bytes must be >= 0");
     }
   }
   const bool deferred = std::any_of(timeline.begin(), timeline.end(), [](const ScheduledPass& pass) {

@@ -91,8 +91,8 @@ struct Layout {
   // rerun (estimate.cpp).
   bool recompute_experts = true;
   // The busiest ep rank's routed (token, expert) rows over the mean, in [1, ep]: 1 is uniform routing; a capacity
-  // factor c bounds it by c. That rank's experts keep and compute that many times the rows (memory.h,
-  // estimate.cpp, which also prices what it sends).
+  // factor c bounds that rank's rows by c T k / ep (the dropless mean). That rank's experts keep and compute
+  // that many times the rows (memory.h, estimate.cpp, which also prices what it sends).
   double expert_imbalance = 1.0;
   AttentionKernel attention = AttentionKernel::kFlash;  // what the attention stores for the backward
   NormKernel norm = NormKernel::kFused;  // RMSNorm's kernel: CUDA's fused one, or torch's CPU composite

@@ -206,6 +206,9 @@ def test_full_recompute_reruns_only_what_it_reaches():
     # The gather of each MoE layer's input, (t - 1)/t of [b, s, h] per micro-batch, is not rerun.
     gather = 4 * model.num_layers * 0.5 * 4096 * model.hidden * 2
     assert whole.comm["tp"].bytes - blocks.comm["tp"].bytes == pytest.approx(gather)
+    # Nor the experts' dispatch and combine: 4 all-to-alls per MoE layer, 6 where recompute reruns them.
+    assert blocks.comm["ep"].bytes == none.comm["ep"].bytes
+    assert whole.comm["ep"].bytes == pytest.approx(none.comm["ep"].bytes * 6 / 4)
 
 
 def test_an_imbalanced_expert_rank_keeps_computes_and_sends_back_more_rows():

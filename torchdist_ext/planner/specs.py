@@ -178,8 +178,9 @@ class Layout:
     data-parallel over dp x ep). A step trains micro_batch x num_microbatches
     x dp x ep sequences of seq_len tokens. The fp8 fields apply with
     ``precision="fp8-mixed"``. ``expert_imbalance``: the busiest ep rank's routed (token, expert) rows over
-    the mean, in [1, ep] (1: uniform routing; a capacity factor c bounds it by c): that many times the rows
-    that rank's experts keep and compute, and what it sends (csrc/planner/specs.h).
+    the mean, in [1, ep] (1: uniform routing; a capacity factor c bounds that rank's rows by c times the
+    dropless mean): that many times the rows that rank's experts keep and compute, and what it sends
+    (csrc/planner/specs.h).
     """
 
     tp: int = 1
