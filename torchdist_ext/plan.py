@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 
 from torchdist_ext import _planner
@@ -49,6 +50,17 @@ def _count(text: str) -> int:
     return value
 
 
+def _imbalance(text: str) -> float:
+    """A routing imbalance, a number >= 1 (argparse turns the ValueError into a one-line usage error)."""
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text!r}") from None
+    if not (value >= 1 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a finite number >= 1, got {text}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m torchdist_ext.plan", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, choices=sorted(MODEL_PRESETS))
@@ -65,6 +77,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", default="1f1b", choices=_planner.OPTIONS["schedule"])
     parser.add_argument("--virtual-stages", type=_count, default=1)
     parser.add_argument("--precision", default="bf16-mixed", choices=_planner.OPTIONS["precision"])
+    parser.add_argument("--expert-imbalance", type=_imbalance, default=1.0, metavar="X",
+                        help="the busiest ep rank's routed rows over the mean (default 1: uniform routing)")
     parser.add_argument("--top", type=_count, default=10, help="rows of the search table")
     parser.add_argument("--json", action="store_true", help="print JSON instead of text")
     parser.add_argument("--plot", metavar="FILE.png", help="write the memory breakdown (and pipeline timeline)")
@@ -81,7 +95,8 @@ def _layout(args, gpus: int) -> Layout:
         raise ValueError(f"--global-batch {global_batch} must be divisible by dp x ep x micro-batch = {per_step}")
     return Layout(**sizes, dp=dp, zero_stage=args.zero, sequence_parallel=args.sp, recompute=args.recompute,
                   micro_batch=args.micro_batch, num_microbatches=global_batch // per_step, schedule=args.schedule,
-                  virtual_stages=args.virtual_stages, seq_len=args.seq, precision=args.precision)
+                  virtual_stages=args.virtual_stages, seq_len=args.seq, precision=args.precision,
+                  expert_imbalance=args.expert_imbalance)
 
 
 def _describe(layout: Layout) -> str:
@@ -90,6 +105,8 @@ def _describe(layout: Layout) -> str:
     if layout.sequence_parallel:
         parts.append("sp")
     parts.append(f"rc={layout.recompute}")
+    if layout.expert_imbalance > 1:
+        parts.append(f"ep-load={layout.expert_imbalance:g}")
     parts.append(f"mb={layout.micro_batch}x{layout.num_microbatches}")
     if layout.pp > 1:
         parts.append(layout.schedule + (f"(v={layout.virtual_stages})" if layout.virtual_stages > 1 else ""))
@@ -182,7 +199,8 @@ def _plan(args) -> int:
             _plot(args.plot, [(_describe(layout), e)], layout)
         return 0
     global_batch = args.global_batch or 4 * args.gpus
-    results = search(model, cluster, seq_len=args.seq, global_batch=global_batch, top=args.top)
+    results = search(model, cluster, seq_len=args.seq, global_batch=global_batch, top=args.top,
+                     expert_imbalance=args.expert_imbalance)
     if args.json:
         print(json.dumps({"mode": "search", "model": model.name, "gpus": args.gpus, "gpu": args.gpu,
                           "results": [{"layout": layout.__dict__, "estimate": e.to_dict()} for layout, e in results]},

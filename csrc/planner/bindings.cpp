@@ -212,5 +212,6 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("severity", &Finding::severity)
       .def_readonly("message", &Finding::message);
   m.def("check", &check);
-  m.def("search", &search);
+  m.def("search", &search, py::arg("model"), py::arg("cluster"), py::arg("seq_len"), py::arg("global_batch"),
+        py::arg("top"), py::arg("expert_imbalance") = 1.0);
 }

@@ -1,6 +1,8 @@
 #include "planner/search.h"
 
 #include <algorithm>
+#include <cmath>
+#include <string>
 #include <stdexcept>
 
 #include "planner/checks.h"
@@ -33,12 +35,16 @@ std::vector<long> power_of_two_divisors(long n, long limit) {
 // size, so the search is bounded: tp a power of two within a domain, pp a divisor of the
 // layers, cp a power of two up to 16, ep a divisor of the experts; dp takes the rest.
 std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const ClusterSpec& cluster, long seq_len,
-                                                long global_batch, long top) {
+                                                long global_batch, long top, double expert_imbalance) {
   model.validate();
   cluster.validate();
   if (seq_len < 1) throw std::invalid_argument("seq_len must be positive");
   if (global_batch < 1) throw std::invalid_argument("global_batch must be positive");
   if (top < 1) throw std::invalid_argument("top must be positive");
+  if (!(expert_imbalance >= 1 && std::isfinite(expert_imbalance))) {
+    throw std::invalid_argument("expert_imbalance must be a finite number >= 1 (the busiest ep rank's routed rows "
+                                "over the mean), got " + std::to_string(expert_imbalance));
+  }
   const long gpus = cluster.num_gpus();
   std::vector<std::pair<Layout, Estimate>> feasible;
   for (long tp : power_of_two_divisors(gpus, cluster.gpus_per_domain)) {
@@ -68,6 +74,7 @@ std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const Cl
                   l.schedule = virtual_stages == 2 ? Schedule::kInterleaved : Schedule::k1F1B;
                   l.virtual_stages = virtual_stages;
                   l.seq_len = seq_len;
+                  l.expert_imbalance = std::min(expert_imbalance, static_cast<double>(ep));
                   const Estimate e = estimate(model, cluster, l);
                   if (!e.fits()) continue;
                   const auto findings = check(model, cluster, l);

@@ -55,6 +55,22 @@ def test_search_json_and_table(capsys):
     assert "fastest feasible layouts" in table and "tokens/s" in table
 
 
+def test_a_routing_imbalance_prices_the_busiest_expert_rank(capsys):
+    """--expert-imbalance: the estimate of a layout and every layout of the search at that routing (capped at
+    each layout's ep); the busiest ep rank holds and computes more, so the step is slower."""
+    argv = ("--model", "mixtral-8x7b", "--gpus", "64", "--tp", "2", "--ep", "8", "--zero", "1", "--sp", "--json")
+    uniform = json.loads(run_cli(capsys, *argv))
+    skewed = json.loads(run_cli(capsys, *argv, "--expert-imbalance", "1.5"))
+    assert skewed["layout"]["expert_imbalance"] == 1.5 and uniform["layout"]["expert_imbalance"] == 1
+    assert skewed["estimate"]["activations"] > uniform["estimate"]["activations"]
+    assert skewed["estimate"]["step_seconds"] > uniform["estimate"]["step_seconds"]
+    assert "ep-load=1.5" in run_cli(capsys, *argv[:-1], "--expert-imbalance", "1.5")
+    search = ("--model", "mixtral-8x7b", "--gpus", "64", "--global-batch", "256", "--top", "20", "--json")
+    for result in json.loads(run_cli(capsys, *search, "--expert-imbalance", "4"))["results"]:
+        layout = result["layout"]
+        assert layout["expert_imbalance"] == min(4, layout["ep"]), layout
+
+
 @pytest.mark.parametrize(
     "schedule",
     [["--schedule", "1f1b"], ["--schedule", "zb-v"], ["--schedule", "interleaved", "--virtual-stages", "2"]],
@@ -80,6 +96,9 @@ def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys, schedule):
         (["--gpus", "1099511627776"], "argument --gpus: must lie in [1, 16777216], got 1099511627776"),
         (["--gpus", "8", "--tp", "3"], "Layout: tp x pp x dp x cp x ep = 3 x 1 x 2 x 1 x 1 = 6 must equal"),
         (["--gpus", "8", "--tp", "8", "--schedule", "zb-x"], "argument --schedule: invalid choice: 'zb-x'"),
+        (["--gpus", "8", "--expert-imbalance", "0.5"], "argument --expert-imbalance: must be a finite number >= 1"),
+        (["--gpus", "8", "--expert-imbalance", "nan"], "argument --expert-imbalance: must be a finite number >= 1"),
+        (["--gpus", "8", "--tp", "8", "--expert-imbalance", "2"], "Layout.expert_imbalance must lie in [1, ep=1]"),
     ],
 )
 def test_bad_arguments_end_with_one_line(capsys, argv, message):

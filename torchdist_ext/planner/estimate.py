@@ -112,9 +112,12 @@ def check(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> list[Findin
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, *, seq_len: int, global_batch: int,
-           top: int = 10) -> list[tuple[Layout, Estimate]]:
+           top: int = 10, expert_imbalance: float = 1.0) -> list[tuple[Layout, Estimate]]:
     """Feasible layouts (fit in memory, no error-level finding) for ``global_batch`` sequences of
     ``seq_len`` tokens per step, fastest first. The candidates per axis depend on the model and the
-    NVLink domain, not on the cluster's size, so the search is bounded."""
-    results = _planner.search(model.to_cpp(), cluster.to_cpp(), seq_len, global_batch, top)
+    NVLink domain, not on the cluster's size, so the search is bounded. Layouts with experts are priced
+    at ``expert_imbalance`` (``Layout.expert_imbalance``, capped at each layout's ep)."""
+    if isinstance(expert_imbalance, bool) or not isinstance(expert_imbalance, (int, float)):
+        raise TypeError(f"expert_imbalance must be a number, got {expert_imbalance!r}")
+    results = _planner.search(model.to_cpp(), cluster.to_cpp(), seq_len, global_batch, top, float(expert_imbalance))
     return [(Layout.from_cpp(layout), Estimate.from_cpp(e)) for layout, e in results]
