@@ -159,10 +159,13 @@ std::vector<ScheduledPass> simulate_zb_h1(long p, long m) {
 // (p - 1) / (6m + p - 1) (from m >= 3p/2 on, as simulated for p <= 8; below, more: 0.118 against 0.091 at
 // p = 4, m = 5).
 //
-// With m <= p no order can hold more than 2m <= 2p units, so a free device greedily starts, in order of
-// preference: a ready backward (chunk 0 first: it ends a micro-batch), a ready forward on chunk 1, a ready
-// forward on chunk 0, then a pending weight gradient: the closed form at m = p, where the handcrafted
-// order (laid out for 2p-1) idles 0.20 against 0.11 at p = 4.
+// The greedy order: a free device starts, in order of preference, a ready backward (chunk 0 first: it ends
+// a micro-batch), a ready forward on chunk 1, a ready forward on chunk 0, then a pending weight gradient;
+// a forward only while the device holds fewer than 2p chunk units (forwards whose W has not run: 1F1B's
+// memory whatever the W inputs weigh, up to a whole unit). With m <= p no order holds more than 2m <= 2p
+// units: the closed form at m = p, where the handcrafted order (laid out for 2p-1) idles 0.20 against 0.11
+// at p = 4. For p < m < 2p - 1 the step takes whichever of the two idles less: the greedy one for
+// m < 3p/2 (the closed form at p = 4, m = 5; 0.158 against 0.172 at p = 7, m = 8), as simulated for p <= 8.
 std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
   const long stages = 2 * p;
   auto device_of = [&](long stage) { return stage < p ? stage : stages - 1 - stage; };
@@ -174,9 +177,11 @@ std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
   std::vector<long> next_forward(stages, 0), next_backward(stages, 0);
   std::vector<std::vector<std::pair<long, long>>> pending_weights(p);  // (stage, micro-batch)
   std::vector<double> free_at(p, 0.0);
+  std::vector<long> held(p, 0);  // forwards whose W has not run, per device
   std::vector<ScheduledPass> timeline;
   const size_t total = static_cast<size_t>(3 * stages * m);
   for (double t = 0; timeline.size() < total; t += 0.5) {
+    if (t > static_cast<double>(total)) throw std::logic_error("simulate_schedule (zb-v): the greedy order stalled");
     for (long d = 0; d < p; ++d) {
       if (free_at[d] > t) continue;
       const long down = d, up = stages - 1 - d;
@@ -191,7 +196,7 @@ std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
         }
       }
       for (long candidate : {up, down}) {
-        if (kind == 0 && next_forward[candidate] < m &&
+        if (kind == 0 && held[d] < stages && next_forward[candidate] < m &&
             (candidate == 0 || done_by(candidate - 1, 'F', next_forward[candidate], t))) {
           kind = 'F', stage = candidate, micro = next_forward[candidate];
         }
@@ -205,7 +210,8 @@ std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
       timeline.push_back({device_of(stage), kind, micro, t, t + 0.5, stage == down ? 0L : 1L});
       finished[{stage, kind, micro}] = t + 0.5;
       free_at[d] = t + 0.5;
-      if (kind == 'F') ++next_forward[stage];
+      if (kind == 'F') ++next_forward[stage], ++held[d];
+      if (kind == 'W') --held[d];
       if (kind == 'B') {
         ++next_backward[stage];
         pending_weights[d].emplace_back(stage, micro);
@@ -215,8 +221,7 @@ std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
   return timeline;
 }
 
-std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
-  if (m <= p) return simulate_zb_v_greedy(p, m);
+std::vector<ScheduledPass> simulate_zb_v_handcrafted(long p, long m) {
   const long laid_out = std::max(m, 2 * p - 1);
   std::vector<std::vector<FixedPass>> orders(p);
   for (long d = 0; d < p; ++d) {
@@ -240,6 +245,14 @@ std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
     while (weight[0] < backward[0]) put(0, 'W', weight);
   }
   return run_fixed_orders(orders, 2 * p, "simulate_schedule (zb-v)");
+}
+
+std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
+  if (m <= p) return simulate_zb_v_greedy(p, m);
+  auto handcrafted = simulate_zb_v_handcrafted(p, m);
+  if (m >= 2 * p - 1) return handcrafted;
+  auto greedy = simulate_zb_v_greedy(p, m);
+  return idle_fraction(greedy, p) < idle_fraction(handcrafted, p) - 1e-12 ? greedy : handcrafted;
 }
 
 }  // namespace

@@ -19,7 +19,8 @@ namespace tdx::planner {
 //                                                    bubbles; with equal pass times a pipeline still fills and
 //                                                    drains. Their handcrafted order (pipeline.cpp), which holds
 //                                                    no more than 1F1B, reaches exactly this for m >= 2p - 1,
-//                                                    and our greedy one for m = p.
+//                                                    and our greedy one (as little) for m = p and some m
+//                                                    between (p = 4, m = 5).
 // With m < p (zb-v: and p < m < 2p - 1) the zero-bubble schedules have no closed form here: the value is the
 // simulated one.
 double bubble_fraction(long pp, long num_microbatches, Schedule schedule, long virtual_stages);

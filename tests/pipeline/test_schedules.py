@@ -9,9 +9,10 @@ from torch import nn
 
 from torchdist_ext.parallel.recompute import recompute
 from torchdist_ext.pipeline import Pipeline, num_stages, partition_layers, stages_of_rank
+from torchdist_ext.planner import bubble_fraction
 from torchdist_ext.testing import cached_mesh
 
-NUM_LAYERS, DIM, BATCH = 8, 16, 24
+NUM_LAYERS, DIM, BATCH = 8, 16, 120
 
 
 def reference_model() -> nn.Sequential:
@@ -73,6 +74,13 @@ def test_schedule_matches_one_process(world_pool, pp, schedule, microbatches):
     for kinds, actions in outcomes:
         assert kinds == ({"F", "B", "W"} if schedule.startswith("zb") else {"F", "B"})
         assert actions == m * chunks * len(kinds)
+
+
+def test_zb_v_between_p_and_2p_micro_batches_matches_one_process(world_pool):
+    """p = 4, m = 5: the capped greedy order, which idles the closed form there (the handcrafted one more)."""
+    assert bubble_fraction(4, 5, schedule="zb-v") == pytest.approx(3 / 33)
+    for kinds, actions in world_pool.get(4).run(pipeline_matches_one_process, "zb-v", 5):
+        assert kinds == {"F", "B", "W"} and actions == 5 * 2 * 3
 
 
 @pytest.mark.parametrize("schedule", ["zb-h1", "zb-v"])
