@@ -123,13 +123,16 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
     times and the measured, with a pipeline)."""
     cluster = ClusterSpec.preset("h100-80gb", world_size)
 
-    def at_routing(ranks: list[StepMeasurement]) -> Estimate:
-        imbalance = min(max(m.expert_imbalance for m in ranks), float(layout.ep))
+    def imbalance_of(ranks: list[StepMeasurement]) -> float:
+        return min(max(m.expert_imbalance for m in ranks), float(layout.ep))
+
+    def at(imbalance: float) -> Estimate:
         return estimate(model, cluster, dataclasses.replace(layout, expert_imbalance=imbalance))
 
-    imbalance = min(max(m.expert_imbalance for m in measured), float(layout.ep))
-    e = at_routing(measured)
-    per_rank = [at_routing([m for m in measured if m.pipeline_rank == r]).pipeline_ranks[r] for r in range(layout.pp)]
+    imbalance = imbalance_of(measured)
+    e = at(imbalance)
+    stage_imbalances = [imbalance_of([m for m in measured if m.pipeline_rank == r]) for r in range(layout.pp)]
+    per_rank = [at(x).pipeline_ranks[r] for r, x in enumerate(stage_imbalances)]
     fullest = max(per_rank, key=lambda memory: memory.total)
 
     def row(name: str, predicted: float | None, value: float, unit: str, note: str = "") -> str:
@@ -141,9 +144,8 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
     planner_memory = fullest.total - FRAMEWORK_RESERVE_BYTES
     lines = [f"planner vs measured ({layout.precision}, the last step; measured: the busiest rank's)"]
     if layout.ep > 1 and imbalance > 1:
-        stages = ", ".join(f"{min(max(m.expert_imbalance for m in measured if m.pipeline_rank == r), layout.ep):.2f}"
-                           for r in range(layout.pp))
-        uniform = estimate(model, cluster, layout)
+        stages = ", ".join(f"{x:.2f}" for x in stage_imbalances)
+        uniform = at(1.0)
         lines.append(f"  routing: the busiest ep rank's experts got {imbalance:.2f} x the mean of the "
                      f"rows{f' (per pp rank {stages})' if layout.pp > 1 else ''}; the planner is asked at that "
                      f"(at uniform routing: memory {(uniform.total_memory - FRAMEWORK_RESERVE_BYTES) / 2**20:.3f} MiB,"

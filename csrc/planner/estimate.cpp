@@ -119,6 +119,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     return ((layers - moe_layers) * bytes(model, l, false) + moe_layers * bytes(model, l, true)) / layers;
   };
   const double per_layer = mean_over_layers(layer_activation_bytes);
+  const double head_forward = head_activation_bytes(model, l);
   std::vector<double> activations;
   if (l.pp > 1 && (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV)) {
     const double chunk_layers = layers_per_stage / static_cast<double>(chunks);
@@ -126,7 +127,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     std::vector<StageBytes> stages(static_cast<size_t>(l.pp * chunks),
                                    {per_layer * chunk_layers, weight_inputs * chunk_layers});
     stages.front().weight_input += embedding_weight_grad_input_bytes(model, l);
-    stages.back().forward += head_activation_bytes(model, l);
+    stages.back().forward += head_forward;
     stages.back().weight_input += head_weight_grad_input_bytes(model, l);
     activations = peak_held_bytes_per_rank(simulate_schedule(l.pp, l.num_microbatches, l.schedule), l.pp,
                                            l.schedule, stages);
@@ -137,7 +138,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     for (long rank = 0; rank < l.pp; ++rank) {
       const double units = held.at(static_cast<size_t>(rank)) / static_cast<double>(chunks);
       activations.push_back(per_layer * layers_per_stage * units +
-                            (holds_last(rank) ? head_activation_bytes(model, l) * head_held : 0));
+                            (holds_last(rank) ? head_forward * head_held : 0));
     }
   }
 
@@ -189,6 +190,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   const double gemm_flops = 6 * params.active * e.tokens_per_step;
   const double attention_flops = 6 * layers * s * h * e.tokens_per_step;
   e.model_flops_per_step = gemm_flops + attention_flops;
+  const bool experts_recomputed = l.recompute == Recompute::kFull && l.recompute_experts;
   double recompute_gemm = 0, recompute_attention = 0;
   if (l.recompute == Recompute::kFull) {
     const double recomputed = params.active - params.embedding - (l.recompute_experts ? 0 : params.moe_active);
@@ -198,7 +200,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // The ep rank whose experts get the most rows runs expert_imbalance times the mean of the routed GEMMs
   // (forward, backward and any rerun), and the step waits for it.
   const double routed_excess = (l.expert_imbalance - 1) * 6 * params.routed_active * e.tokens_per_step *
-                               (l.recompute == Recompute::kFull && l.recompute_experts ? 4.0 / 3.0 : 1.0);
+                               (experts_recomputed ? 4.0 / 3.0 : 1.0);
   const double gemm_speed = uses_fp8_gemms(l.precision)         ? kFp8GemmSpeedup
                             : l.precision == Precision::kFp32   ? kFp32GemmSpeedup
                                                                 : 1.0;
@@ -245,7 +247,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     };
     const bool fused = model.fused_projections;
     const double attention_block = block_units(fused ? 1 : 3), mlp_block = block_units(fused ? 1 : 2);
-    const double moe_block = l.sequence_parallel ? 2 + (full && l.recompute_experts ? 1 : 0) : 0;
+    const double moe_block = l.sequence_parallel ? 2 + (experts_recomputed ? 1 : 0) : 0;
     const double moe_share = static_cast<double>(model.num_moe_layers()) / layers;
     const double per_layer = attention_block + (1 - moe_share) * mlp_block + moe_share * moe_block;
     const double ends = (holds_last(busiest) ? (l.sequence_parallel ? 3 : 2) : 0) + (holds_first(busiest) ? 2 : 0);
@@ -273,7 +275,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     const double routed = activation * expected_remote_ranks(model.num_experts, model.experts_per_token, l.ep);
     const double ep = static_cast<double>(l.ep);
     const double skewed_share = (ep + l.expert_imbalance * (ep - 2)) / (2 * (ep - 1));
-    const double exchanges = l.recompute == Recompute::kFull && l.recompute_experts ? 6 : 4;
+    const double exchanges = experts_recomputed ? 6 : 4;
     add("ep", m * moe_layers_per_stage * exchanges * routed * skewed_share, 0.0);
   }
   {

@@ -1,9 +1,9 @@
 #include "planner/pipeline.h"
 
 #include <algorithm>
+#include <limits>
 #include <map>
 #include <stdexcept>
-#include <limits>
 #include <string>
 #include <tuple>
 

@@ -248,27 +248,42 @@ def deferred_weight_grad_bytes(sequence_parallel: bool) -> int:
     return least_of(lambda: queued_weight_grad_bytes(sequence_parallel))
 
 
-def queued_weight_grad_bytes(sequence_parallel: bool) -> int:
-    """What one Llama layer in split mode leaves queued for its weight gradients after a backward collected by a
-    WeightGradStore: the storages alive once the backward is done, less the layer's output and input gradient."""
+def split_mode_bytes(make_module, forward) -> tuple[int, int]:
+    """Builds ``make_module()`` (seeded) in split mode and runs ``loss = forward(module)`` and its backward, the
+    weight gradients collected by a WeightGradStore (inputs made before the call are not counted): (the
+    storages alive after the forward, the loss's aside; those alive once the backward is done: what the
+    store queued for W and any input's gradient)."""
     from torchdist_ext.pipeline import enable_weight_grad_split
     from torchdist_ext.weight_grad import WeightGradStore
 
-    tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
     torch.manual_seed(0)
-    layer = LlamaLayer(tp_mesh, sequence_parallel)
-    enable_weight_grad_split(layer)
-    seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
-    x = torch.randn(BATCH, seq, DIM, dtype=torch.bfloat16, requires_grad=True)
+    module = enable_weight_grad_split(make_module())
     store = WeightGradStore()
     with RetainedMemory() as meter:
-        out = layer(x)
+        loss = forward(module)
+        after_forward = meter.retained_bytes() - loss.untyped_storage().nbytes()
         with store.collecting(0):
-            out.float().square().mean().backward()
-        del out
-    kept = meter.retained_bytes() - x.grad.untyped_storage().nbytes()
+            loss.backward()
+        del loss
+    queued = meter.retained_bytes()
     store.run(0)
-    return kept
+    return after_forward, queued
+
+
+def tp_mesh_and_input(sequence_parallel: bool):
+    """The world's tp mesh and this rank's [BATCH, seq, DIM] bf16 input (its sequence block under SP)."""
+    tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
+    seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
+    return tp_mesh, torch.randn(BATCH, seq, DIM, dtype=torch.bfloat16, requires_grad=True)
+
+
+def queued_weight_grad_bytes(sequence_parallel: bool) -> int:
+    """What one Llama layer in split mode leaves queued for its weight gradients after a backward collected by a
+    WeightGradStore: the storages alive once the backward is done, less the layer's input gradient."""
+    tp_mesh, x = tp_mesh_and_input(sequence_parallel)
+    _, queued = split_mode_bytes(lambda: LlamaLayer(tp_mesh, sequence_parallel),
+                                 lambda layer: layer(x).float().square().mean())
+    return queued - x.grad.untyped_storage().nbytes()
 
 
 @pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
@@ -301,48 +316,23 @@ class ModelEnd(nn.Module):
 def model_end_bytes(sequence_parallel: bool) -> tuple[int, int]:
     """What the model's end in split mode keeps from its forward to its backward (its input and the step's
     target included: the planner counts them there), and what it leaves queued for its weight gradients."""
-    from torchdist_ext.pipeline import enable_weight_grad_split
-    from torchdist_ext.weight_grad import WeightGradStore
-
-    tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
-    torch.manual_seed(0)
-    end = enable_weight_grad_split(ModelEnd(tp_mesh, sequence_parallel))
-    seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
-    x = torch.randn(BATCH, seq, DIM, dtype=torch.bfloat16, requires_grad=True)
+    tp_mesh, x = tp_mesh_and_input(sequence_parallel)
     target = torch.randint(VOCAB, (BATCH, SEQ))
-    store = WeightGradStore()
-    with RetainedMemory() as meter:
-        loss = end(x, target)
-        forward = meter.retained_bytes() - loss.untyped_storage().nbytes()
-        with store.collecting(0):
-            loss.backward()
-        del loss
-    queued = meter.retained_bytes() - x.grad.untyped_storage().nbytes()
-    store.run(0)
+    forward, queued = split_mode_bytes(lambda: ModelEnd(tp_mesh, sequence_parallel), lambda end: end(x, target))
     inputs = x.untyped_storage().nbytes() + target.untyped_storage().nbytes()
-    return forward + inputs, queued
+    return forward + inputs, queued - x.grad.untyped_storage().nbytes()
 
 
 def embedding_bytes(sequence_parallel: bool) -> int:
     """What the vocab-parallel embedding in split mode leaves queued for its weight gradient."""
     from torchdist_ext.parallel import VocabParallelEmbedding
-    from torchdist_ext.pipeline import enable_weight_grad_split
-    from torchdist_ext.weight_grad import WeightGradStore
 
     tp_mesh = cached_mesh((torch.distributed.get_world_size(),), ("tp",))
-    torch.manual_seed(0)
-    embedding = enable_weight_grad_split(VocabParallelEmbedding(VOCAB, DIM, tp_mesh=tp_mesh,
-                                                                sequence_parallel=sequence_parallel,
-                                                                dtype=torch.bfloat16))
     ids = torch.randint(VOCAB, (BATCH, SEQ))
-    store = WeightGradStore()
-    with RetainedMemory() as meter:
-        out = embedding(ids)
-        with store.collecting(0):
-            out.float().square().mean().backward()
-        del out
-    queued = meter.retained_bytes()
-    store.run(0)
+    _, queued = split_mode_bytes(
+        lambda: VocabParallelEmbedding(VOCAB, DIM, tp_mesh=tp_mesh, sequence_parallel=sequence_parallel,
+                                       dtype=torch.bfloat16),
+        lambda embedding: embedding(ids).float().square().mean())
     return queued
 
 
