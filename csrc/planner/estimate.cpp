@@ -120,7 +120,14 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   };
   const double per_layer = mean_over_layers(layer_activation_bytes);
   const double head_forward = head_activation_bytes(model, l);
-  std::vector<double> activations;
+  // A recomputed layer's backward recreates what the recomputation dropped (layer_rerun_bytes, the larger of
+  // the model's dense and MoE layers') on top of what its rank holds, inside the B pass. On the last stage
+  // that micro-batch's head has released its forward bytes by then (the loss's and the head's backward ran
+  // first). Each rank's rerun is what that adds to its peak between passes.
+  const double layer_rerun = std::max(moe_layers < layers ? layer_rerun_bytes(model, l, false) : 0.0,
+                                      moe_layers > 0 ? layer_rerun_bytes(model, l, true) : 0.0);
+  const double last_stage_rerun = std::max(0.0, layer_rerun - head_forward);
+  std::vector<double> activations, reruns;
   if (l.pp > 1 && (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV)) {
     const double chunk_layers = layers_per_stage / static_cast<double>(chunks);
     const double weight_inputs = mean_over_layers(layer_weight_grad_input_bytes);
@@ -129,9 +136,16 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     stages.front().weight_input += embedding_weight_grad_input_bytes(model, l);
     stages.back().forward += head_forward;
     stages.back().weight_input += head_weight_grad_input_bytes(model, l);
-    activations = peak_held_bytes_per_rank(simulate_schedule(l.pp, l.num_microbatches, l.schedule), l.pp,
-                                           l.schedule, stages);
+    const auto timeline = simulate_schedule(l.pp, l.num_microbatches, l.schedule);
+    activations = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
+    for (auto& stage : stages) stage.backward_rerun = layer_rerun;
+    stages.back().backward_rerun = last_stage_rerun;
+    const auto peaks = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
+    for (long rank = 0; rank < l.pp; ++rank) {
+      reruns.push_back(peaks.at(static_cast<size_t>(rank)) - activations.at(static_cast<size_t>(rank)));
+    }
   } else {
+    // The held peak comes right before the first B of these schedules (the warm-up's forwards end there).
     std::vector<double> held{in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages)};
     if (l.pp > 1) held = held_activations_per_rank(l.pp, l.num_microbatches, l.schedule, l.virtual_stages, 0.0);
     const double head_held = l.schedule == Schedule::kGPipe && l.pp > 1 ? m : 1;
@@ -139,6 +153,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
       const double units = held.at(static_cast<size_t>(rank)) / static_cast<double>(chunks);
       activations.push_back(per_layer * layers_per_stage * units +
                             (holds_last(rank) ? head_forward * head_held : 0));
+      reruns.push_back(holds_last(rank) ? last_stage_rerun : layer_rerun);
     }
   }
 
@@ -167,6 +182,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     memory.grads = unsharded_through_step ? 4 * (dense + expert_per_stage) : dense_states.grads + expert_states.grads;
     memory.optimizer = dense_states.optimizer + expert_states.optimizer;
     memory.activations = activations.at(static_cast<size_t>(rank));
+    memory.rerun = reruns.at(static_cast<size_t>(rank));
     const double unsharded = unsharded_through_step ? element * (dense + expert_per_stage)
                                                     : 2 * element * layer_params_gpu;
     memory.buffers = (l.zero_stage == 3 ? unsharded : 0) + kFrameworkReserveBytes;
@@ -177,7 +193,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   }
   const RankMemory& fullest = e.pipeline_ranks.at(static_cast<size_t>(e.fullest_pipeline_rank));
   e.params = fullest.params, e.grads = fullest.grads, e.optimizer = fullest.optimizer;
-  e.activations = fullest.activations, e.buffers = fullest.buffers;
+  e.activations = fullest.activations, e.rerun = fullest.rerun, e.buffers = fullest.buffers;
   e.gpu_memory = cluster.min_memory_bytes();
 
   // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,

@@ -17,16 +17,18 @@ struct AxisComm {
   bool intra_domain = true;
 };
 
-// Memory of one GPU, bytes.
+// Memory of one GPU, bytes: activations are those held between passes at the rank's peak, rerun what
+// recomputed layers' backward adds to that peak inside a B pass (layer_rerun_bytes; on the last stage less
+// the head's forward bytes, which that micro-batch has released by then).
 struct RankMemory {
-  double params = 0, grads = 0, optimizer = 0, activations = 0, buffers = 0;
-  double total() const { return params + grads + optimizer + activations + buffers; }
+  double params = 0, grads = 0, optimizer = 0, activations = 0, rerun = 0, buffers = 0;
+  double total() const { return params + grads + optimizer + activations + rerun + buffers; }
 };
 
 struct Estimate {
   // memory, bytes per GPU: the fullest pipeline rank's (pipeline_ranks[fullest_pipeline_rank])
-  double params = 0, grads = 0, optimizer = 0, activations = 0, buffers = 0;
-  double total_memory() const { return params + grads + optimizer + activations + buffers; }
+  double params = 0, grads = 0, optimizer = 0, activations = 0, rerun = 0, buffers = 0;
+  double total_memory() const { return params + grads + optimizer + activations + rerun + buffers; }
   double gpu_memory = 0;  // the smallest GPU's
   bool fits() const { return total_memory() <= gpu_memory; }
   // Each pipeline rank's memory, in pipeline-rank order (one entry without pp): its own layers, the

@@ -114,6 +114,24 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   return bytes;
 }
 
+double layer_rerun_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
+  if (layout.recompute == Recompute::kNone) return 0;
+  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
+  if (moe_layer && !layout.recompute_experts) {
+    if (layout.recompute == Recompute::kSelective) return 0;
+    const double attention_heads = (2 + 2 * g / a) * h / t;
+    const double softmax = layout.attention == AttentionKernel::kEager
+                               ? tokens * e * a * static_cast<double>(layout.seq_len) / static_cast<double>(layout.cp) / t
+                               : 4 * tokens * a / t;
+    return tokens * e * (attention_heads + h / t) + softmax;
+  }
+  Layout kept_all = layout;
+  kept_all.recompute = Recompute::kNone;
+  const double without_recompute = layer_activation_bytes(model, kept_all, moe_layer);
+  if (layout.recompute == Recompute::kFull) return without_recompute;
+  return without_recompute - layer_activation_bytes(model, layout, moe_layer) + tokens * e * h * replicated;
+}
+
 double head_activation_bytes(const ModelSpec& model, const Layout& layout) {
   const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
   const double composite = layout.norm == NormKernel::kComposite ? h * replicated * (e < 4 ? e + 4 : e) : 0;

@@ -83,6 +83,21 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 // layout.expert_imbalance.
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
+// Bytes a recomputed layer's backward recreates on top of what the layer keeps, alive at once from its rerun
+// forward to its backward (with the gradients of that backward: not counted), per micro-batch:
+//   none       0
+//   full       layer_activation_bytes at recompute none: everything the layer keeps without recomputation,
+//              its output recreated in the place of the checkpointed input, whose storage the rerun shares
+//   selective  what selective drops (none's bytes less selective's) and the region's recreated output
+//              (T e h R)
+// A layer whose experts are not recomputed (moe_layer and !layout.recompute_experts) reruns its norms and
+// attention one region at a time; the largest is the attention's: under full its projections' outputs, the
+// attention output and the wo input (T e (attention_heads + h/t)) and the softmax statistics (or eager's
+// scores); under selective only the element-wise work, not counted. Measured (tests/planner/
+// test_activation_memory.py): exact for full and for selective with SP; selective without SP recreates
+// 1-2 T e h more (the norms' fp32 temporaries), the attention region at tp 1 0.5 T e h more: a lower bound.
+double layer_rerun_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
+
 // Bytes the model keeps per micro-batch outside its layers, on the stage holding its end: the final RMSNorm's
 // input and output (the LM head's input), h R each at e, its fp32 1/rms (4 R), torch's composite norm's extra
 // copies (norm="composite": h R (e + 4); h R 4 in fp32), and what the vocab-parallel cross-entropy keeps: the

@@ -81,15 +81,19 @@ std::vector<ScheduledPass> replay_schedule(long pp, long num_microbatches, Sched
 double peak_held_activations(const std::vector<ScheduledPass>& timeline, long pp, double weight_inputs);
 
 // What one micro-batch holds on one model chunk (stage) for its backward: `forward` bytes from its F to its B and,
-// where the schedule defers weight gradients, `weight_input` bytes (what its W needs) from its B to its W.
+// where the schedule defers weight gradients, `weight_input` bytes (what its W needs) from its B to its W; and
+// `backward_rerun` bytes a B pass recreates on top of what its rank held before it (recomputation), for
+// the length of that pass.
 struct StageBytes {
   double forward = 0;
   double weight_input = 0;
+  double backward_rerun = 0;
 };
 
-// The most bytes each pipeline rank holds between passes of a simulated step (in rank order), each pass
-// counted by what its stage holds: `stages` in stage order, the chunks placed on the ranks as `schedule`
-// places them (stage_of). Unequal stages: the first stage's embedding, the last one's head and loss.
+// The most bytes each pipeline rank holds, between passes or inside a B with its stage's backward_rerun, over
+// a simulated step (in rank order), each pass counted by what its stage holds: `stages` in stage order, the
+// chunks placed on the ranks as `schedule` places them (stage_of). Unequal stages: the first stage's
+// embedding, the last one's head and loss.
 std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& timeline, long pp, Schedule schedule,
                                              const std::vector<StageBytes>& stages);
 

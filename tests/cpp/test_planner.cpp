@@ -113,6 +113,28 @@ TEST(Activations, LlamaLayerAsAutogradRunsIt) {
   EXPECT_DOUBLE_EQ(layer_activation_bytes(model, l, false), Tc * e * h);
 }
 
+TEST(Activations, WhatARecomputedLayersBackwardRecreates) {
+  const ModelSpec model = llama3_70b();
+  const double e = 2, h = 8192, a = 64, g = 8, t = 8, Tc = 2048;
+  Layout l;
+  l.tp = 8, l.sequence_parallel = true, l.cp = 2;
+  Layout kept_all = l;
+  EXPECT_EQ(layer_rerun_bytes(model, l, false), 0);
+  // Full: everything the layer keeps without recomputation.
+  l.recompute = Recompute::kFull;
+  EXPECT_DOUBLE_EQ(layer_rerun_bytes(model, l, false), layer_activation_bytes(model, kept_all, false));
+  // Selective: what it drops, and the layer's output (a sequence block with SP).
+  l.recompute = Recompute::kSelective;
+  EXPECT_DOUBLE_EQ(layer_rerun_bytes(model, l, false), layer_activation_bytes(model, kept_all, false) -
+                                                           layer_activation_bytes(model, l, false) + Tc * e * h / t);
+  // Experts not recomputed: the attention region alone under full (projections, attention output, wo input,
+  // fp32 log-sum-exp), nothing counted under selective.
+  l.recompute_experts = false;
+  EXPECT_EQ(layer_rerun_bytes(model, l, true), 0);
+  l.recompute = Recompute::kFull;
+  EXPECT_DOUBLE_EQ(layer_rerun_bytes(model, l, true), Tc * e * ((2 + 2 * g / a) * h / t + h / t) + 4 * Tc * a / t);
+}
+
 TEST(Activations, DeferredWeightGradientInputsAsTheSplitLayersQueueThem) {
   const ModelSpec model = llama3_70b();
   const double T = 4096, e = 2, h = 8192, a = 64, g = 8, f = 28672;
@@ -184,6 +206,13 @@ TEST(Pipeline, PeakHeldActivationsOfTheSimulatedSchedules) {
   const auto zb_h1 = simulate_schedule(2, 4, Schedule::kZbH1);
   EXPECT_EQ(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 0.5}, {3, 2}}), (std::vector<double>{2, 5}));
   EXPECT_EQ(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 3}, {1, 0.25}}), (std::vector<double>{4, 1.25}));
+  // A B pass's rerun counts on top of what its rank held before it: stage 0 two forwards (2 + 1), stage 1 a
+  // forward and the previous micro-batch's W input (3 + 2 + 1); 1F1B's ranks their warm-up's forwards.
+  EXPECT_EQ(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 0.5, 1}, {3, 2, 1}}), (std::vector<double>{3, 6}));
+  EXPECT_EQ(peak_held_bytes_per_rank(simulate_schedule(2, 4, Schedule::k1F1B), 2, Schedule::k1F1B,
+                                     {{1, 0, 0.5}, {1, 0, 0.5}}),
+            (std::vector<double>{2.5, 1.5}));
+  EXPECT_THROW(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 1, -1}, {1, 1}}), std::invalid_argument);
   EXPECT_THROW(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 1}}), std::invalid_argument);
   EXPECT_THROW(peak_held_bytes_per_rank(zb_h1, 2, Schedule::kZbH1, {{1, 1}, {1, -1}}), std::invalid_argument);
   EXPECT_THROW(peak_held_bytes_per_rank(zb_h1, 1, Schedule::kZbH1, {{1, 1}, {1, 1}}), std::invalid_argument);
@@ -400,6 +429,10 @@ TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
   for (size_t r = 0; r < 4; ++r) {
     EXPECT_NEAR(e.pipeline_ranks[r].activations, per_layer * 20 * (4 - r) + (r == 3 ? head : 0), 1) << r;
   }
+  // Inside the B after that peak, selective's rerun on top; the last rank's micro-batch has released its end.
+  const double rerun = layer_rerun_bytes(model, l, false);
+  for (size_t r = 0; r < 3; ++r) EXPECT_DOUBLE_EQ(e.pipeline_ranks[r].rerun, rerun) << r;
+  EXPECT_DOUBLE_EQ(e.pipeline_ranks[3].rerun, std::max(0.0, rerun - head));
   // The embedding on rank 0; the final norm and LM head on rank 3.
   const RankMemory &first = e.pipeline_ranks[0], &middle = e.pipeline_ranks[1], &last = e.pipeline_ranks[3];
   EXPECT_NEAR(first.params - middle.params, 2 * V * h / t, 1);
@@ -442,6 +475,11 @@ TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
   EXPECT_DOUBLE_EQ(head_weight_grad_input_bytes(model, l), 4096 * 2 * (3 * h / t + V / t));
   const auto with_ends = peak_held_bytes_per_rank(timeline, 4, Schedule::kZbV, stages);
   for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].activations, with_ends[r], 1) << r;
+  // The rerun: what it adds inside the simulated B passes to each rank's peak between passes.
+  for (auto& stage : stages) stage.backward_rerun = rerun;
+  stages.back().backward_rerun = std::max(0.0, rerun - head);
+  const auto inside_b = peak_held_bytes_per_rank(timeline, 4, Schedule::kZbV, stages);
+  for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].rerun, inside_b[r] - with_ends[r], 1) << r;
   EXPECT_GT(with_ends[0], per_layer * 20 * units[0] / 2 + head);
   EXPECT_NEAR(v.params_per_gpu, (count_params(model).total - 2 * V * h - h) / 4 / t + (2 * V * h + h) / t, 1);
 }

@@ -12,6 +12,7 @@ this package is its Python face, and ``python -m torchdist_ext.plan`` its CLI.
     model_state_bytes, bubble_fraction, training_flops, gpu_hours
     layer_activation_bytes(model, layout)   what one layer stores for the backward (the estimate's model)
     layer_weight_grad_input_bytes           what it keeps for a deferred weight gradient (zero-bubble)
+    layer_rerun_bytes                       what its recomputation recreates during its backward
     head_activation_bytes, head_weight_grad_input_bytes, embedding_weight_grad_input_bytes   the model's ends
     activation_bytes_per_layer               Korthikanti et al.'s published GPT formula
     estimate(model, cluster, layout) -> Estimate
@@ -28,6 +29,7 @@ from torchdist_ext.planner.formulas import (
     head_activation_bytes,
     head_weight_grad_input_bytes,
     layer_activation_bytes,
+    layer_rerun_bytes,
     layer_weight_grad_input_bytes,
     model_state_bytes,
     simulate_schedule,
@@ -56,6 +58,7 @@ __all__ = [
     "head_activation_bytes",
     "head_weight_grad_input_bytes",
     "layer_activation_bytes",
+    "layer_rerun_bytes",
     "layer_weight_grad_input_bytes",
     "lint",
     "model_state_bytes",

@@ -42,12 +42,14 @@ class AxisComm:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One GPU's memory, bytes."""
+    """One GPU's memory, bytes: ``activations`` held between passes at the rank's peak, ``rerun`` what a
+    recomputed layer's backward recreates on top of them (``layer_rerun_bytes``)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
+    rerun: float
     buffers: float
     total: float
 
@@ -66,6 +68,7 @@ class Estimate:
     grads: float
     optimizer: float
     activations: float
+    rerun: float
     buffers: float
     total_memory: float
     gpu_memory: float  # the smallest GPU's
@@ -86,11 +89,11 @@ class Estimate:
     def from_cpp(cls, e) -> "Estimate":
         comm = {axis: AxisComm(c.bytes, c.seconds, c.exposed_seconds, c.intra_domain) for axis, c in e.comm.items()}
         return cls(params=e.params, grads=e.grads, optimizer=e.optimizer, activations=e.activations,
-                   buffers=e.buffers, total_memory=e.total_memory(), gpu_memory=e.gpu_memory, fits=e.fits(),
+                   rerun=e.rerun, buffers=e.buffers, total_memory=e.total_memory(), gpu_memory=e.gpu_memory, fits=e.fits(),
                    params_per_gpu=e.params_per_gpu, tokens_per_step=e.tokens_per_step,
                    model_flops_per_step=e.model_flops_per_step, compute_seconds=e.compute_seconds, bubble=e.bubble,
                    comm=comm, step_seconds=e.step_seconds, mfu=e.mfu, tokens_per_second=e.tokens_per_second(),
-                   pipeline_ranks=[RankMemory(r.params, r.grads, r.optimizer, r.activations, r.buffers, r.total())
+                   pipeline_ranks=[RankMemory(r.params, r.grads, r.optimizer, r.activations, r.rerun, r.buffers, r.total())
                                    for r in e.pipeline_ranks],
                    fullest_pipeline_rank=e.fullest_pipeline_rank)
 

@@ -8,6 +8,7 @@ from torchdist_ext.planner.specs import ClusterSpec, Layout, ModelSpec
 __all__ = [
     "activation_bytes_per_layer",
     "layer_activation_bytes",
+    "layer_rerun_bytes",
     "layer_weight_grad_input_bytes",
     "head_activation_bytes",
     "head_weight_grad_input_bytes",
@@ -55,6 +56,14 @@ def layer_weight_grad_input_bytes(model: ModelSpec, layout: Layout, *, moe_layer
     zero-bubble schedules (what torchdist_ext's split layers queue; csrc/planner/memory.h): for a dense layer
     ``T e [6hR + (2 + 2g/a) h/t + 3f/t + 2h]``, with T, e and R as ``layer_activation_bytes``'s."""
     return _planner.layer_weight_grad_input_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
+
+
+def layer_rerun_bytes(model: ModelSpec, layout: Layout, *, moe_layer: bool = False) -> float:
+    """Bytes a recomputed layer's backward recreates per micro-batch on top of what the layer keeps
+    (csrc/planner/memory.h): 0 without recomputation, ``layer_activation_bytes`` at recompute none under
+    full, what selective drops plus the layer's output ``T e hR`` under selective; a layer whose experts are
+    not recomputed reruns its attention region alone."""
+    return _planner.layer_rerun_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
 
 
 def head_activation_bytes(model: ModelSpec, layout: Layout) -> float:
