@@ -152,13 +152,15 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
                      f"(at uniform routing: memory {(uniform.total_memory - FRAMEWORK_RESERVE_BYTES) / 2**20:.3f} MiB,"
                      f" ep bytes {planner_bytes(uniform, 'ep') / 2**20:.3f} MiB)")
     states = fullest.params + fullest.grads + fullest.optimizer
+    buffers = fullest.buffers - FRAMEWORK_RESERVE_BYTES
     lines += [f"  {'':<22}{'planner':>11} {'measured':>11}  ratio",
               row("memory per rank", planner_memory, max(m.peak_memory for m in measured), "MiB",
                   f"(planner: states {states / 2**20:.2f}, activations {fullest.activations / 2**20:.2f}, "
-                  f"rerun {fullest.rerun / 2**20:.2f}, buffers {(fullest.buffers - FRAMEWORK_RESERVE_BYTES) / 2**20:.2f})")]
+                  f"rerun {fullest.rerun / 2**20:.2f}, buffers {buffers / 2**20:.2f})")]
     between = [m.peak_between_passes for m in measured if m.peak_between_passes is not None]
     if between:
-        lines.append(row("  between passes", planner_memory - fullest.rerun, max(between), "MiB",
+        planner_between = max(memory.total - memory.rerun for memory in per_rank) - FRAMEWORK_RESERVE_BYTES
+        lines.append(row("  between passes", planner_between, max(between), "MiB",
                          "(the planner's, less the rerun; the rest is transients inside a pass)"))
         for pipeline_rank, predicted in enumerate(per_rank):
             ranks = [m for m in measured if m.pipeline_rank == pipeline_rank]

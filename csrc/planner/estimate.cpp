@@ -121,9 +121,11 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   const double per_layer = mean_over_layers(layer_activation_bytes);
   const double head_forward = head_activation_bytes(model, l);
   // A recomputed layer's backward recreates what the recomputation dropped (layer_rerun_bytes, the larger of
-  // the model's dense and MoE layers') on top of what its rank holds, inside the B pass. On the last stage
-  // that micro-batch's head has released its forward bytes by then (the loss's and the head's backward ran
-  // first). Each rank's rerun is what that adds to its peak between passes.
+  // the model's dense and MoE layers') on top of what its rank holds, inside the B pass, which runs its
+  // stage's layers from the top. Without deferred weight gradients each layer's backward releases what it
+  // kept, so the top layer's rerun is the pass's largest: on the last stage after that micro-batch's head
+  // has released its forward bytes (the loss's and the head's backward run first). Each rank's rerun is what
+  // that adds to its peak between passes.
   const double layer_rerun = std::max(moe_layers < layers ? layer_rerun_bytes(model, l, false) : 0.0,
                                       moe_layers > 0 ? layer_rerun_bytes(model, l, true) : 0.0);
   const double last_stage_rerun = std::max(0.0, layer_rerun - head_forward);
@@ -135,11 +137,18 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
                                    {per_layer * chunk_layers, weight_inputs * chunk_layers});
     stages.front().weight_input += embedding_weight_grad_input_bytes(model, l);
     stages.back().forward += head_forward;
-    stages.back().weight_input += head_weight_grad_input_bytes(model, l);
+    const double head_weight_input = head_weight_grad_input_bytes(model, l);
+    stages.back().weight_input += head_weight_input;
     const auto timeline = simulate_schedule(l.pp, l.num_microbatches, l.schedule);
     activations = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
-    for (auto& stage : stages) stage.backward_rerun = layer_rerun;
-    stages.back().backward_rerun = last_stage_rerun;
+    if (layer_rerun > 0) {
+      // In split mode each layer's backward queues its W input as it releases its forward's bytes (and the
+      // head its own before the layers), so the chunk's bottom layer reruns on top of the others' W inputs
+      // where those outweigh their forwards.
+      const double queued_above = (chunk_layers - 1) * std::max(0.0, weight_inputs - per_layer);
+      for (auto& stage : stages) stage.backward_peak = queued_above + layer_rerun;
+      stages.back().backward_peak = std::max(0.0, head_weight_input - head_forward + queued_above + layer_rerun);
+    }
     const auto peaks = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
     for (long rank = 0; rank < l.pp; ++rank) {
       reruns.push_back(peaks.at(static_cast<size_t>(rank)) - activations.at(static_cast<size_t>(rank)));

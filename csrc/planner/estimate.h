@@ -17,9 +17,9 @@ struct AxisComm {
   bool intra_domain = true;
 };
 
-// Memory of one GPU, bytes: activations are those held between passes at the rank's peak, rerun what
-// recomputed layers' backward adds to that peak inside a B pass (layer_rerun_bytes; on the last stage less
-// the head's forward bytes, which that micro-batch has released by then).
+// Memory of one GPU, bytes: activations are those held between passes at the rank's peak, rerun what a
+// recomputed layer's rerun inside a B pass adds to that peak (layer_rerun_bytes, on top of what the rank
+// holds at that moment of the pass: estimate.cpp).
 struct RankMemory {
   double params = 0, grads = 0, optimizer = 0, activations = 0, rerun = 0, buffers = 0;
   double total() const { return params + grads + optimizer + activations + rerun + buffers; }

@@ -60,11 +60,29 @@ LayerDims layer_dims(const ModelSpec& model, const Layout& layout) {
           layout.sequence_parallel ? 1 / t : 1.0};
 }
 
+// q, k, v and the attention output a tp rank keeps, elements per token.
+double attention_heads_per_token(const LayerDims& d) { return (2 + 2 * d.g / d.a) * d.h / d.t; }
+
+// What the attention core keeps for its backward: the fp32 log-sum-exp (flash kernels) or the softmax
+// probabilities (eager).
+double softmax_bytes(const LayerDims& d, const Layout& layout) {
+  if (layout.attention == AttentionKernel::kFlash) return 4 * d.tokens * d.a / d.t;
+  return d.tokens * d.e * d.a * static_cast<double>(layout.seq_len) / static_cast<double>(layout.cp) / d.t;
+}
+
+// Torch's composite RMSNorm keeps x.float() (x itself in fp32) and the fp32 x * rstd cast back to x's dtype
+// (the product itself in fp32), where the fused kernel keeps x alone: bytes per token of one norm.
+double composite_norm_extra_per_token(const LayerDims& d, const Layout& layout) {
+  if (layout.norm != NormKernel::kComposite) return 0;
+  return d.h * d.replicated * (d.e < 4 ? d.e + 4 : d.e);
+}
+
 }  // namespace
 
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
-  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
-  const double attention_heads = (2 + 2 * g / a) * h / t;  // q, k, v and the attention output
+  const LayerDims dims = layer_dims(model, layout);
+  const auto [e, tokens, h, a, g, t, replicated] = dims;
+  const double attention_heads = attention_heads_per_token(dims);
   const double lse = 4 * tokens * a / t;
   const double k = static_cast<double>(model.experts_per_token);
   const double f_moe = static_cast<double>(model.moe_ffn_hidden);
@@ -103,27 +121,20 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
   const double norms = moe_layer ? 3 * h * replicated : 4 * h * replicated;
   double bytes = tokens * e * (norms + attention_heads + h / t + mlp) + 4 * tokens * 2 * replicated +
                  (moe_layer ? moe_kept + moe_input : 0);
-  // Torch's composite RMSNorm keeps x.float() (x itself in fp32) and the fp32 x * rstd cast back to x's
-  // dtype (the product itself in fp32), where the fused kernel keeps x alone.
-  if (layout.norm == NormKernel::kComposite) bytes += 2 * tokens * h * replicated * (e < 4 ? e + 4 : e);
-  if (layout.attention == AttentionKernel::kEager) {
-    bytes += tokens * e * a * static_cast<double>(layout.seq_len) / static_cast<double>(layout.cp) / t;
-  } else {
-    bytes += lse;
-  }
-  return bytes;
+  return bytes + 2 * tokens * composite_norm_extra_per_token(dims, layout) + softmax_bytes(dims, layout);
 }
 
 double layer_rerun_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
   if (layout.recompute == Recompute::kNone) return 0;
-  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
+  const LayerDims dims = layer_dims(model, layout);
+  const auto [e, tokens, h, a, g, t, replicated] = dims;
   if (moe_layer && !layout.recompute_experts) {
     if (layout.recompute == Recompute::kSelective) return 0;
-    const double attention_heads = (2 + 2 * g / a) * h / t;
-    const double softmax = layout.attention == AttentionKernel::kEager
-                               ? tokens * e * a * static_cast<double>(layout.seq_len) / static_cast<double>(layout.cp) / t
-                               : 4 * tokens * a / t;
-    return tokens * e * (attention_heads + h / t) + softmax;
+    // A norm region recreates its output, its fp32 1/rms and the composite kernel's copies; the attention
+    // region its projections' outputs, the attention output, the wo input and the softmax statistics.
+    const double norm = tokens * (e * h * replicated + 4 * replicated + composite_norm_extra_per_token(dims, layout));
+    const double attention = tokens * e * (attention_heads_per_token(dims) + h / t) + softmax_bytes(dims, layout);
+    return std::max(norm, attention);
   }
   Layout kept_all = layout;
   kept_all.recompute = Recompute::kNone;
@@ -133,8 +144,9 @@ double layer_rerun_bytes(const ModelSpec& model, const Layout& layout, bool moe_
 }
 
 double head_activation_bytes(const ModelSpec& model, const Layout& layout) {
-  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
-  const double composite = layout.norm == NormKernel::kComposite ? h * replicated * (e < 4 ? e + 4 : e) : 0;
+  const LayerDims dims = layer_dims(model, layout);
+  const auto [e, tokens, h, a, g, t, replicated] = dims;
+  const double composite = composite_norm_extra_per_token(dims, layout);
   const double loss = e * static_cast<double>(model.vocab_size) / t + 8 + 4;  // logits, int64 target, fp32 lse
   return tokens * (2 * h * replicated * e + 4 * replicated + composite + loss);
 }

@@ -91,11 +91,13 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
 //   selective  what selective drops (none's bytes less selective's) and the region's recreated output
 //              (T e h R)
 // A layer whose experts are not recomputed (moe_layer and !layout.recompute_experts) reruns its norms and
-// attention one region at a time; the largest is the attention's: under full its projections' outputs, the
-// attention output and the wo input (T e (attention_heads + h/t)) and the softmax statistics (or eager's
-// scores); under selective only the element-wise work, not counted. Measured (tests/planner/
-// test_activation_memory.py): exact for full and for selective with SP; selective without SP recreates
-// 1-2 T e h more (the norms' fp32 temporaries), the attention region at tp 1 0.5 T e h more: a lower bound.
+// attention one region at a time, the larger of the two under full: a norm its output, its fp32 1/rms and
+// the composite kernel's copies (T (e h R + 4 R) + those); the attention its projections' outputs, the
+// attention output and the wo input (T e ((2 + 2g/a) h/t + h/t)) and the softmax statistics (or eager's
+// scores). Under selective only the element-wise work, not counted. Measured (tests/planner/
+// test_activation_memory.py): full to the byte, selective with SP to the byte; selective without SP
+// recreates 1-2 T e h more (the norms' fp32 temporaries), the regions at tp 1 up to 0.5 T e h more: a lower
+// bound.
 double layer_rerun_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
 // Bytes the model keeps per micro-batch outside its layers, on the stage holding its end: the final RMSNorm's

@@ -380,9 +380,9 @@ std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& t
                                 " stages, stages has " + std::to_string(stages.size()));
   }
   for (const auto& stage : stages) {
-    if (!(stage.forward >= 0 && stage.weight_input >= 0 && stage.backward_rerun >= 0)) {
+    if (!(stage.forward >= 0 && stage.weight_input >= 0 && stage.backward_peak >= 0)) {
       throw std::invalid_argument(
-          "peak_held_bytes_per_rank: a stage's forward, weight_input and backward_rerun bytes must be >= 0");
+          "peak_held_bytes_per_rank: a stage's forward, weight_input and backward_peak bytes must be >= 0");
     }
   }
   const bool deferred = std::any_of(timeline.begin(), timeline.end(), [](const ScheduledPass& pass) {
@@ -402,7 +402,7 @@ std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& t
       } else if (pass.kind == 'W') {
         held -= bytes.weight_input;
       } else {
-        peak = std::max(peak, held + bytes.backward_rerun);
+        peak = std::max(peak, held + bytes.backward_peak);
         held += (deferred ? bytes.weight_input : 0) - bytes.forward;
       }
       peak = std::max(peak, held);

@@ -82,15 +82,15 @@ double peak_held_activations(const std::vector<ScheduledPass>& timeline, long pp
 
 // What one micro-batch holds on one model chunk (stage) for its backward: `forward` bytes from its F to its B and,
 // where the schedule defers weight gradients, `weight_input` bytes (what its W needs) from its B to its W; and
-// `backward_rerun` bytes a B pass recreates on top of what its rank held before it (recomputation), for
-// the length of that pass.
+// `backward_peak`, the most bytes a B pass holds at once on top of what its rank held before it (a
+// recomputed layer's rerun, with what the pass has queued and released by then).
 struct StageBytes {
   double forward = 0;
   double weight_input = 0;
-  double backward_rerun = 0;
+  double backward_peak = 0;
 };
 
-// The most bytes each pipeline rank holds, between passes or inside a B with its stage's backward_rerun, over
+// The most bytes each pipeline rank holds, between passes or inside a B (its stage's backward_peak), over
 // a simulated step (in rank order), each pass counted by what its stage holds: `stages` in stage order, the
 // chunks placed on the ranks as `schedule` places them (stage_of). Unequal stages: the first stage's
 // embedding, the last one's head and loss.

@@ -431,8 +431,13 @@ TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
   }
   // Inside the B after that peak, selective's rerun on top; the last rank's micro-batch has released its end.
   const double rerun = layer_rerun_bytes(model, l, false);
-  for (size_t r = 0; r < 3; ++r) EXPECT_DOUBLE_EQ(e.pipeline_ranks[r].rerun, rerun) << r;
-  EXPECT_DOUBLE_EQ(e.pipeline_ranks[3].rerun, std::max(0.0, rerun - head));
+  for (Schedule schedule : {Schedule::k1F1B, Schedule::kGPipe, Schedule::kInterleaved}) {
+    Layout other = l;
+    other.schedule = schedule, other.virtual_stages = schedule == Schedule::kInterleaved ? 5 : 1;
+    const Estimate o = estimate(model, cluster_of(h100(), 32), other);
+    for (size_t r = 0; r < 3; ++r) EXPECT_DOUBLE_EQ(o.pipeline_ranks[r].rerun, rerun) << r;
+    EXPECT_DOUBLE_EQ(o.pipeline_ranks[3].rerun, std::max(0.0, rerun - head));
+  }
   // The embedding on rank 0; the final norm and LM head on rank 3.
   const RankMemory &first = e.pipeline_ranks[0], &middle = e.pipeline_ranks[1], &last = e.pipeline_ranks[3];
   EXPECT_NEAR(first.params - middle.params, 2 * V * h / t, 1);
@@ -475,9 +480,12 @@ TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
   EXPECT_DOUBLE_EQ(head_weight_grad_input_bytes(model, l), 4096 * 2 * (3 * h / t + V / t));
   const auto with_ends = peak_held_bytes_per_rank(timeline, 4, Schedule::kZbV, stages);
   for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].activations, with_ends[r], 1) << r;
-  // The rerun: what it adds inside the simulated B passes to each rank's peak between passes.
-  for (auto& stage : stages) stage.backward_rerun = rerun;
-  stages.back().backward_rerun = std::max(0.0, rerun - head);
+  // The rerun: what it adds inside the simulated B passes to each rank's peak between passes, a chunk's
+  // bottom layer rerunning on top of the 9 W inputs queued above it (the last stage's B also queues the
+  // head's and releases its forward first).
+  const double queued_above = 9 * std::max(0.0, w - per_layer);
+  for (auto& stage : stages) stage.backward_peak = queued_above + rerun;
+  stages.back().backward_peak = std::max(0.0, head_weight_grad_input_bytes(model, l) - head + queued_above + rerun);
   const auto inside_b = peak_held_bytes_per_rank(timeline, 4, Schedule::kZbV, stages);
   for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].rerun, inside_b[r] - with_ends[r], 1) << r;
   EXPECT_GT(with_ends[0], per_layer * 20 * units[0] / 2 + head);
