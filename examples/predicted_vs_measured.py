@@ -1,14 +1,13 @@
 """The main job's ``--ledger`` report: the planner's prediction for the run's layout next to what one step
 measured on every rank.
 
-    memory per rank   planner: params + grads + optimizer + activations + rerun + buffers (without its framework
-                      reserve; rerun: what a recomputed layer's backward recreates on top of the held activations)
+    memory per rank   planner: params + grads + optimizer + activations + backward + buffers (without its framework
+                      reserve; backward: what a backward pass allocates on top of the held activations, a
+                      recomputed layer's rerun and the layer's gradients)
                       measured: the step's peak of live tensors (the caching allocator's on CUDA,
                       ``torchdist_ext.cpu_memory``'s on the CPU), the largest rank's
-    between passes    with a pipeline, the planner's figure less the rerun next to the largest live bytes right
-                      after a pipeline action (``TimedAction.live_bytes``): the memory held between passes; the
-                      planner does not model the other transients inside a pass (a backward's gradients and
-                      scratch while its stage's activations are still held)
+    between passes    with a pipeline, the planner's figure less its backward next to the largest live bytes right
+                      after a pipeline action (``TimedAction.live_bytes``): the memory held between passes
     pp rank r         with a pipeline, each pipeline rank's: the planner's for that rank (its own ends and
                       held micro-batches: ``Estimate.pipeline_ranks``) next to the largest peak, and peak
                       between passes, among the ranks at that pipeline coordinate
@@ -156,18 +155,18 @@ def print_report(model: ModelSpec, layout: Layout, world_size: int, measured: li
     lines += [f"  {'':<22}{'planner':>11} {'measured':>11}  ratio",
               row("memory per rank", planner_memory, max(m.peak_memory for m in measured), "MiB",
                   f"(planner: states {states / 2**20:.2f}, activations {fullest.activations / 2**20:.2f}, "
-                  f"rerun {fullest.rerun / 2**20:.2f}, buffers {buffers / 2**20:.2f})")]
+                  f"backward {fullest.backward / 2**20:.2f}, buffers {buffers / 2**20:.2f})")]
     between = [m.peak_between_passes for m in measured if m.peak_between_passes is not None]
     if between:
-        planner_between = max(memory.total - memory.rerun for memory in per_rank) - FRAMEWORK_RESERVE_BYTES
+        planner_between = max(memory.total - memory.backward for memory in per_rank) - FRAMEWORK_RESERVE_BYTES
         lines.append(row("  between passes", planner_between, max(between), "MiB",
-                         "(the planner's, less the rerun; the rest is transients inside a pass)"))
+                         "(the planner's, less its backward)"))
         for pipeline_rank, predicted in enumerate(per_rank):
             ranks = [m for m in measured if m.pipeline_rank == pipeline_rank]
             held = max(m.peak_between_passes for m in ranks)
             tensors = predicted.total - FRAMEWORK_RESERVE_BYTES
             lines.append(row(f"  pp rank {pipeline_rank}", tensors, max(m.peak_memory for m in ranks), "MiB",
-                             f"(between passes {held / 2**20:.3f}: {held / (tensors - predicted.rerun):.2f})"))
+                             f"(between passes {held / 2**20:.3f}: {held / (tensors - predicted.backward):.2f})"))
     if bubbles is not None:
         lines.append(row("pipeline bubble", bubbles[0], bubbles[1], "of the step",
                          f"(planner for equal F/B/W times {e.bubble:.3f})"))

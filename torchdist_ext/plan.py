@@ -123,7 +123,7 @@ def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
           f"layout {_describe(layout)} on {layout.num_gpus} GPUs")
     fullest = f" (pipeline rank {e.fullest_pipeline_rank}, the fullest)" if len(e.pipeline_ranks) > 1 else ""
     print(f"memory per GPU{fullest}:")
-    for part in ("params", "grads", "optimizer", "activations", "rerun", "buffers", "total_memory"):
+    for part in ("params", "grads", "optimizer", "activations", "backward", "buffers", "total_memory"):
         print(f"  {part:<12} {_gib(getattr(e, part))}")
     print(f"  {'GPU':<12} {_gib(e.gpu_memory)}   {'fits' if e.fits else 'DOES NOT FIT'}")
     if len(e.pipeline_ranks) > 1:

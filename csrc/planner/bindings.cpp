@@ -132,11 +132,13 @@ PYBIND11_MODULE(_planner, m) {
   m.def("layer_activation_bytes", &layer_activation_bytes, py::arg("model"), py::arg("layout"),
         py::arg("moe_layer"));
   m.def("layer_rerun_bytes", &layer_rerun_bytes, py::arg("model"), py::arg("layout"), py::arg("moe_layer"));
+  m.def("layer_backward_bytes", &layer_backward_bytes, py::arg("model"), py::arg("layout"), py::arg("moe_layer"));
   m.def("expected_ranks_per_token", &expected_ranks_per_token, py::arg("num_experts"), py::arg("top_k"),
         py::arg("ep"));
   m.def("layer_weight_grad_input_bytes", &layer_weight_grad_input_bytes, py::arg("model"), py::arg("layout"),
         py::arg("moe_layer"));
   m.def("head_activation_bytes", &head_activation_bytes, py::arg("model"), py::arg("layout"));
+  m.def("head_backward_bytes", &head_backward_bytes, py::arg("model"), py::arg("layout"));
   m.def("head_weight_grad_input_bytes", &head_weight_grad_input_bytes, py::arg("model"), py::arg("layout"));
   m.def("embedding_weight_grad_input_bytes", &embedding_weight_grad_input_bytes, py::arg("model"),
         py::arg("layout"));
@@ -182,7 +184,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("grads", &RankMemory::grads)
       .def_readonly("optimizer", &RankMemory::optimizer)
       .def_readonly("activations", &RankMemory::activations)
-      .def_readonly("rerun", &RankMemory::rerun)
+      .def_readonly("backward", &RankMemory::backward)
       .def_readonly("buffers", &RankMemory::buffers)
       .def("total", &RankMemory::total);
   py::class_<Estimate>(m, "Estimate")
@@ -190,7 +192,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("grads", &Estimate::grads)
       .def_readonly("optimizer", &Estimate::optimizer)
       .def_readonly("activations", &Estimate::activations)
-      .def_readonly("rerun", &Estimate::rerun)
+      .def_readonly("backward", &Estimate::backward)
       .def_readonly("buffers", &Estimate::buffers)
       .def_readonly("gpu_memory", &Estimate::gpu_memory)
       .def_readonly("pipeline_ranks", &Estimate::pipeline_ranks)

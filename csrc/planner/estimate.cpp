@@ -120,16 +120,21 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   };
   const double per_layer = mean_over_layers(layer_activation_bytes);
   const double head_forward = head_activation_bytes(model, l);
-  // A recomputed layer's backward recreates what the recomputation dropped (layer_rerun_bytes, the larger of
-  // the model's dense and MoE layers') on top of what its rank holds, inside the B pass, which runs its
-  // stage's layers from the top. Without deferred weight gradients each layer's backward releases what it
-  // kept, so the top layer's rerun is the pass's largest: on the last stage after that micro-batch's head
-  // has released its forward bytes (the loss's and the head's backward run first). Each rank's rerun is what
-  // that adds to its peak between passes.
-  const double layer_rerun = std::max(moe_layers < layers ? layer_rerun_bytes(model, l, false) : 0.0,
-                                      moe_layers > 0 ? layer_rerun_bytes(model, l, true) : 0.0);
-  const double last_stage_rerun = std::max(0.0, layer_rerun - head_forward);
-  std::vector<double> activations, reruns;
+  // Inside a B pass, which runs its stage's layers from the top, a layer's backward allocates its gradients
+  // (layer_backward_bytes) and, recomputed, first recreates what the recomputation dropped (layer_rerun_bytes),
+  // on top of what its rank holds: the larger of the model's dense and MoE layers' sum. Without deferred weight
+  // gradients each layer's backward releases what it kept, so the top layer's is the pass's largest: on the
+  // last stage after that micro-batch's head has released its forward bytes (the loss's and the head's
+  // backward run first). Each rank's `backward` is what that adds to its peak between passes.
+  auto in_pass = [&](bool moe_layer) {
+    return layer_rerun_bytes(model, l, moe_layer) + layer_backward_bytes(model, l, moe_layer);
+  };
+  const double layer_backward = std::max(moe_layers < layers ? in_pass(false) : 0.0,
+                                         moe_layers > 0 ? in_pass(true) : 0.0);
+  // On the last stage the head's own backward runs first, on top of its forward's bytes.
+  const double head_backward = head_backward_bytes(model, l);
+  const double last_stage_backward = std::max(head_backward, layer_backward - head_forward);
+  std::vector<double> activations, backwards;
   if (l.pp > 1 && (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV)) {
     const double chunk_layers = layers_per_stage / static_cast<double>(chunks);
     const double weight_inputs = mean_over_layers(layer_weight_grad_input_bytes);
@@ -141,17 +146,16 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     stages.back().weight_input += head_weight_input;
     const auto timeline = simulate_schedule(l.pp, l.num_microbatches, l.schedule);
     activations = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
-    if (layer_rerun > 0) {
-      // In split mode each layer's backward queues its W input as it releases its forward's bytes (and the
-      // head its own before the layers), so the chunk's bottom layer reruns on top of the others' W inputs
-      // where those outweigh their forwards.
-      const double queued_above = (chunk_layers - 1) * std::max(0.0, weight_inputs - per_layer);
-      for (auto& stage : stages) stage.backward_peak = queued_above + layer_rerun;
-      stages.back().backward_peak = std::max(0.0, head_weight_input - head_forward + queued_above + layer_rerun);
-    }
+    // In split mode each layer's backward queues its W input as it releases its forward's bytes (and the head
+    // its own before the layers), so the chunk's bottom layer runs its backward on top of the others' W inputs
+    // where those outweigh their forwards.
+    const double queued_above = (chunk_layers - 1) * std::max(0.0, weight_inputs - per_layer);
+    for (auto& stage : stages) stage.backward_peak = queued_above + layer_backward;
+    stages.back().backward_peak =
+        std::max(head_backward, head_weight_input - head_forward + queued_above + layer_backward);
     const auto peaks = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
     for (long rank = 0; rank < l.pp; ++rank) {
-      reruns.push_back(peaks.at(static_cast<size_t>(rank)) - activations.at(static_cast<size_t>(rank)));
+      backwards.push_back(peaks.at(static_cast<size_t>(rank)) - activations.at(static_cast<size_t>(rank)));
     }
   } else {
     // The held peak comes right before the first B of these schedules (the warm-up's forwards end there).
@@ -162,7 +166,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
       const double units = held.at(static_cast<size_t>(rank)) / static_cast<double>(chunks);
       activations.push_back(per_layer * layers_per_stage * units +
                             (holds_last(rank) ? head_forward * head_held : 0));
-      reruns.push_back(holds_last(rank) ? last_stage_rerun : layer_rerun);
+      backwards.push_back(holds_last(rank) ? last_stage_backward : layer_backward);
     }
   }
 
@@ -191,7 +195,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     memory.grads = unsharded_through_step ? 4 * (dense + expert_per_stage) : dense_states.grads + expert_states.grads;
     memory.optimizer = dense_states.optimizer + expert_states.optimizer;
     memory.activations = activations.at(static_cast<size_t>(rank));
-    memory.rerun = reruns.at(static_cast<size_t>(rank));
+    memory.backward = backwards.at(static_cast<size_t>(rank));
     const double unsharded = unsharded_through_step ? element * (dense + expert_per_stage)
                                                     : 2 * element * layer_params_gpu;
     memory.buffers = (l.zero_stage == 3 ? unsharded : 0) + kFrameworkReserveBytes;
@@ -202,7 +206,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   }
   const RankMemory& fullest = e.pipeline_ranks.at(static_cast<size_t>(e.fullest_pipeline_rank));
   e.params = fullest.params, e.grads = fullest.grads, e.optimizer = fullest.optimizer;
-  e.activations = fullest.activations, e.rerun = fullest.rerun, e.buffers = fullest.buffers;
+  e.activations = fullest.activations, e.backward = fullest.backward, e.buffers = fullest.buffers;
   e.gpu_memory = cluster.min_memory_bytes();
 
   // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,

@@ -17,18 +17,18 @@ struct AxisComm {
   bool intra_domain = true;
 };
 
-// Memory of one GPU, bytes: activations are those held between passes at the rank's peak, rerun what a
-// recomputed layer's rerun inside a B pass adds to that peak (layer_rerun_bytes, on top of what the rank
-// holds at that moment of the pass: estimate.cpp).
+// Memory of one GPU, bytes: activations are those held between passes at the rank's peak, backward what a B
+// pass allocates on top of what the rank holds at that moment of the pass, at its largest: a recomputed layer's
+// rerun (layer_rerun_bytes) and the gradients of the layer's backward (layer_backward_bytes; estimate.cpp).
 struct RankMemory {
-  double params = 0, grads = 0, optimizer = 0, activations = 0, rerun = 0, buffers = 0;
-  double total() const { return params + grads + optimizer + activations + rerun + buffers; }
+  double params = 0, grads = 0, optimizer = 0, activations = 0, backward = 0, buffers = 0;
+  double total() const { return params + grads + optimizer + activations + backward + buffers; }
 };
 
 struct Estimate {
   // memory, bytes per GPU: the fullest pipeline rank's (pipeline_ranks[fullest_pipeline_rank])
-  double params = 0, grads = 0, optimizer = 0, activations = 0, rerun = 0, buffers = 0;
-  double total_memory() const { return params + grads + optimizer + activations + rerun + buffers; }
+  double params = 0, grads = 0, optimizer = 0, activations = 0, backward = 0, buffers = 0;
+  double total_memory() const { return params + grads + optimizer + activations + backward + buffers; }
   double gpu_memory = 0;  // the smallest GPU's
   bool fits() const { return total_memory() <= gpu_memory; }
   // Each pipeline rank's memory, in pipeline-rank order (one entry without pp): its own layers, the

@@ -143,12 +143,43 @@ double layer_rerun_bytes(const ModelSpec& model, const Layout& layout, bool moe_
   return without_recompute - layer_activation_bytes(model, layout, moe_layer) + tokens * e * h * replicated;
 }
 
+double layer_backward_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer) {
+  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
+  if (moe_layer) {
+    const double rows = static_cast<double>(model.experts_per_token) * layout.expert_imbalance * tokens;
+    const double f = static_cast<double>(model.moe_ffn_hidden);
+    const double weight_grad = static_cast<double>(model.num_experts / layout.ep) * e * h * f;
+    const double down = rows * e * f + weight_grad;
+    const double gate = weight_grad + rows * e * (2 * f - h);
+    return std::max(down, gate);
+  }
+  const double f = static_cast<double>(model.ffn_hidden) / t;
+  const bool deferred = layout.pp > 1 && (layout.schedule == Schedule::kZbH1 || layout.schedule == Schedule::kZbV);
+  const double weight_grad = deferred ? 0 : e * h * f;
+  const double gathered = layout.sequence_parallel && layout.tp > 1 ? tokens * e * h * (1 + replicated) : 0;
+  const double down = tokens * e * f + weight_grad + gathered;
+  // Split mode keeps the product for the W pass (and the gathered output gradient with it).
+  const double gate = deferred ? 3 * tokens * e * f + (gathered > 0 ? tokens * e * h : 0) : 2 * tokens * e * f;
+  return std::max(down, gate);
+}
+
 double head_activation_bytes(const ModelSpec& model, const Layout& layout) {
   const LayerDims dims = layer_dims(model, layout);
   const auto [e, tokens, h, a, g, t, replicated] = dims;
   const double composite = composite_norm_extra_per_token(dims, layout);
   const double loss = e * static_cast<double>(model.vocab_size) / t + 8 + 4;  // logits, int64 target, fp32 lse
   return tokens * (2 * h * replicated * e + 4 * replicated + composite + loss);
+}
+
+double head_backward_bytes(const ModelSpec& model, const Layout& layout) {
+  const auto [e, tokens, h, a, g, t, replicated] = layer_dims(model, layout);
+  const double vocab = static_cast<double>(model.vocab_size) / t;
+  const bool sequence_parallel = layout.sequence_parallel && layout.tp > 1;
+  // The loss's backward releases its fp32 log-sum-exp before the head's runs.
+  const double input_grad = tokens * e * h * (sequence_parallel ? replicated : 1) - 4 * tokens;
+  if (layout.pp > 1 && (layout.schedule == Schedule::kZbH1 || layout.schedule == Schedule::kZbV)) return input_grad;
+  const double in_flight = sequence_parallel ? tokens * e * (h + vocab * replicated) : 0;
+  return input_grad + e * vocab * h + in_flight;
 }
 
 double head_weight_grad_input_bytes(const ModelSpec& model, const Layout& layout) {

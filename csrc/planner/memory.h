@@ -84,7 +84,7 @@ double activation_bytes_per_layer(double seq_len, double micro_batch, double hid
 double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
 // Bytes a recomputed layer's backward recreates on top of what the layer keeps, alive at once from its rerun
-// forward to its backward (with the gradients of that backward: not counted), per micro-batch:
+// forward to its backward (the gradients of that backward: layer_backward_bytes), per micro-batch:
 //   none       0
 //   full       layer_activation_bytes at recompute none: everything the layer keeps without recomputation,
 //              its output recreated in the place of the checkpointed input, whose storage the rerun shares
@@ -100,12 +100,43 @@ double layer_activation_bytes(const ModelSpec& model, const Layout& layout, bool
 // bound.
 double layer_rerun_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
+// Bytes a layer's backward allocates above what its rank holds at its start, at their largest, per micro-batch
+// (without recomputation: layer_rerun_bytes adds a recomputed layer's rerun on top). The largest come at the top
+// of the layer's backward, in its MLP, as its kept activations are being released (layer_activation_bytes's
+// notation, f = ffn_hidden / t):
+//   down       the down projection's input gradient (T e f) and weight gradient (e h f, before it is
+//              accumulated), and with sequence parallelism the output gradient gathered over the sequence and
+//              kept for the weight gradient (T e h) and one sequence block more (T e h R) in flight
+//   gate       the gradients of silu(w1 x) and w3 x beside their product's, less the product the down
+//              projection kept (2 T e f)
+//   the larger of the two. Under zb-h1 and zb-v (split mode) the weight gradient waits for the W pass, which
+//   keeps the product and the gathered output gradient queued: down without e h f, gate 3 T e f (+ T e h with SP).
+// An MoE layer's experts (not tensor-parallel) on the rows routed to this rank's E/ep experts, r = k T
+// expert_imbalance, f = moe_ffn_hidden, with the grouped weight gradient of their down projections (E/ep e h f,
+// all local experts' at once, computed in B under every schedule):
+//   down       r e f + E/ep e h f
+//   gate       E/ep e h f + r e (2f - h) (the expert outputs' gradient rows released)
+// (shared experts: not counted). Measured in fp32 on CPU (tests/planner/test_activation_memory.py): to the byte
+// at tp 1, tp 2 and tp 2 with SP, for our MoE block, and in split mode at tp 1; in split mode at tp 2 torch's
+// composite RMSNorm (its CPU decomposition) peaks up to 3 T e h above, and in bf16 the CPU's GEMMs and that norm
+// add fp32 scratch (1.5-7 T e h), which GPU kernels do not allocate.
+double layer_backward_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
+
 // Bytes the model keeps per micro-batch outside its layers, on the stage holding its end: the final RMSNorm's
 // input and output (the LM head's input), h R each at e, its fp32 1/rms (4 R), torch's composite norm's extra
 // copies (norm="composite": h R (e + 4); h R 4 in fp32), and what the vocab-parallel cross-entropy keeps: the
 // logits (e V/t), the int64 target and the fp32 log-sum-exp (12), per token T (layer_activation_bytes's
 // notation; no recomputation reaches outside the layers).
 double head_activation_bytes(const ModelSpec& model, const Layout& layout);
+
+// Bytes the head's backward allocates per micro-batch above what the last stage holds at its start (its forward's
+// bytes included: the loss's backward writes the logits' gradient in place), per token T at e: its input gradient
+// (h; h R with SP, reduce-scattered) and, before it is accumulated, its weight gradient (e V h / t, not per token),
+// with SP computed by our all_gather_weight_grad, which holds the gathered input and one sequence block of the
+// output gradient in flight (h + V R / t); less the loss's fp32 log-sum-exp (4, not at e), which its backward
+// releases first. Under zb-h1 and zb-v the weight gradient waits for W: the input gradient alone. (Measured in fp32 against our final norm, LM head and loss: to the byte less the loss's 8-byte
+// scalar, tests/planner/test_activation_memory.py.)
+double head_backward_bytes(const ModelSpec& model, const Layout& layout);
 
 // Bytes the ends of the model leave queued per micro-batch for their deferred weight gradients under the
 // zero-bubble schedules (layer_weight_grad_input_bytes's rules), per token T at e:

@@ -82,8 +82,8 @@ double peak_held_activations(const std::vector<ScheduledPass>& timeline, long pp
 
 // What one micro-batch holds on one model chunk (stage) for its backward: `forward` bytes from its F to its B and,
 // where the schedule defers weight gradients, `weight_input` bytes (what its W needs) from its B to its W; and
-// `backward_peak`, the most bytes a B pass holds at once on top of what its rank held before it (a
-// recomputed layer's rerun, with what the pass has queued and released by then).
+// `backward_peak`, the most bytes a B pass holds at once on top of what its rank held before it (a layer's
+// gradients and a recomputed layer's rerun, with what the pass has queued and released by then).
 struct StageBytes {
   double forward = 0;
   double weight_input = 0;

@@ -135,6 +135,56 @@ TEST(Activations, WhatARecomputedLayersBackwardRecreates) {
   EXPECT_DOUBLE_EQ(layer_rerun_bytes(model, l, true), Tc * e * ((2 + 2 * g / a) * h / t + h / t) + 4 * Tc * a / t);
 }
 
+TEST(Activations, TheGradientsOfALayersBackward) {
+  ModelSpec model = llama3_70b();
+  const double e = 2, h = 8192, f = 28672, Tc = 2048;
+  Layout l;
+  l.tp = 8, l.cp = 2;
+  // Without SP the larger of the down projection's input and weight gradients and the gate's two input gradients.
+  const double t = 8;
+  EXPECT_DOUBLE_EQ(layer_backward_bytes(model, l, false), std::max(Tc * e * f / t + e * h * f / t, 2 * Tc * e * f / t));
+  // With SP the output gradient gathered over the sequence and one block in flight join the down projection's.
+  l.sequence_parallel = true;
+  const double down = Tc * e * f / t + e * h * f / t + Tc * e * h * (1 + 1 / t);
+  EXPECT_DOUBLE_EQ(layer_backward_bytes(model, l, false), std::max(down, 2 * Tc * e * f / t));
+  // Under the zero-bubble schedules the weight gradient waits for the W pass, and the product (with the gathered
+  // output gradient) stays queued for it beside the gate's gradients.
+  l.pp = 4, l.schedule = Schedule::kZbH1;
+  const double split = std::max(down - e * h * f / t, 3 * Tc * e * f / t + Tc * e * h);
+  EXPECT_DOUBLE_EQ(layer_backward_bytes(model, l, false), split);
+  // Recomputation does not change it (layer_rerun_bytes adds the rerun).
+  l.recompute = Recompute::kFull;
+  EXPECT_DOUBLE_EQ(layer_backward_bytes(model, l, false), split);
+  // An MoE layer: its routed rows k T x on this rank's E / ep experts, and their grouped weight gradient (in B
+  // under every schedule).
+  model = ModelSpec{};
+  model.num_layers = 2, model.hidden = 1024, model.num_heads = 8, model.num_kv_heads = 8, model.ffn_hidden = 4096;
+  model.vocab_size = 1000, model.num_experts = 8, model.experts_per_token = 2, model.moe_ffn_hidden = 512;
+  Layout m;
+  m.ep = 2, m.seq_len = 256, m.micro_batch = 2, m.expert_imbalance = 1.5;
+  const double T = 512, H = 1024, F = 512, rows = 2 * 1.5 * T, weight_grad = 4 * e * H * F;
+  EXPECT_DOUBLE_EQ(layer_backward_bytes(model, m, true),
+                   std::max(rows * e * F + weight_grad, weight_grad + rows * e * (2 * F - H)));
+  m.pp = 2, m.schedule = Schedule::kZbV, m.recompute = Recompute::kSelective;
+  EXPECT_DOUBLE_EQ(layer_backward_bytes(model, m, true), rows * e * F + weight_grad);
+}
+
+TEST(Activations, TheGradientsOfTheHeadsBackward) {
+  const ModelSpec model = llama3_70b();
+  const double e = 2, h = 8192, V = 128256, t = 8, T = 4096;
+  Layout l;
+  l.tp = 8;
+  // Its input gradient and weight gradient; with SP the input gradient reduce-scattered, and the gathered input
+  // and an output-gradient block in flight in the weight gradient's ring.
+  // (less the loss's fp32 log-sum-exp, released first).
+  EXPECT_DOUBLE_EQ(head_backward_bytes(model, l), T * e * h + e * V / t * h - 4 * T);
+  l.sequence_parallel = true;
+  EXPECT_DOUBLE_EQ(head_backward_bytes(model, l), T * e * h / t + e * V / t * h + T * e * (h + V / t / t) - 4 * T);
+  // Under the zero-bubble schedules the weight gradient (and its ring) waits for W.
+  l.pp = 4, l.schedule = Schedule::kZbV;
+  EXPECT_DOUBLE_EQ(head_backward_bytes(model, l), T * e * h / t - 4 * T);
+}
+
 TEST(Activations, DeferredWeightGradientInputsAsTheSplitLayersQueueThem) {
   const ModelSpec model = llama3_70b();
   const double T = 4096, e = 2, h = 8192, a = 64, g = 8, f = 28672;
@@ -429,14 +479,15 @@ TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
   for (size_t r = 0; r < 4; ++r) {
     EXPECT_NEAR(e.pipeline_ranks[r].activations, per_layer * 20 * (4 - r) + (r == 3 ? head : 0), 1) << r;
   }
-  // Inside the B after that peak, selective's rerun on top; the last rank's micro-batch has released its end.
-  const double rerun = layer_rerun_bytes(model, l, false);
+  // Inside the B after that peak, selective's rerun and the layer's gradients on top; the last rank's micro-batch
+  // has released its end.
+  const double in_pass = layer_rerun_bytes(model, l, false) + layer_backward_bytes(model, l, false);
   for (Schedule schedule : {Schedule::k1F1B, Schedule::kGPipe, Schedule::kInterleaved}) {
     Layout other = l;
     other.schedule = schedule, other.virtual_stages = schedule == Schedule::kInterleaved ? 5 : 1;
     const Estimate o = estimate(model, cluster_of(h100(), 32), other);
-    for (size_t r = 0; r < 3; ++r) EXPECT_DOUBLE_EQ(o.pipeline_ranks[r].rerun, rerun) << r;
-    EXPECT_DOUBLE_EQ(o.pipeline_ranks[3].rerun, std::max(0.0, rerun - head));
+    for (size_t r = 0; r < 3; ++r) EXPECT_DOUBLE_EQ(o.pipeline_ranks[r].backward, in_pass) << r;
+    EXPECT_DOUBLE_EQ(o.pipeline_ranks[3].backward, std::max(head_backward_bytes(model, other), in_pass - head));
   }
   // The embedding on rank 0; the final norm and LM head on rank 3.
   const RankMemory &first = e.pipeline_ranks[0], &middle = e.pipeline_ranks[1], &last = e.pipeline_ranks[3];
@@ -480,14 +531,17 @@ TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
   EXPECT_DOUBLE_EQ(head_weight_grad_input_bytes(model, l), 4096 * 2 * (3 * h / t + V / t));
   const auto with_ends = peak_held_bytes_per_rank(timeline, 4, Schedule::kZbV, stages);
   for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].activations, with_ends[r], 1) << r;
-  // The rerun: what it adds inside the simulated B passes to each rank's peak between passes, a chunk's
-  // bottom layer rerunning on top of the 9 W inputs queued above it (the last stage's B also queues the
-  // head's and releases its forward first).
+  // The backward: what it adds inside the simulated B passes to each rank's peak between passes, a chunk's
+  // bottom layer rerunning and running its backward (no weight gradients: deferred) on top of the 9 W inputs
+  // queued above it (the last stage's B also queues the head's and releases its forward first).
   const double queued_above = 9 * std::max(0.0, w - per_layer);
-  for (auto& stage : stages) stage.backward_peak = queued_above + rerun;
-  stages.back().backward_peak = std::max(0.0, head_weight_grad_input_bytes(model, l) - head + queued_above + rerun);
+  const double split_pass = layer_rerun_bytes(model, l, false) + layer_backward_bytes(model, l, false);
+  EXPECT_LT(split_pass, in_pass);
+  for (auto& stage : stages) stage.backward_peak = queued_above + split_pass;
+  stages.back().backward_peak =
+      std::max(head_backward_bytes(model, l), head_weight_grad_input_bytes(model, l) - head + queued_above + split_pass);
   const auto inside_b = peak_held_bytes_per_rank(timeline, 4, Schedule::kZbV, stages);
-  for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].rerun, inside_b[r] - with_ends[r], 1) << r;
+  for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].backward, inside_b[r] - with_ends[r], 1) << r;
   EXPECT_GT(with_ends[0], per_layer * 20 * units[0] / 2 + head);
   EXPECT_NEAR(v.params_per_gpu, (count_params(model).total - 2 * V * h - h) / 4 / t + (2 * V * h + h) / t, 1);
 }

@@ -120,13 +120,14 @@ def test_eight_ranks_of_every_axis_match_one_process():
     routing = re.search(r"routing: the busiest ep rank's experts got ([\d.]+) x the mean", output)
     assert routing and 1 <= float(routing.group(1)) <= 2, output
     assert 0.8 <= rows["ep bytes sent"][2] <= 1.25, output
-    assert 0.95 <= rows["memory per rank"][2] <= 1.2, output  # measured 1.06
-    # Between pipeline passes (what the planner models): measured 1.02, the rest being the backward's transients.
-    assert 0.95 <= rows["between passes"][2] <= rows["memory per rank"][2], output
+    # The peak inside a B pass (the held activations, the layer's gradients and selective's rerun): measured 1.01
+    # (1.06 before the planner counted the backward's gradients); between pipeline passes measured 1.02.
+    assert 0.95 <= rows["memory per rank"][2] <= 1.1, output
+    assert 0.95 <= rows["between passes"][2] <= 1.1, output
     # Each pipeline rank against its own estimate (the fullest, with the planner's figure above, is rank 0),
-    # each at its stage's routing: measured 1.02 and 1.02 between passes (1.02 and 1.15 at uniform routing).
+    # each at its stage's routing: measured 1.02 (peak) and 1.02 between passes (1.02 and 1.15 at uniform routing).
     assert rows["pp rank 0"][0] == rows["memory per rank"][0] > rows["pp rank 1"][0], output
-    assert 0.95 <= rows["pp rank 1"][2] <= 1.2, output
+    assert 0.95 <= rows["pp rank 1"][2] <= 1.1, output
     assert 0 < rows["pipeline bubble"][1] < 1, output
 
 

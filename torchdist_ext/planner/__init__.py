@@ -13,7 +13,9 @@ this package is its Python face, and ``python -m torchdist_ext.plan`` its CLI.
     layer_activation_bytes(model, layout)   what one layer stores for the backward (the estimate's model)
     layer_weight_grad_input_bytes           what it keeps for a deferred weight gradient (zero-bubble)
     layer_rerun_bytes                       what its recomputation recreates during its backward
-    head_activation_bytes, head_weight_grad_input_bytes, embedding_weight_grad_input_bytes   the model's ends
+    layer_backward_bytes                    the gradients its backward allocates at once
+    head_activation_bytes, head_backward_bytes, head_weight_grad_input_bytes,
+    embedding_weight_grad_input_bytes         the model's ends
     activation_bytes_per_layer               Korthikanti et al.'s published GPT formula
     estimate(model, cluster, layout) -> Estimate
     check(model, cluster, layout) -> list[Finding];  lint(path) -> list[Finding]
@@ -27,8 +29,10 @@ from torchdist_ext.planner.formulas import (
     embedding_weight_grad_input_bytes,
     gpu_hours,
     head_activation_bytes,
+    head_backward_bytes,
     head_weight_grad_input_bytes,
     layer_activation_bytes,
+    layer_backward_bytes,
     layer_rerun_bytes,
     layer_weight_grad_input_bytes,
     model_state_bytes,
@@ -56,8 +60,10 @@ __all__ = [
     "estimate",
     "gpu_hours",
     "head_activation_bytes",
+    "head_backward_bytes",
     "head_weight_grad_input_bytes",
     "layer_activation_bytes",
+    "layer_backward_bytes",
     "layer_rerun_bytes",
     "layer_weight_grad_input_bytes",
     "lint",

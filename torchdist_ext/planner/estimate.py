@@ -42,14 +42,15 @@ class AxisComm:
 
 @dataclass(frozen=True)
 class RankMemory:
-    """One GPU's memory, bytes: ``activations`` held between passes at the rank's peak, ``rerun`` what a
-    recomputed layer's backward recreates on top of them (``layer_rerun_bytes``)."""
+    """One GPU's memory, bytes: ``activations`` held between passes at the rank's peak, ``backward`` what a
+    backward pass allocates on top of them at its largest: a recomputed layer's rerun (``layer_rerun_bytes``)
+    and the layer's gradients (``layer_backward_bytes``)."""
 
     params: float
     grads: float
     optimizer: float
     activations: float
-    rerun: float
+    backward: float
     buffers: float
     total: float
 
@@ -68,7 +69,7 @@ class Estimate:
     grads: float
     optimizer: float
     activations: float
-    rerun: float
+    backward: float
     buffers: float
     total_memory: float
     gpu_memory: float  # the smallest GPU's
@@ -89,12 +90,12 @@ class Estimate:
     def from_cpp(cls, e) -> "Estimate":
         comm = {axis: AxisComm(c.bytes, c.seconds, c.exposed_seconds, c.intra_domain) for axis, c in e.comm.items()}
         return cls(params=e.params, grads=e.grads, optimizer=e.optimizer, activations=e.activations,
-                   rerun=e.rerun, buffers=e.buffers, total_memory=e.total_memory(), gpu_memory=e.gpu_memory,
+                   backward=e.backward, buffers=e.buffers, total_memory=e.total_memory(), gpu_memory=e.gpu_memory,
                    fits=e.fits(),
                    params_per_gpu=e.params_per_gpu, tokens_per_step=e.tokens_per_step,
                    model_flops_per_step=e.model_flops_per_step, compute_seconds=e.compute_seconds, bubble=e.bubble,
                    comm=comm, step_seconds=e.step_seconds, mfu=e.mfu, tokens_per_second=e.tokens_per_second(),
-                   pipeline_ranks=[RankMemory(r.params, r.grads, r.optimizer, r.activations, r.rerun, r.buffers,
+                   pipeline_ranks=[RankMemory(r.params, r.grads, r.optimizer, r.activations, r.backward, r.buffers,
                                               r.total()) for r in e.pipeline_ranks],
                    fullest_pipeline_rank=e.fullest_pipeline_rank)
 
@@ -103,7 +104,7 @@ class Estimate:
 
 
 def estimate(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> Estimate:
-    """Memory per GPU (params, grads, optimizer, activations, rerun, buffers), FLOPs, communication per
+    """Memory per GPU (params, grads, optimizer, activations, backward, buffers), FLOPs, communication per
     axis, pipeline bubble, step time and MFU of ``layout`` for ``model`` on ``cluster``."""
     return Estimate.from_cpp(_planner.estimate(model.to_cpp(), cluster.to_cpp(), layout.to_cpp()))
 

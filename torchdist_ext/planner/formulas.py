@@ -9,8 +9,10 @@ __all__ = [
     "activation_bytes_per_layer",
     "layer_activation_bytes",
     "layer_rerun_bytes",
+    "layer_backward_bytes",
     "layer_weight_grad_input_bytes",
     "head_activation_bytes",
+    "head_backward_bytes",
     "head_weight_grad_input_bytes",
     "embedding_weight_grad_input_bytes",
     "bubble_fraction",
@@ -66,11 +68,29 @@ def layer_rerun_bytes(model: ModelSpec, layout: Layout, *, moe_layer: bool = Fal
     return _planner.layer_rerun_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
 
 
+def layer_backward_bytes(model: ModelSpec, layout: Layout, *, moe_layer: bool = False) -> float:
+    """Bytes a layer's backward allocates per micro-batch above what its rank holds at its start, at their
+    largest, without recomputation (csrc/planner/memory.h): for a dense layer the larger of its down
+    projection's input and weight gradients ``T e f + e h f`` (no weight gradient under zb-h1 and zb-v; with
+    sequence parallelism plus the gathered output gradient and a block in flight, ``T e h (1 + R)``) and the
+    gate's two input gradients ``2 T e f``, f = ffn_hidden / t; for an MoE layer the same on its routed rows with
+    the grouped weight gradient of its local experts."""
+    return _planner.layer_backward_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
+
+
 def head_activation_bytes(model: ModelSpec, layout: Layout) -> float:
     """Bytes the model's end keeps per micro-batch on the last stage from its forward to its backward: the
     final RMSNorm's input, output and 1/rms, and the vocab-parallel loss's logits, target and log-sum-exp
     (csrc/planner/memory.h)."""
     return _planner.head_activation_bytes(model.to_cpp(), layout.to_cpp())
+
+
+def head_backward_bytes(model: ModelSpec, layout: Layout) -> float:
+    """Bytes the head's backward allocates per micro-batch on top of what the last stage holds (its forward's
+    bytes included): its input gradient ``T e h`` (``T e h R`` with SP) and weight gradient ``e V h / t`` (none
+    under zb-h1 and zb-v), with SP the gathered input and an output-gradient block in flight ``T e (h + V R / t)``,
+    less the loss's fp32 log-sum-exp ``4 T``, released first (csrc/planner/memory.h)."""
+    return _planner.head_backward_bytes(model.to_cpp(), layout.to_cpp())
 
 
 def head_weight_grad_input_bytes(model: ModelSpec, layout: Layout) -> float:

@@ -8,7 +8,7 @@ from torchdist_ext.planner.estimate import Estimate
 
 __all__ = ["plot_plan"]
 
-_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "rerun", "buffers")
+_MEMORY_PARTS = ("params", "grads", "optimizer", "activations", "backward", "buffers")
 _PASS_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}
 
 
