@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <limits>
 #include <map>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <tuple>
@@ -161,18 +162,24 @@ std::vector<ScheduledPass> simulate_zb_h1(long p, long m) {
 //
 // The greedy order: a free device starts, in order of preference, a ready backward (chunk 0 first: it ends
 // a micro-batch), a ready forward on chunk 1, a ready forward on chunk 0, then a pending weight gradient;
-// a forward only while the device holds fewer than 2p chunk units (forwards whose W has not run: 1F1B's
-// memory whatever the W inputs weigh, up to a whole unit). With m <= p no order holds more than 2m <= 2p
-// units: the closed form at m = p, where the handcrafted order (laid out for 2p-1) idles 0.20 against 0.11
-// at p = 4. For p < m < 2p - 1 the step takes whichever of the two idles less: the greedy one for
-// m < 3p/2 (the closed form at p = 4, m = 5; 0.158 against 0.172 at p = 7, m = 8), as simulated for p <= 8.
-std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
+// a forward only while device d holds fewer than caps[d] <= 2p chunk units (forwards whose W has not run:
+// at most 1F1B's memory whatever the W inputs weigh, up to a whole unit). A cap below 2p holds a forward back
+// so that a later one, or a backward, finds its device free: the lookahead a greedy order lacks. With m <= p
+// no order holds more than 2m <= 2p units, and the greedy order under 2p reaches the closed form at m = p,
+// where the handcrafted order (laid out for 2p-1) idles 0.20 against 0.11 at p = 4. For p < m < 2p - 1 the
+// step runs the order that idles least among the handcrafted one and the greedy one under each cap profile
+// caps[d] = min(2p, c + floor(k d / 2)), c in [1, 2p], k in {0, 1, 2} (a device nearer the V's turn gets no
+// less room): the closed form for every such m at p <= 10, and within 0.01 of it up to p = 16 (at p = 5,
+// m = 6: 0.100, where the better of the greedy order under 2p and the handcrafted one idled 0.122; at p = 8,
+// m = 9: 0.115 against 0.169). Returns nothing where an order stalls (a cap too small for the V to turn).
+std::optional<std::vector<ScheduledPass>> simulate_zb_v_greedy(long p, long m, const std::vector<long>& caps) {
   const long stages = 2 * p;
   auto device_of = [&](long stage) { return stage < p ? stage : stages - 1 - stage; };
-  std::map<std::tuple<long, char, long>, double> finished;  // (stage, kind, micro-batch) -> end
+  // When each (stage, micro-batch)'s F and B end (infinity until they run).
+  std::vector<double> forward_end(static_cast<size_t>(stages * m), std::numeric_limits<double>::infinity());
+  std::vector<double> backward_end = forward_end;
   auto done_by = [&](long stage, char kind, long micro, double t) {
-    const auto found = finished.find({stage, kind, micro});
-    return found != finished.end() && found->second <= t;
+    return (kind == 'F' ? forward_end : backward_end).at(static_cast<size_t>(stage * m + micro)) <= t;
   };
   std::vector<long> next_forward(stages, 0), next_backward(stages, 0);
   std::vector<std::vector<std::pair<long, long>>> pending_weights(p);  // (stage, micro-batch)
@@ -181,7 +188,7 @@ std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
   std::vector<ScheduledPass> timeline;
   const size_t total = static_cast<size_t>(3 * stages * m);
   for (double t = 0; timeline.size() < total; t += 0.5) {
-    if (t > static_cast<double>(total)) throw std::logic_error("simulate_schedule (zb-v): the greedy order stalled");
+    if (t > static_cast<double>(total)) return std::nullopt;  // every device idles for good
     for (long d = 0; d < p; ++d) {
       if (free_at[d] > t) continue;
       const long down = d, up = stages - 1 - d;
@@ -196,7 +203,7 @@ std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
         }
       }
       for (long candidate : {up, down}) {
-        if (kind == 0 && held[d] < stages && next_forward[candidate] < m &&
+        if (kind == 0 && held[d] < caps[d] && next_forward[candidate] < m &&
             (candidate == 0 || done_by(candidate - 1, 'F', next_forward[candidate], t))) {
           kind = 'F', stage = candidate, micro = next_forward[candidate];
         }
@@ -208,7 +215,7 @@ std::vector<ScheduledPass> simulate_zb_v_greedy(long p, long m) {
       }
       if (kind == 0) continue;
       timeline.push_back({device_of(stage), kind, micro, t, t + 0.5, stage == down ? 0L : 1L});
-      finished[{stage, kind, micro}] = t + 0.5;
+      if (kind != 'W') (kind == 'F' ? forward_end : backward_end).at(static_cast<size_t>(stage * m + micro)) = t + 0.5;
       free_at[d] = t + 0.5;
       if (kind == 'F') ++next_forward[stage], ++held[d];
       if (kind == 'W') --held[d];
@@ -248,11 +255,26 @@ std::vector<ScheduledPass> simulate_zb_v_handcrafted(long p, long m) {
 }
 
 std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
-  if (m <= p) return simulate_zb_v_greedy(p, m);
-  auto handcrafted = simulate_zb_v_handcrafted(p, m);
-  if (m >= 2 * p - 1) return handcrafted;
-  auto greedy = simulate_zb_v_greedy(p, m);
-  return idle_fraction(greedy, p) < idle_fraction(handcrafted, p) - 1e-12 ? greedy : handcrafted;
+  const long units = 2 * p;
+  if (m <= p) {
+    auto greedy = simulate_zb_v_greedy(p, m, std::vector<long>(p, units));
+    if (!greedy) throw std::logic_error("simulate_schedule (zb-v): the greedy order stalled");
+    return *greedy;
+  }
+  auto best = simulate_zb_v_handcrafted(p, m);
+  if (m >= 2 * p - 1) return best;
+  double least_idle = idle_fraction(best, p);
+  for (long c = 1; c <= units; ++c) {
+    for (long k = 0; k <= 2; ++k) {
+      std::vector<long> caps(p);
+      for (long d = 0; d < p; ++d) caps[d] = std::min(units, c + k * d / 2);
+      auto greedy = simulate_zb_v_greedy(p, m, caps);
+      if (!greedy) continue;
+      const double idle = idle_fraction(*greedy, p);
+      if (idle < least_idle - 1e-12) best = std::move(*greedy), least_idle = idle;
+    }
+  }
+  return best;
 }
 
 }  // namespace

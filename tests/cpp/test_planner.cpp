@@ -226,29 +226,24 @@ TEST(Pipeline, PeakHeldActivationsOfTheSimulatedSchedules) {
       EXPECT_LE(peak_held_activations(simulate_schedule(p, m, Schedule::kZbH1), p, 1.0), p) << p << " stages, " << m;
     }
   }
-  // zb-v counts chunk units (half a stage): 2p is 1F1B's p stages. For m >= 2p - 1 its handcrafted order also
-  // idles exactly the closed form, as does the greedy order at m = p; between them the better of the two idles
-  // at least as much.
-  for (long p = 1; p <= 8; ++p) {
+  // zb-v counts chunk units (half a stage): 2p is 1F1B's p stages. For m >= 2p - 1 its handcrafted order idles
+  // exactly the closed form, as does the greedy order at m = p, and between them the least idle of the greedy
+  // order's cap profiles and the handcrafted order (p = 5, m = 6: 0.122 before the caps); within 0.01 of it up to
+  // p = 16.
+  for (long p = 1; p <= 16; ++p) {
     for (long m = 1; m <= 4 * p + 3; ++m) {
       const auto timeline = simulate_schedule(p, m, Schedule::kZbV);
       ASSERT_EQ(timeline.size(), static_cast<size_t>(6 * p * m));
       for (double w : {0.0, 0.5, 1.0}) EXPECT_LE(peak_held_activations(timeline, p, w), 2 * p) << p << " stages, " << m;
       const double closed_form = static_cast<double>(p - 1) / static_cast<double>(6 * m + p - 1);
-      if (m == p || m >= 2 * p - 1) {
+      if (m >= p && (p <= 10 || m >= 2 * p - 1)) {
         EXPECT_NEAR(idle_fraction(timeline, p), closed_form, 1e-12) << p << " stages, " << m;
       } else if (m > p) {
         EXPECT_GE(idle_fraction(timeline, p), closed_form - 1e-12) << p << " stages, " << m;
+        EXPECT_LT(idle_fraction(timeline, p), closed_form + 0.01) << p << " stages, " << m;
       }
     }
   }
-  // There the capped greedy order reaches the closed form at (p, m) = (4, 5), (6, 8) and (8, 11), where the
-  // handcrafted one idles 0.118, 0.111 and 0.108, and idles less than it at (7, 8): 0.158 against 0.172.
-  for (auto [p, m] : {std::pair{4L, 5L}, std::pair{6L, 8L}, std::pair{8L, 11L}}) {
-    const double closed_form = static_cast<double>(p - 1) / static_cast<double>(6 * m + p - 1);
-    EXPECT_NEAR(idle_fraction(simulate_schedule(p, m, Schedule::kZbV), p), closed_form, 1e-12) << p << ", " << m;
-  }
-  EXPECT_NEAR(idle_fraction(simulate_schedule(7, 8, Schedule::kZbV), 7), 3.0 / 19, 1e-12);
   EXPECT_THROW(peak_held_activations(simulate_schedule(2, 4, Schedule::kZbH1), 2, -1.0), std::invalid_argument);
   // Unequal stages by bytes (the ends of the model), zb-h1, p = 2, m = 4, in the orders above: stage 0 holds
   // at most two forwards (2 f0) or one and a W input (f0 + w0); stage 1 one forward and a W input (f1 + w1) or
