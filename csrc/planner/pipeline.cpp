@@ -167,11 +167,13 @@ std::vector<ScheduledPass> simulate_zb_h1(long p, long m) {
 // so that a later one, or a backward, finds its device free: the lookahead a greedy order lacks. With m <= p
 // no order holds more than 2m <= 2p units, and the greedy order under 2p reaches the closed form at m = p,
 // where the handcrafted order (laid out for 2p-1) idles 0.20 against 0.11 at p = 4. For p < m < 2p - 1 the
-// step runs the order that idles least among the handcrafted one and the greedy one under each cap profile
-// caps[d] = min(2p, c + floor(k d / 2)), c in [1, 2p], k in {0, 1, 2} (a device nearer the V's turn gets no
-// less room): the closed form for every such m at p <= 10, and within 0.01 of it up to p = 16 (at p = 5,
-// m = 6: 0.100, where the better of the greedy order under 2p and the handcrafted one idled 0.122; at p = 8,
-// m = 9: 0.115 against 0.169). Returns nothing where an order stalls (a cap too small for the V to turn).
+// step runs the handcrafted order or the greedy one under a cap profile, the first to reach the closed form
+// (no order idles less) or else the least idle: the profiles min(2p, c + floor(k d / 2)) for c in [1, 2p] and
+// k in {0, 1, 2}, then min(2p, max(a, c + d)) for a in [1, 2p] and c within 2 of m (a device nearer the V's
+// turn gets no less room). That reaches the closed form for every such m up to p = 16 (p = 5, m = 6: 0.100,
+// where the better of the greedy order under 2p and the handcrafted one idled 0.122; p = 8, m = 9: 0.115
+// against 0.169; the plateaus for p = 11, m = 13 and five more at p = 13 and 15). Returns nothing where an
+// order stalls (a cap too small for the V to turn).
 std::optional<std::vector<ScheduledPass>> simulate_zb_v_greedy(long p, long m, const std::vector<long>& caps) {
   const long stages = 2 * p;
   auto device_of = [&](long stage) { return stage < p ? stage : stages - 1 - stage; };
@@ -263,15 +265,27 @@ std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
   }
   auto best = simulate_zb_v_handcrafted(p, m);
   if (m >= 2 * p - 1) return best;
+  // No order idles less than the warm-up of the closed form: the search stops at the first that reaches it.
+  const double closed_form = static_cast<double>(p - 1) / static_cast<double>(6 * m + p - 1);
   double least_idle = idle_fraction(best, p);
+  auto reaches_closed_form = [&](auto cap_of_device) {
+    std::vector<long> caps(p);
+    for (long d = 0; d < p; ++d) caps[d] = std::min(units, cap_of_device(d));
+    auto greedy = simulate_zb_v_greedy(p, m, caps);
+    if (greedy && idle_fraction(*greedy, p) < least_idle - 1e-12) {
+      least_idle = idle_fraction(*greedy, p), best = std::move(*greedy);
+    }
+    return least_idle <= closed_form + 1e-12;
+  };
+  if (least_idle <= closed_form + 1e-12) return best;
   for (long c = 1; c <= units; ++c) {
     for (long k = 0; k <= 2; ++k) {
-      std::vector<long> caps(p);
-      for (long d = 0; d < p; ++d) caps[d] = std::min(units, c + k * d / 2);
-      auto greedy = simulate_zb_v_greedy(p, m, caps);
-      if (!greedy) continue;
-      const double idle = idle_fraction(*greedy, p);
-      if (idle < least_idle - 1e-12) best = std::move(*greedy), least_idle = idle;
+      if (reaches_closed_form([&](long d) { return c + k * d / 2; })) return best;
+    }
+  }
+  for (long c = std::max(1L, m - 2); c <= m + 2; ++c) {
+    for (long plateau = 1; plateau <= units; ++plateau) {
+      if (reaches_closed_form([&](long d) { return std::max(plateau, c + d); })) return best;
     }
   }
   return best;
