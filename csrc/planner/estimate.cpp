@@ -126,8 +126,11 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // gradients each layer's backward releases what it kept, so the top layer's is the pass's largest: on the
   // last stage after that micro-batch's head has released its forward bytes (the loss's and the head's
   // backward run first). Each rank's `backward` is what that adds to its peak between passes.
+  // A block whose experts are not recomputed reruns its norms and attention after its MoE's backward is done: the
+  // larger of the two.
   auto in_pass = [&](bool moe_layer) {
-    return layer_rerun_bytes(model, l, moe_layer) + layer_backward_bytes(model, l, moe_layer);
+    const double rerun = layer_rerun_bytes(model, l, moe_layer), gradients = layer_backward_bytes(model, l, moe_layer);
+    return moe_layer && !l.recompute_experts ? std::max(rerun, gradients) : rerun + gradients;
   };
   const double layer_backward = std::max(moe_layers < layers ? in_pass(false) : 0.0,
                                          moe_layers > 0 ? in_pass(true) : 0.0);
@@ -135,7 +138,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   const double head_backward = head_backward_bytes(model, l);
   const double last_stage_backward = std::max(head_backward, layer_backward - head_forward);
   std::vector<double> activations, backwards;
-  if (l.pp > 1 && (l.schedule == Schedule::kZbH1 || l.schedule == Schedule::kZbV)) {
+  if (l.defers_weight_grads()) {
     const double chunk_layers = layers_per_stage / static_cast<double>(chunks);
     const double weight_inputs = mean_over_layers(layer_weight_grad_input_bytes);
     std::vector<StageBytes> stages(static_cast<size_t>(l.pp * chunks),

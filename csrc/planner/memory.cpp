@@ -154,7 +154,7 @@ double layer_backward_bytes(const ModelSpec& model, const Layout& layout, bool m
     return std::max(down, gate);
   }
   const double f = static_cast<double>(model.ffn_hidden) / t;
-  const bool deferred = layout.pp > 1 && (layout.schedule == Schedule::kZbH1 || layout.schedule == Schedule::kZbV);
+  const bool deferred = layout.defers_weight_grads();
   const double weight_grad = deferred ? 0 : e * h * f;
   const double gathered = layout.sequence_parallel && layout.tp > 1 ? tokens * e * h * (1 + replicated) : 0;
   const double down = tokens * e * f + weight_grad + gathered;
@@ -177,7 +177,7 @@ double head_backward_bytes(const ModelSpec& model, const Layout& layout) {
   const bool sequence_parallel = layout.sequence_parallel && layout.tp > 1;
   // The loss's backward releases its fp32 log-sum-exp before the head's runs.
   const double input_grad = tokens * e * h * (sequence_parallel ? replicated : 1) - 4 * tokens;
-  if (layout.pp > 1 && (layout.schedule == Schedule::kZbH1 || layout.schedule == Schedule::kZbV)) return input_grad;
+  if (layout.defers_weight_grads()) return input_grad;
   const double in_flight = sequence_parallel ? tokens * e * (h + vocab * replicated) : 0;
   return input_grad + e * vocab * h + in_flight;
 }

@@ -117,9 +117,11 @@ double layer_rerun_bytes(const ModelSpec& model, const Layout& layout, bool moe_
 //   down       r e f + E/ep e h f
 //   gate       E/ep e h f + r e (2f - h) (the expert outputs' gradient rows released)
 // (shared experts: not counted). Measured in fp32 on CPU (tests/planner/test_activation_memory.py): to the byte
-// at tp 1, tp 2 and tp 2 with SP, for our MoE block, and in split mode at tp 1; in split mode at tp 2 torch's
-// composite RMSNorm (its CPU decomposition) peaks up to 3 T e h above, and in bf16 the CPU's GEMMs and that norm
-// add fp32 scratch (1.5-7 T e h), which GPU kernels do not allocate.
+// at tp 1, tp 2 and tp 2 with SP, for our MoE block, and in split mode at tp 1, with f = 2h and f/t = h; in split
+// mode at tp 2 torch's composite RMSNorm (its CPU decomposition) peaks up to 3 T e h above, and in bf16 the CPU's
+// GEMMs and that norm add fp32 scratch (1.5-7 T e h), which GPU kernels do not allocate. A lower bound where the
+// MLP is narrow (f/t < h, fine-grained experts): there the rest of the backward can peak higher (with the
+// composite norm at tp 1, fp32, measured 2.0 T e h against 0.75 planned at f = h/4, 2.5 against 0.63 at h/8).
 double layer_backward_bytes(const ModelSpec& model, const Layout& layout, bool moe_layer);
 
 // Bytes the model keeps per micro-batch outside its layers, on the stage holding its end: the final RMSNorm's
@@ -134,8 +136,9 @@ double head_activation_bytes(const ModelSpec& model, const Layout& layout);
 // (h; h R with SP, reduce-scattered) and, before it is accumulated, its weight gradient (e V h / t, not per token),
 // with SP computed by our all_gather_weight_grad, which holds the gathered input and one sequence block of the
 // output gradient in flight (h + V R / t); less the loss's fp32 log-sum-exp (4, not at e), which its backward
-// releases first. Under zb-h1 and zb-v the weight gradient waits for W: the input gradient alone. (Measured in fp32 against our final norm, LM head and loss: to the byte less the loss's 8-byte
-// scalar, tests/planner/test_activation_memory.py.)
+// releases first. Under zb-h1 and zb-v the weight gradient waits for W: the input gradient alone. (Measured in
+// fp32 against our final norm, LM head and loss, not split: to the byte less a 4-byte 0-d scalar of the loss's;
+// tests/planner/test_activation_memory.py.)
 double head_backward_bytes(const ModelSpec& model, const Layout& layout);
 
 // Bytes the ends of the model leave queued per micro-batch for their deferred weight gradients under the

@@ -109,6 +109,8 @@ struct Layout {
 
   int64_t world_size() const { return tp * pp * dp * cp * ep; }
   int64_t sequences_per_step() const { return micro_batch * num_microbatches * dp * ep; }
+  // Whether the schedule splits each backward, deferring the weight gradients to W passes (zb-h1, zb-v).
+  bool defers_weight_grads() const { return pp > 1 && (schedule == Schedule::kZbH1 || schedule == Schedule::kZbV); }
   // Stride of an axis in the mesh order: the product of the inner axes' sizes.
   int64_t stride(const std::string& axis) const;
   void validate() const;

@@ -169,6 +169,28 @@ TEST(Activations, TheGradientsOfALayersBackward) {
   EXPECT_DOUBLE_EQ(layer_backward_bytes(model, m, true), rows * e * F + weight_grad);
 }
 
+TEST(Estimate, ABlockWhoseExpertsAreNotRecomputedRerunsAfterItsMoeBackward) {
+  // Every layer an MoE layer: under full recompute with recompute_experts = false the norms and attention rerun
+  // after the MoE's backward is done, so a B adds the larger of the two, not their sum; on the one stage, after
+  // the head has released its forward (or the head's own backward, if larger).
+  ModelSpec model;
+  model.num_layers = 4, model.hidden = 1024, model.num_heads = 8, model.num_kv_heads = 8, model.ffn_hidden = 4096;
+  model.vocab_size = 1000, model.num_experts = 8, model.experts_per_token = 2, model.moe_ffn_hidden = 512;
+  Layout l;
+  l.seq_len = 1024, l.recompute = Recompute::kFull, l.recompute_experts = false;
+  const double rerun = layer_rerun_bytes(model, l, true), gradients = layer_backward_bytes(model, l, true);
+  ASSERT_GT(rerun, 0);
+  const Estimate e = estimate(model, cluster_of(h100(), 1), l);
+  EXPECT_DOUBLE_EQ(e.backward, std::max(head_backward_bytes(model, l),
+                                        std::max(rerun, gradients) - head_activation_bytes(model, l)));
+  // Where recomputation reaches the experts the whole layer reruns before its backward: the sum.
+  l.recompute_experts = true;
+  const Estimate whole = estimate(model, cluster_of(h100(), 1), l);
+  EXPECT_DOUBLE_EQ(whole.backward, std::max(head_backward_bytes(model, l),
+                                            layer_rerun_bytes(model, l, true) + layer_backward_bytes(model, l, true) -
+                                                head_activation_bytes(model, l)));
+}
+
 TEST(Activations, TheGradientsOfTheHeadsBackward) {
   const ModelSpec model = llama3_70b();
   const double e = 2, h = 8192, V = 128256, t = 8, T = 4096;
@@ -528,7 +550,8 @@ TEST(Estimate, EachPipelineRankHoldsItsOwnEndsAndMicroBatches) {
   EXPECT_LT(split_pass, in_pass);
   for (auto& stage : stages) stage.backward_peak = queued_above + split_pass;
   stages.back().backward_peak =
-      std::max(head_backward_bytes(model, l), head_weight_grad_input_bytes(model, l) - head + queued_above + split_pass);
+      std::max(head_backward_bytes(model, l),
+               head_weight_grad_input_bytes(model, l) - head + queued_above + split_pass);
   const auto inside_b = peak_held_bytes_per_rank(timeline, 4, Schedule::kZbV, stages);
   for (size_t r = 0; r < 4; ++r) EXPECT_NEAR(v.pipeline_ranks[r].backward, inside_b[r] - with_ends[r], 1) << r;
   EXPECT_GT(with_ends[0], per_layer * 20 * units[0] / 2 + head);

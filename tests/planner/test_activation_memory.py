@@ -181,7 +181,7 @@ def backward_peak_bytes(make_layer, sequence_parallel: bool, dtype: torch.dtype 
     x = torch.randn(BATCH, seq, DIM, dtype=dtype, requires_grad=True)
     out = layers[1](layers[0](x))
     grad = torch.randn_like(out)
-    store = WeightGradStore()
+    store = WeightGradStore() if split else None
     # Earlier layers' reference cycles collected now, not inside the backward; gloo's worker thread releases an
     # exchange's buffers after its wait returns, before it runs the next exchange.
     gc.collect()
@@ -190,12 +190,16 @@ def backward_peak_bytes(make_layer, sequence_parallel: bool, dtype: torch.dtype 
     try:
         before = cpu_memory.memory_allocated()
         cpu_memory.reset_peak_memory_stats()
+        if store is None:
+            out.backward(grad)
+            return cpu_memory.max_memory_allocated() - before
         with store.collecting(0):
             out.backward(grad)
-        return cpu_memory.max_memory_allocated() - before
+        peak = cpu_memory.max_memory_allocated() - before
+        store.run(0)
+        return peak
     finally:
         gc.enable()
-        store.run(0)
 
 
 def measured_backward_peak(region: str, policy: str, sequence_parallel: bool, dtype_name: str = "bfloat16",
@@ -278,7 +282,7 @@ def test_planner_backward_gradients_against_a_layers_backward(world_pool, world_
             for measured in world.run(measured_backward_peak, region, "none", sequence_parallel, dtype_name, split):
                 what = (region, "split" if split else "", precision, measured, planned)
                 if precision != "fp32":
-                    assert measured >= planned, what
+                    assert planned <= measured <= planned + 7 * token_hidden, what
                 elif split and world_size > 1:
                     assert planned <= measured <= planned + 3 * token_hidden, what
                 else:
@@ -491,7 +495,7 @@ def head_backward_peak(sequence_parallel: bool) -> int:
         gc.enable()
 
 
-def ends_measured(sequence_parallel: bool) -> tuple[int, int, int]:
+def ends_measured(sequence_parallel: bool) -> tuple[int, int, int, int]:
     head = least_of(lambda: model_end_bytes(sequence_parallel)[0])
     head_queued = least_of(lambda: model_end_bytes(sequence_parallel)[1])
     return head, head_queued, least_of(lambda: embedding_bytes(sequence_parallel)), least_of(
@@ -503,8 +507,8 @@ def ends_measured(sequence_parallel: bool) -> tuple[int, int, int]:
 def test_planner_model_ends_equal_what_our_layers_keep(world_pool, world_size, sequence_parallel):
     """The last stage's end (head_activation_bytes, and under the zero-bubble schedules what the final norm and
     the LM head queue for W) and the first stage's embedding queue, against our layers in split mode; and what the
-    end's backward allocates on top of its forward (head_backward_bytes, fp32), to the byte less the loss's
-    0-d scalars."""
+    end's backward allocates on top of its forward (head_backward_bytes, fp32), to the byte less a 4-byte 0-d
+    scalar of the loss's."""
     model = ModelSpec(2, DIM, HEADS, num_kv_heads=KV_HEADS, ffn_hidden=FFN, vocab_size=VOCAB)
     layout = Layout(tp=world_size, sequence_parallel=sequence_parallel, norm="composite", seq_len=SEQ,
                     micro_batch=BATCH)
@@ -516,4 +520,4 @@ def test_planner_model_ends_equal_what_our_layers_keep(world_pool, world_size, s
     for head, head_queued, embedding, backward in world_pool.get(world_size).run(ends_measured, sequence_parallel):
         assert 0 <= head - planned[0] <= 16, (head, planned)  # and the loss's 0-d count of targets
         assert (head_queued, embedding) == planned[1:], ((head_queued, embedding), planned)
-        assert -16 <= backward - planned_backward <= 0, (backward, planned_backward)
+        assert backward - planned_backward == -4, (backward, planned_backward)  # and a 0-d scalar of the loss's

@@ -73,8 +73,10 @@ def layer_backward_bytes(model: ModelSpec, layout: Layout, *, moe_layer: bool = 
     largest, without recomputation (csrc/planner/memory.h): for a dense layer the larger of its down
     projection's input and weight gradients ``T e f + e h f`` (no weight gradient under zb-h1 and zb-v; with
     sequence parallelism plus the gathered output gradient and a block in flight, ``T e h (1 + R)``) and the
-    gate's two input gradients ``2 T e f``, f = ffn_hidden / t; for an MoE layer the same on its routed rows with
-    the grouped weight gradient of its local experts."""
+    gate's two input gradients ``2 T e f`` (``3 T e f``, ``+ T e h`` with SP, in split mode, whose W queue keeps the
+    product), f = ffn_hidden / t; for an MoE layer, on its routed rows r, the larger of ``r e f`` and
+    ``r e (2f - h)`` plus the grouped weight gradient of its local experts. A lower bound for narrow MLPs
+    (f < h)."""
     return _planner.layer_backward_bytes(model.to_cpp(), layout.to_cpp(), moe_layer)
 
 
