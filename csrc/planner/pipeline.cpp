@@ -271,9 +271,9 @@ std::vector<ScheduledPass> simulate_zb_v(long p, long m) {
   auto reaches_closed_form = [&](auto cap_of_device) {
     std::vector<long> caps(p);
     for (long d = 0; d < p; ++d) caps[d] = std::min(units, cap_of_device(d));
-    auto greedy = simulate_zb_v_greedy(p, m, caps);
-    if (greedy && idle_fraction(*greedy, p) < least_idle - 1e-12) {
-      least_idle = idle_fraction(*greedy, p), best = std::move(*greedy);
+    if (auto greedy = simulate_zb_v_greedy(p, m, caps)) {
+      const double idle = idle_fraction(*greedy, p);
+      if (idle < least_idle - 1e-12) least_idle = idle, best = std::move(*greedy);
     }
     return least_idle <= closed_form + 1e-12;
   };

@@ -163,6 +163,24 @@ def test_planner_activations_equal_what_a_llama_layer_keeps(world_pool, world_si
             assert measured == planned, (precision, mode, measured, planned)
 
 
+def peak_allocated_during(run) -> int:
+    """The most CPU bytes ``run()`` allocates above what was alive when it started (``cpu_memory.track()`` on)."""
+    from torchdist_ext import cpu_memory
+
+    # Earlier layers' reference cycles collected now, not inside the run; gloo's worker thread releases an
+    # exchange's buffers after its wait returns, before it runs the next exchange.
+    gc.collect()
+    torch.distributed.barrier()
+    gc.disable()
+    try:
+        before = cpu_memory.memory_allocated()
+        cpu_memory.reset_peak_memory_stats()
+        run()
+        return cpu_memory.max_memory_allocated() - before
+    finally:
+        gc.enable()
+
+
 def backward_peak_bytes(make_layer, sequence_parallel: bool, dtype: torch.dtype = torch.bfloat16,
                         split: bool = False) -> int:
     """The most bytes the backward of two stacked ``make_layer()`` (their gradients already allocated, as from a
@@ -181,25 +199,17 @@ def backward_peak_bytes(make_layer, sequence_parallel: bool, dtype: torch.dtype 
     x = torch.randn(BATCH, seq, DIM, dtype=dtype, requires_grad=True)
     out = layers[1](layers[0](x))
     grad = torch.randn_like(out)
-    store = WeightGradStore() if split else None
-    # Earlier layers' reference cycles collected now, not inside the backward; gloo's worker thread releases an
-    # exchange's buffers after its wait returns, before it runs the next exchange.
-    gc.collect()
-    torch.distributed.barrier()
-    gc.disable()
-    try:
-        before = cpu_memory.memory_allocated()
-        cpu_memory.reset_peak_memory_stats()
-        if store is None:
-            out.backward(grad)
-            return cpu_memory.max_memory_allocated() - before
+    if not split:
+        return peak_allocated_during(lambda: out.backward(grad))
+    store = WeightGradStore()
+
+    def collected_backward():
         with store.collecting(0):
             out.backward(grad)
-        peak = cpu_memory.max_memory_allocated() - before
-        store.run(0)
-        return peak
-    finally:
-        gc.enable()
+
+    peak = peak_allocated_during(collected_backward)
+    store.run(0)
+    return peak
 
 
 def measured_backward_peak(region: str, policy: str, sequence_parallel: bool, dtype_name: str = "bfloat16",
@@ -483,16 +493,7 @@ def head_backward_peak(sequence_parallel: bool) -> int:
     seq = SEQ // tp_mesh.size() if sequence_parallel else SEQ
     target = torch.randint(VOCAB, (BATCH, SEQ))  # the step's, held by the caller
     loss = end(torch.randn(BATCH, seq, DIM, requires_grad=True), target)
-    gc.collect()
-    torch.distributed.barrier()
-    gc.disable()
-    try:
-        before = cpu_memory.memory_allocated()
-        cpu_memory.reset_peak_memory_stats()
-        loss.backward()
-        return cpu_memory.max_memory_allocated() - before
-    finally:
-        gc.enable()
+    return peak_allocated_during(loss.backward)
 
 
 def ends_measured(sequence_parallel: bool) -> tuple[int, int, int, int]:
