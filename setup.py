@@ -3,6 +3,7 @@
 CPU sources are always built. CUDA sources are added when torch is a CUDA build
 and a CUDA toolkit is found (`CUDA_HOME`); `TDX_CUDA=0|1` overrides. A GPU is
 never needed to build: the decision does not ask `torch.cuda.is_available()`.
+`TDX_SANITIZE=address` builds the host code with AddressSanitizer (`make asan`).
 
 Sources are picked by folder:
   csrc/*.cpp, csrc/comm/*.cpp, csrc/ops/*.cpp, csrc/kernels/cpu/*.cpp   always
@@ -54,6 +55,16 @@ def build_with_cuda() -> bool:
     return torch.version.cuda is not None and CUDA_HOME is not None
 
 
+def sanitizer_flags() -> list[str]:
+    """Compile and link flags of `TDX_SANITIZE` (unset: none; `address`: AddressSanitizer, -O1 with frames)."""
+    sanitizer = os.environ.get("TDX_SANITIZE")
+    if sanitizer is None:
+        return []
+    if sanitizer != "address":
+        raise ValueError(f"TDX_SANITIZE must be 'address', got {sanitizer!r}")
+    return ["-fsanitize=address", "-fno-omit-frame-pointer", "-g", "-O1"]
+
+
 def files(folder: str, pattern: str) -> list[str]:
     return sorted(str(p.relative_to(ROOT)) for p in (ROOT / folder).glob(pattern))
 
@@ -62,11 +73,12 @@ def extension():
     host = files("csrc", "*.cpp") + files("csrc/comm", "*.cpp") + files("csrc/ops", "*.cpp")
     cpu_kernels = files("csrc/kernels/cpu", "*.cpp")
     # -fno-trapping-math lets the CPU kernels' selects become vector blends (we never trap on FP exceptions).
-    cxx_flags = ["-O3", "-fno-trapping-math", "-fvisibility=hidden", "-Wall", "-Wno-unused-function"]
+    sanitize = sanitizer_flags()  # its -O1 comes after -O3, so it wins
+    cxx_flags = ["-O3", "-fno-trapping-math", "-fvisibility=hidden", "-Wall", "-Wno-unused-function", *sanitize]
     common = dict(
         name="torchdist_ext._C",
         include_dirs=[str(ROOT / "csrc")],
-        extra_link_args=["-Wl,--no-as-needed"],
+        extra_link_args=["-Wl,--no-as-needed", *sanitize],
     )
     if not build_with_cuda():
         return CppExtension(
