@@ -1,6 +1,6 @@
 """FP8: the fused cast + amax against the unfused torch expression, and an fp8 linear against bf16.
 
-    python benchmarks/bench_fp8.py [--device cuda|cpu]
+    python benchmarks/bench_fp8.py [--device cuda|cpu] [--only cast_amax|linear|step|sp_rings]
 
 cast_amax   ours: tdx::fp8_cast_amax (one read of x, one byte written per element) | unfused:
             ``amax = x.abs().amax(); where(x.isfinite(), (x.float() * scale).clamp(..), nan).to(e4m3)``;
@@ -21,6 +21,12 @@ step        with --device cpu: one training step of a sequence-parallel MLP bloc
             fp8_step's amaxes on the world); in fp32, in bf16 (FSDP2 mixed precision), in fp8 on bf16
             parameters (delayed scaling, fp8_step included), and the same with FSDP2 all-gathering the
             weights in fp8 (``fp8_all_gather=True``; the biases stay bf16)
+sp_rings    with --device cpu: the fp8 rings of sequence parallelism on 2 and 4 CPU ranks, ours
+            (tdx::all_gather_scaled_mm: the column GEMM on each fp8 input block as it arrives;
+            tdx::scaled_mm_reduce_scatter: the row GEMM's partial sums passed on while the next block's GEMM
+            runs) against the bulk composition they replace (torch's functional all-gather of the fp8 bytes,
+            then one torch._scaled_mm; one torch._scaled_mm, then the functional reduce-scatter), bf16 output;
+            the slowest rank's median time, interleaved repeats
 """
 
 import argparse
@@ -172,6 +178,81 @@ def step_rows() -> list[dict]:
     return rows
 
 
+SP_RING_SIZES = [(2048, 512, 2048), (4096, 1024, 4096)]  # (sequence, hidden, ffn): one [1, S, h] micro-batch
+
+
+def median_collective_seconds(fns: dict, repeats: int, warmup: int = 2) -> dict[str, float]:
+    """This rank's median time of each collective ``fn()``, the variants interleaved in alternating order and
+    every rank started together (a barrier before each call)."""
+    import statistics
+    import time
+
+    import torch.distributed as dist
+
+    for fn in fns.values():
+        for _ in range(warmup):
+            fn()
+    times = {name: [] for name in fns}
+    for repeat in range(repeats):
+        order = list(fns.items())
+        for name, fn in order if repeat % 2 == 0 else reversed(order):
+            dist.barrier()
+            start = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - start)
+    return {name: statistics.median(values) for name, values in times.items()}
+
+
+def sp_ring_case(seq: int, hidden: int, ffn: int, repeats: int) -> dict[str, float]:
+    """Runs on every rank: this rank's median seconds of the fp8 rings and of their bulk compositions."""
+    import torch.distributed as dist
+
+    from torchdist_ext.collectives import all_gather, reduce_scatter
+    from torchdist_ext.ops import all_gather_scaled_mm, scaled_mm_reduce_scatter
+
+    n, name = dist.get_world_size(), dist.group.WORLD.group_name
+    e4m3, bf16 = torch.float8_e4m3fn, torch.bfloat16
+    gen = torch.Generator().manual_seed(dist.get_rank())
+    x_block = torch.randn(1, seq // n, hidden, generator=gen).to(e4m3)
+    hidden_fp8 = torch.randn(1, seq, ffn // n, generator=gen).to(e4m3)
+    up = torch.randn(ffn // n, hidden, generator=gen).to(e4m3).t()  # column-major [h, f/n]
+    down = torch.randn(hidden, ffn // n, generator=gen).to(e4m3).t()  # column-major [f/n, h]
+    s = torch.tensor([0.5])
+
+    def bulk_column():
+        gathered = all_gather(x_block.view(torch.uint8), name, n, 1).view(e4m3)
+        return torch._scaled_mm(gathered.reshape(-1, hidden), up, scale_a=s, scale_b=s, out_dtype=bf16)
+
+    def bulk_row():
+        partial = torch._scaled_mm(hidden_fp8.reshape(-1, ffn // n), down, scale_a=s, scale_b=s, out_dtype=bf16)
+        return reduce_scatter(partial.view(1, seq, hidden), name, n, 1)
+
+    fns = {"ring_column": lambda: all_gather_scaled_mm(x_block, up, s, s, bf16, name, 1)[0],
+           "bulk_column": bulk_column,
+           "ring_row": lambda: scaled_mm_reduce_scatter(hidden_fp8, down, s, s, bf16, name, 1),
+           "bulk_row": bulk_row}
+    torch.testing.assert_close(fns["ring_column"]().reshape(-1, ffn // n), bulk_column().float().to(bf16))
+    row = bulk_row()  # bf16 partial sums added in other orders: a few bf16 rounding steps of the largest value
+    torch.testing.assert_close(fns["ring_row"](), row, rtol=0, atol=n * 2**-8 * row.abs().max().item())
+    return median_collective_seconds(fns, repeats)
+
+
+def sp_ring_rows(repeats: int) -> list[dict]:
+    from torchdist_ext.testing import spawn_world
+
+    rows = []
+    for world_size in (2, 4):
+        with spawn_world(world_size, timeout=1200.0) as world:
+            for seq, hidden, ffn in SP_RING_SIZES:
+                per_rank = world.run(sp_ring_case, seq, hidden, ffn, repeats)
+                slowest = {variant: max(r[variant] for r in per_rank) for variant in per_rank[0]}
+                rows.append({"bench": "fp8_sp_rings", "world": world_size, "seq": seq, "hidden": hidden, "ffn": ffn,
+                             **{f"{variant}_ms": round(t * 1e3, 3) for variant, t in slowest.items()},
+                             "column_ring_over_bulk": round(slowest["ring_column"] / slowest["bulk_column"], 3),
+                             "row_ring_over_bulk": round(slowest["ring_row"] / slowest["bulk_row"], 3)})
+    return rows
+
+
 def print_casts(casts: list[dict]) -> None:
     print(f"{'op':>23} {'device':>6} {'shape':>12} {'dtype':>9} {'ours ms':>9} {'unfused ms':>10} {'ours/unfused':>12} "
           f"{'of bw':>6}")
@@ -199,18 +280,35 @@ def print_steps(steps: list[dict]) -> None:
         print(f"{kind:>34} " + " ".join(f"{cell['calls']:>8}, {cell['kib']:>8}" for cell in cells))
 
 
+def print_sp_rings(rows: list[dict]) -> None:
+    print(f"{'world':>5} {'seq x h x ffn':>16} {'column ring ms':>14} {'bulk ms':>9} {'ring/bulk':>9} "
+          f"{'row ring ms':>11} {'bulk ms':>9} {'ring/bulk':>9}")
+    for r in rows:
+        size = f"{r['seq']}x{r['hidden']}x{r['ffn']}"
+        print(f"{r['world']:>5} {size:>16} {r['ring_column_ms']:14.3f} "
+              f"{r['bulk_column_ms']:9.3f} {r['column_ring_over_bulk']:9.3f} {r['ring_row_ms']:11.3f} "
+              f"{r['bulk_row_ms']:9.3f} {r['row_ring_over_bulk']:9.3f}")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
     parser.add_argument("--repeats", type=int, default=10)
+    parser.add_argument("--only", choices=["cast_amax", "linear", "step", "sp_rings"],
+                        help="run one part (default: every part the device runs)")
     args = parser.parse_args()
-    # Each part is printed as soon as it is measured (its JSON rows, then its table). The step's collectives run on
-    # CPU ranks: that part runs with --device cpu only (gpu_check.sh's runs skip it).
-    parts = [(lambda: cast_rows(args.device, args.repeats), print_casts),
-             (lambda: linear_rows(args.device, args.repeats), print_linears)]
-    if args.device == "cpu":
-        parts.append((step_rows, print_steps))
-    for measure, show in parts:
+    # Each part is printed as soon as it is measured (its JSON rows, then its table). The multi-rank parts run on
+    # CPU ranks: with --device cpu only (gpu_check.sh's runs skip them).
+    parts = {"cast_amax": (lambda: cast_rows(args.device, args.repeats), print_casts),
+             "linear": (lambda: linear_rows(args.device, args.repeats), print_linears)}
+    if args.device == "cpu":  # the multi-rank parts run on CPU ranks
+        parts["step"] = (step_rows, print_steps)
+        parts["sp_rings"] = (lambda: sp_ring_rows(args.repeats), print_sp_rings)
+    if args.only is not None:
+        if args.only not in parts:
+            parser.error(f"--only {args.only} runs with --device cpu only")
+        parts = {args.only: parts[args.only]}
+    for measure, show in parts.values():
         rows = measure()
         for row in rows:
             print(json.dumps(row))

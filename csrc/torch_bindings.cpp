@@ -25,6 +25,17 @@ TORCH_LIBRARY(tdx, m) {
   // the weight gradient of the two ops above, without materialising the gather.
   m.def(
       "all_gather_weight_grad(Tensor dense, Tensor shard, str group_name, int gather_dim) -> Tensor");
+  // The fp8 pair of the first two (torch._scaled_mm per ring block; no autograd: the fp8 linears'
+  // own backward calls them). x: fp8, mat2 [k, n] fp8 (column-major on a GPU, as _scaled_mm takes),
+  // scale_x / scale_mat2: 1-element fp32 dequantisation factors (the inverse cast scales).
+  // out = (all_gather(x, gather_dim) @ mat2) * scale_x * scale_mat2 in out_dtype, and the gathered x.
+  m.def(
+      "all_gather_scaled_mm(Tensor x, Tensor mat2, Tensor scale_x, Tensor scale_mat2, ScalarType out_dtype, "
+      "str group_name, int gather_dim) -> (Tensor out, Tensor gathered)");
+  // out = reduce_scatter((x @ mat2) * scale_x * scale_mat2 in out_dtype, scatter_dim), summed in out_dtype.
+  m.def(
+      "scaled_mm_reduce_scatter(Tensor x, Tensor mat2, Tensor scale_x, Tensor scale_mat2, ScalarType out_dtype, "
+      "str group_name, int scatter_dim) -> Tensor");
 
   // ---- cross_entropy: vocab-parallel softmax cross-entropy ----
   // logits: this rank's vocab shard [..., V/tp], covering [vocab_start, vocab_start + V/tp)

@@ -92,6 +92,42 @@ def test_tp_sequence_parallel_block(ledger_world):
         assert backward == {"send": (3 * (t - 1), 3 * (t - 1) * block, 0), "recv": (3 * (t - 1), 0, 3 * (t - 1) * block)}
 
 
+def fp8_sequence_parallel_block(recipe: str, batch: int, seq: int, hidden: int, ffn: int) -> tuple[dict, dict]:
+    """The block above in fp8 (``convert_to_fp8`` with delayed scales reduced over the ranks, or current
+    scaling): forward and backward tallies on the tp group."""
+    from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, convert_to_fp8
+
+    mesh = cached_mesh((dist.get_world_size(),), ("tp",))
+    block = torch.nn.Sequential(ColumnParallelLinear(hidden, ffn, bias=False, tp_mesh=mesh, sequence_parallel=True),
+                                RowParallelLinear(ffn, hidden, bias=False, tp_mesh=mesh, sequence_parallel=True))
+    convert_to_fp8(block, DelayedScaling() if recipe == "delayed" else CurrentScaling())
+    assert all(layer.fp8_recipe is not None for layer in block)  # local dims divisible by 16
+    x = torch.randn(batch, seq // mesh.size(), hidden, requires_grad=True)
+    ledger.reset(mesh)
+    y = block(x)
+    forward = sent_and_calls(ledger.read(mesh))
+    ledger.reset(mesh)
+    y.sum().backward()
+    return forward, sent_and_calls(ledger.read(mesh))
+
+
+def test_fp8_sequence_parallel_block(ledger_world):
+    """Delayed scales (the same on every rank): the rings carry fp8 where they carry an fp8 operand, the
+    column's input blocks forward and the row's output-gradient blocks backward (1 byte per element, a quarter
+    of fp32's), and the partial sums in fp32; the gathered fp8 input is kept for the column's weight gradient,
+    so the backward has two rings, not three. Current scaling (a scale per rank): bulk fp32 collectives."""
+    t, batch, seq, hidden = WORLD, 2, 16, 16
+    elements = batch * (seq // t) * hidden
+    fp8_and_fp32 = (t - 1) * elements * (1 + FP32)
+    for forward, backward in ledger_world.run(fp8_sequence_parallel_block, "delayed", batch, seq, hidden, 64):
+        for tallies in (forward, backward):
+            assert tallies == {"send": (2 * (t - 1), fp8_and_fp32, 0), "recv": (2 * (t - 1), 0, fp8_and_fp32)}
+    bulk = (1, (t - 1) * elements * FP32, (t - 1) * elements * FP32)
+    for forward, backward in ledger_world.run(fp8_sequence_parallel_block, "current", batch, seq, hidden, 64):
+        for tallies in (forward, backward):
+            assert tallies == {"all_gather_into_tensor_coalesced": bulk, "reduce_scatter_tensor_coalesced": bulk}
+
+
 def ring_attention_call(batch: int, heads: int, kv_heads: int, seq: int, head_dim: int) -> tuple[dict, dict]:
     mesh = cached_mesh((dist.get_world_size(),), ("cp",))
     gen = torch.Generator().manual_seed(0)

@@ -18,6 +18,8 @@ namespace {
 constexpr const char* kAllGatherMatmul = "all_gather_matmul";
 constexpr const char* kMatmulReduceScatter = "matmul_reduce_scatter";
 constexpr const char* kWeightGrad = "all_gather_weight_grad";
+constexpr const char* kAllGatherScaledMm = "all_gather_scaled_mm";
+constexpr const char* kScaledMmReduceScatter = "scaled_mm_reduce_scatter";
 
 // A tensor sharded along `dim` seen as [outer, rows, features]: `outer` is the
 // product of the sizes before `dim`, `rows` of the sizes from `dim` up to the
@@ -181,12 +183,107 @@ at::Tensor all_gather_weight_grad(
   return acc.to(dense.scalar_type());
 }
 
+// ---- fp8: the same two rings with torch._scaled_mm per block ----
+
+bool is_fp8(at::ScalarType type) {
+  return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
+void check_scaled_mm_operands(const char* op, const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x,
+                              const at::Tensor& scale_mat2) {
+  TORCH_CHECK(
+      is_fp8(x.scalar_type()) && is_fp8(mat2.scalar_type()), op,
+      ": x and mat2 must be float8_e4m3fn or float8_e5m2, got ", x.scalar_type(), " and ", mat2.scalar_type());
+  TORCH_CHECK(mat2.dim() == 2, op, ": mat2 must be 2-D [k, n], got shape ", mat2.sizes());
+  TORCH_CHECK(
+      x.size(-1) == mat2.size(0), op, ": x.size(-1)=", x.size(-1), " must equal mat2.size(0)=", mat2.size(0));
+  for (const auto* scale : {&scale_x, &scale_mat2}) {
+    TORCH_CHECK(
+        scale->scalar_type() == at::kFloat && scale->numel() == 1, op,
+        ": scale_x and scale_mat2 must be 1-element float32 tensors, got ", scale->scalar_type(), " with ",
+        scale->numel(), " elements");
+  }
+  for (const auto* t : {&mat2, &scale_x, &scale_mat2}) {
+    TORCH_CHECK(
+        t->device() == x.device(), op, ": every tensor must be on x's device ", x.device(), ", got ", t->device());
+  }
+}
+
+// dst (a [outer, rows, n] view) = (a @ b) * scale_a * scale_b in dst's dtype.
+void scaled_mm_into(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
+                    const at::Tensor& scale_b) {
+  const auto product = at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, dst.scalar_type());
+  dst.copy_(product.view(dst.sizes()));
+}
+
+// x: this rank's fp8 block [..., S/n, ..., k] along gather_dim, mat2: fp8 [k, n].
+// Returns ((all_gather(x) @ mat2) * scale_x * scale_mat2 [..., S, ..., n] in out_dtype, all_gather(x)).
+// The blocks travel as bytes (c10d backends need not know the fp8 dtypes).
+std::tuple<at::Tensor, at::Tensor> all_gather_scaled_mm(
+    const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x, const at::Tensor& scale_mat2,
+    at::ScalarType out_dtype, c10::string_view group_name, int64_t gather_dim) {
+  const int64_t dim = sharded_dim(kAllGatherScaledMm, x, gather_dim);
+  check_scaled_mm_operands(kAllGatherScaledMm, x, mat2, scale_x, scale_mat2);
+  comm::Ring ring(group_name);
+  const int64_t n = ring.size();
+  const auto shard = x.contiguous();
+  const auto shape = block_shape(shard, dim, 1);
+  auto gathered_sizes = shard.sizes().vec();
+  gathered_sizes[dim] *= n;
+  auto out_sizes = gathered_sizes;
+  out_sizes.back() = mat2.size(1);
+  auto out = at::empty(out_sizes, shard.options().dtype(out_dtype));
+  auto gathered = at::empty(gathered_sizes, shard.options());
+  const auto out_blocks = out.view({shape.outer, n * shape.rows, mat2.size(1)});
+  const auto gathered_blocks = gathered.view({shape.outer, n * shape.rows, shape.features});
+  comm::for_each_ring_block(
+      ring, kAllGatherScaledMm, "x block", shard.view(at::kByte), [&](const at::Tensor& bytes, int owner) {
+        const auto block = bytes.view(shard.scalar_type()).view({shape.outer, shape.rows, shape.features});
+        scaled_mm_into(out_blocks.narrow(1, owner * shape.rows, shape.rows),
+                       block.view({shape.outer * shape.rows, shape.features}), mat2, scale_x, scale_mat2);
+        gathered_blocks.narrow(1, owner * shape.rows, shape.rows).copy_(block);
+      });
+  return {out, gathered};
+}
+
+// x: fp8 [..., S, ..., k] with S divisible by n, mat2: fp8 [k, n_out].
+// Returns this rank's block of sum_over_ranks((x @ mat2) * scale_x * scale_mat2) [..., S/n, ..., n_out],
+// summed in out_dtype as the ring passes.
+at::Tensor scaled_mm_reduce_scatter(const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x,
+                                    const at::Tensor& scale_mat2, at::ScalarType out_dtype,
+                                    c10::string_view group_name, int64_t scatter_dim) {
+  const int64_t dim = sharded_dim(kScaledMmReduceScatter, x, scatter_dim);
+  check_scaled_mm_operands(kScaledMmReduceScatter, x, mat2, scale_x, scale_mat2);
+  comm::Ring ring(group_name);
+  const int n = ring.size();
+  TORCH_CHECK(
+      x.size(dim) % n == 0, kScaledMmReduceScatter, ": x.size(", dim, ")=", x.size(dim),
+      " must be divisible by the group size ", n);
+  const auto input = x.contiguous();
+  const auto shape = block_shape(input, dim, n);
+  const auto in_blocks = input.view({shape.outer, n * shape.rows, shape.features});
+  auto out_sizes = input.sizes().vec();
+  out_sizes[dim] /= n;
+  out_sizes.back() = mat2.size(1);
+  comm::RingReduceScatter sums(ring, kScaledMmReduceScatter, "partial sum", out_sizes,
+                               input.options().dtype(out_dtype), comm::RingReduceScatter::Order::kOwnBlockLast);
+  for (int step = 0; step < n; ++step) {
+    const auto rows = in_blocks.narrow(1, sums.block() * shape.rows, shape.rows)
+                          .reshape({shape.outer * shape.rows, shape.features});
+    scaled_mm_into(sums.contribution(), rows, mat2, scale_x, scale_mat2);
+    sums.pass();
+  }
+  return sums.result();
+}
+
 }  // namespace
 
 TDX_IMPL_ON_EVERY_DEVICE(register_collective_matmul) {
   m.impl("all_gather_matmul", &all_gather_matmul);
   m.impl("matmul_reduce_scatter", &matmul_reduce_scatter);
   m.impl("all_gather_weight_grad", &all_gather_weight_grad);
+  m.impl("all_gather_scaled_mm", &all_gather_scaled_mm);
+  m.impl("scaled_mm_reduce_scatter", &scaled_mm_reduce_scatter);
 }
 
 }  // namespace tdx::ops

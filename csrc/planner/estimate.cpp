@@ -262,8 +262,9 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     // and a reduce-scatter forward; backward c reduce-scatters, the row's all-gather, and each column's
     // input gathered again for its weight gradient (the sequence shard is kept, not the gathered input, as
     // in Megatron-LM): 3c + 2. With fp8 GEMMs (delayed scaling, amaxes reduced: every rank casts with one
-    // scale) a column gathers its input as fp8 bytes (1 per element: 1/e units) and keeps the gathered fp8
-    // input for its weight gradient: 2 + c (1 + 1/e). Full recomputation reruns the forward's part. An MoE
+    // scale) a column's ring carries its input as fp8 bytes (1 per element: 1/e units) and keeps the gathered
+    // fp8 input for its weight gradient, and the row's backward ring carries the output gradient's fp8 bytes:
+    // (c + 1)(1 + 1/e). Full recomputation reruns the forward's part. An MoE
     // layer's experts are not tensor-parallel: its tp ranks run them on the same tokens, gathered from the
     // sequence shards (2 units with SP, none without; full recompute reruns the gather where it reaches the
     // experts). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
@@ -274,7 +275,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     const bool fp8 = uses_fp8_gemms(l.precision);
     auto block_units = [&](double c) {
       if (!l.sequence_parallel) return 2 + 2 * c + (full ? 2 : 0);
-      if (fp8) return 2 + c * (1 + 1 / element) + (full ? c / element + 1 : 0);
+      if (fp8) return (c + 1) * (1 + 1 / element) + (full ? c / element + 1 : 0);
       return 3 * c + 2 + (full ? c + 1 : 0);
     };
     const bool fused = model.fused_projections;

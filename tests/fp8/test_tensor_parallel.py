@@ -112,29 +112,3 @@ def compiled_fp8_block_equals_eager():
 def test_compiled_fp8_tensor_parallel_block_equals_eager_without_recompiles(world2):
     for graphs, recompiles in world2.run(compiled_fp8_block_equals_eager):
         assert graphs == 1 and recompiles == 0
-
-
-def gathered_bytes(recipe):
-    """The bytes a sequence-parallel fp8 column layer all-gathers in one forward."""
-    from torchdist_ext import collectives
-
-    mesh = cached_mesh((dist.get_world_size(),), ("tp",))
-    torch.manual_seed(0)
-    layer = ColumnParallelLinear.from_linear(nn.Linear(32, 64), tp_mesh=mesh, sequence_parallel=True)
-    convert_to_fp8(layer, recipe)
-    sizes = []
-    original = collectives.all_gather
-    collectives.all_gather = lambda x, *args: sizes.append(x.numel() * x.element_size()) or original(x, *args)
-    try:
-        layer(torch.randn(2, 8, 32))
-    finally:
-        collectives.all_gather = original
-    return sizes
-
-
-def test_sequence_parallel_fp8_gathers_fp8_bytes_when_every_rank_has_the_same_scale(world2):
-    """Delayed scales reduced over the ranks: the gather carries fp8 (1 byte per element, a quarter of
-    fp32's); current scaling (a scale per rank) gathers the fp32 activations."""
-    (delayed, _), (current, _) = (world2.run(gathered_bytes, recipe)
-                                  for recipe in (DelayedScaling(amax_history_len=4), CurrentScaling()))
-    assert delayed == [2 * 8 * 32] and current == [2 * 8 * 32 * 4]

@@ -12,6 +12,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from tests.parallel.test_fsdp import BATCH, HIDDEN, SEQ, Block, loss_fn, reference_model
 from tests.pipeline.test_schedules import pipeline_matches_one_process
+from torchdist_ext.fp8 import DelayedScaling, convert_to_fp8
 from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear
 from torchdist_ext.parallel.recompute import _COMMUNICATING, recompute
 from torchdist_ext.testing import cached_mesh
@@ -30,11 +31,13 @@ class CountCommunication(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
-def gradients_and_collectives(mode: str):
+def gradients_and_collectives(mode: str, fp8: bool):
     tp = cached_mesh((2,), ("tp",))
     model = nn.Sequential(*(Block(ColumnParallelLinear.from_linear(b.up, tp_mesh=tp, sequence_parallel=True),
                                   RowParallelLinear.from_linear(b.down, tp_mesh=tp, sequence_parallel=True))
                             for b in reference_model()))
+    if fp8:  # delayed scales reduced over the ranks: the fp8 rings (tdx::all_gather_scaled_mm, ...)
+        convert_to_fp8(model, DelayedScaling(amax_history_len=4))
     for block in model:
         recompute(block, mode)
     x = torch.randn(BATCH, SEQ, HIDDEN, generator=torch.Generator().manual_seed(1)).chunk(2, dim=1)[tp.get_local_rank()]
@@ -45,18 +48,30 @@ def gradients_and_collectives(mode: str):
     return grads, dict(counter.calls)
 
 
-def recompute_modes_agree():
-    results = {mode: gradients_and_collectives(mode) for mode in ("none", "selective", "full")}
+def recompute_modes_agree(fp8: bool):
+    results = {mode: gradients_and_collectives(mode, fp8) for mode in ("none", "selective", "full")}
     (none, none_calls), (selective, selective_calls), (full, full_calls) = results.values()
     equal = all(torch.equal(a, b) and torch.equal(a, c) for a, b, c in zip(none, selective, full))
     return equal, none_calls, selective_calls, full_calls
 
 
-def test_selective_and_full_recompute_equal_no_recompute_and_selective_repeats_no_collective(world2):
-    for equal, none_calls, selective_calls, full_calls in world2.run(recompute_modes_agree):
+@pytest.mark.parametrize("fp8", [False, True], ids=["fp32", "fp8"])
+def test_selective_and_full_recompute_equal_no_recompute_and_selective_repeats_no_collective(world2, fp8):
+    for equal, none_calls, selective_calls, full_calls in world2.run(recompute_modes_agree, fp8):
         assert equal, "recompute changed a gradient"
         assert none_calls and selective_calls == none_calls, (none_calls, selective_calls)
         assert sum(full_calls.values()) > sum(none_calls.values()), (none_calls, full_calls)
+
+
+def test_selective_recompute_keeps_every_communicating_op_of_a_forward():
+    """Every tdx op that takes a process group is in the list, except those that run only in a backward."""
+    backward_only = {"ring_attention_bwd", "defer_weight_grad"}
+    communicating = {name.split("::")[1] for name in torch._C._dispatch_get_all_op_names()
+                     if name.startswith("tdx::") and any(
+                         argument.name == "group_name"
+                         for argument in getattr(torch.ops.tdx, name.split("::")[1]).default._schema.arguments)}
+    assert communicating - backward_only == {op.default.name().split("::")[1] for op in _COMMUNICATING
+                                             if op.default.namespace == "tdx"}
 
 
 def test_recompute_refuses_unknown_modes():

@@ -289,6 +289,11 @@ def test_tensor_parallel_bytes_count_every_ring():
     assert small_estimate(plain).comm["tp"].bytes == (4 * (4 + 4) + 2 + 2) * x / 2
     # bf16 halves every byte.
     assert small_estimate(dataclasses.replace(layout, precision="bf16-mixed")).comm["tp"].bytes == (4 * 10 + 5) * x / 4
+    # fp8 GEMMs on bf16 activations: each block's column input and row output gradient travel as fp8 bytes (half
+    # a unit each), the reduce-scatters' sums in bf16: (c + 1)(1 + 1/2) = 3 per block (bench_fp8.py's step: 1536
+    # KiB against bf16's 2560 for one block; tests/test_ledger.py counts the rings).
+    fp8 = dataclasses.replace(layout, precision="fp8-mixed")
+    assert small_estimate(fp8).comm["tp"].bytes == (4 * (3 + 3) + 3 + 2) * x / 4
 
 
 @pytest.mark.parametrize("pp, schedule, virtual_stages, sends", [

@@ -17,15 +17,14 @@ computes its scale from its own amax and the buffers record nothing.
 import torch
 from torch import Tensor, nn
 
-from torchdist_ext import collectives
 from torchdist_ext.fp8.fsdp import GatheredFp8Weight
 from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
-from torchdist_ext.ops import fp8_cast_amax, fp8_cast_transpose_amax
+from torchdist_ext.ops import all_gather_scaled_mm, fp8_cast_amax, fp8_cast_transpose_amax, scaled_mm_reduce_scatter
 from torchdist_ext.weight_grad import SplitsWeightGrad, deferred_weight_grad
 
-__all__ = ["Fp8Linear", "fp8_all_gather_linear", "fp8_linear", "gathers_fp8"]
+__all__ = ["Fp8Linear", "fp8_all_gather_linear", "fp8_linear", "fp8_linear_reduce_scatter", "gathers_fp8"]
 
 _INPUT, _WEIGHT, _GRAD = range(3)
 
@@ -75,58 +74,87 @@ def _rows_padded_to_16(x_fp8: Tensor) -> Tensor:
         x_fp8.dtype)
 
 
-def _forward_gemm(ctx, x_fp8: Tensor, x_fp8_t: Tensor | None, x_inverse: Tensor, weight: Tensor,
-                  bias: Tensor | None, scale: Tensor, amax_history: Tensor, recipe: Recipe,
-                  out_dtype: torch.dtype) -> Tensor:
-    """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx: the
-    column-major operands of its GEMMs (from the casts' transposed layouts where there are: ``x_fp8_t``, the
-    input's with its rows padded to 16, and the weight's). A weight that FSDP2 gathered in fp8
-    (``GatheredFp8Weight``) is used as gathered: it was cast, and its amax recorded, before the all-gather."""
+def _weight_operand(weight: Tensor, scale: Tensor, amax_history: Tensor,
+                    recipe: Recipe) -> tuple[Tensor, Tensor | None, Tensor]:
+    """(w_fp8 [out, in], its transposed layout or None, 1 / scale): the weight cast to e4m3 with the transposed
+    layout the input gradient's GEMM takes. A weight that FSDP2 gathered in fp8 (``GatheredFp8Weight``) is used
+    as gathered: it was cast, and its amax recorded, before the all-gather."""
     if isinstance(weight, GatheredFp8Weight):
-        w_fp8, w_fp8_t, w_inverse = weight._data, None, weight._inverse_scale
-    else:
-        w_fp8, w_fp8_t, w_inverse = _cast_both_layouts(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history,
-                                                       recipe, 1)
-    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=out_dtype)
-    if bias is not None:
-        out = out + bias.to(out_dtype)
-    # [rows_16, in] column-major: the weight gradient's second operand (from the transposed cast, or copied).
-    x_column_major = x_fp8_t.t() if x_fp8_t is not None else _column_major(_rows_padded_to_16(x_fp8))
-    # [out, in] column-major, the input gradient's second operand, from the transposed cast; a weight gathered
-    # by FSDP2 is saved as it is (its storage is refilled before the backward) and copied there.
+        return weight._data, None, weight._inverse_scale
+    return _cast_both_layouts(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe, 1)
+
+
+def _save_for_backward(ctx, x_column_major: Tensor, x_inverse: Tensor, w_fp8: Tensor, w_fp8_t: Tensor | None,
+                       w_inverse: Tensor, weight: Tensor, has_bias: bool, scale: Tensor, amax_history: Tensor,
+                       recipe: Recipe, out_dtype: torch.dtype) -> None:
+    """What the backward's GEMMs need, on ctx: ``x_column_major [rows_16, in]`` (the weight gradient's second
+    operand) and the weight's ``[out, in]`` column-major operand of the input gradient, from the cast's
+    transposed layout where there is one; a weight gathered by FSDP2 is saved as it is (its storage is
+    refilled before the backward) and copied there."""
     ctx.w_is_column_major = w_fp8_t is not None
     w_saved = w_fp8_t.t() if w_fp8_t is not None else w_fp8
     # The gradient's scale as it stands now, and the history by reference (not saved: several forwards may
     # run before their backwards, and each cast updates the history in place).
     ctx.save_for_backward(x_column_major, w_saved, x_inverse, w_inverse, scale.clone())
     ctx.amax_history, ctx.recipe = amax_history, recipe
-    ctx.x_dtype, ctx.w_dtype, ctx.has_bias = out_dtype, weight.dtype, bias is not None
+    ctx.x_dtype, ctx.w_dtype, ctx.has_bias = out_dtype, weight.dtype, has_bias
     ctx.param = None  # set by the callers in split mode: the Parameter the deferred weight gradient goes to
+
+
+def _forward_gemm(ctx, x_fp8: Tensor, x_fp8_t: Tensor | None, x_inverse: Tensor, weight: Tensor,
+                  bias: Tensor | None, scale: Tensor, amax_history: Tensor, recipe: Recipe,
+                  out_dtype: torch.dtype) -> Tensor:
+    """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx
+    (``x_fp8_t``: the input's transposed layout with its rows padded to 16, or None)."""
+    w_fp8, w_fp8_t, w_inverse = _weight_operand(weight, scale, amax_history, recipe)
+    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=out_dtype)
+    if bias is not None:
+        out = out + bias.to(out_dtype)
+    x_column_major = x_fp8_t.t() if x_fp8_t is not None else _column_major(_rows_padded_to_16(x_fp8))
+    _save_for_backward(ctx, x_column_major, x_inverse, w_fp8, w_fp8_t, w_inverse, weight, bias is not None, scale,
+                       amax_history, recipe, out_dtype)
     return out
 
 
-def _backward_gemms(ctx, grad_out: Tensor) -> tuple[Tensor | None, Tensor | None, Tensor | None]:
-    """(grad_x [rows, in], grad_w, grad_bias), each None where autograd needs none: the output gradient cast
-    to the recipe's gradient format, both GEMMs in fp8."""
+def _saved_operands(ctx) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
+    """(x_column_major, w_column_major, x_inverse, w_inverse, the gradient's scale) saved by the forward."""
     x_column_major, w_saved, x_inverse, w_inverse, scale = ctx.saved_tensors
     w_column_major = w_saved if ctx.w_is_column_major else _column_major(w_saved)
+    return x_column_major, w_column_major, x_inverse, w_inverse, scale
+
+
+def _weight_grad(ctx, g_fp8_t: Tensor, g_inverse: Tensor, x_column_major: Tensor, x_inverse: Tensor,
+                 like: Tensor) -> Tensor:
+    """``g_fp8_t [out, rows_16] @ x [rows_16, in]`` in fp8, or in split mode the deferred W that adds it to
+    the parameter's gradient (``torchdist_ext.weight_grad``); ``like``: a tensor of the weight's shape."""
+    def weight_grad():
+        return torch._scaled_mm(g_fp8_t, x_column_major, scale_a=g_inverse, scale_b=x_inverse, out_dtype=ctx.w_dtype)
+
+    if ctx.param is None:
+        return weight_grad()
+    like = torch.empty(like.shape, dtype=ctx.w_dtype, device=like.device)
+    return deferred_weight_grad(ctx.param, lambda buffer: buffer.add_(weight_grad()), like)
+
+
+def _backward_gemms(ctx, grad_out: Tensor, input_grad_gemm=None) -> tuple[Tensor | None, Tensor | None,
+                                                                          Tensor | None]:
+    """(grad_x [rows, in], grad_w, grad_bias), each None where autograd needs none: the output gradient cast
+    to the recipe's gradient format, both GEMMs in fp8. ``input_grad_gemm(g_fp8, w_column_major, g_inverse,
+    w_inverse)``: the input gradient's GEMM (default ``torch._scaled_mm`` into the input's dtype)."""
+    x_column_major, w_column_major, x_inverse, w_inverse, scale = _saved_operands(ctx)
     g = grad_out.reshape(-1, grad_out.shape[-1])
     # One read of the gradient for both GEMMs: g_fp8 [rows, out] and g_fp8_t [out, rows_16].
     g_fp8, g_fp8_t, g_inverse = _cast_both_layouts(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history,
                                                    ctx.recipe, 16)
     grad_x = grad_w = grad_bias = None
     if ctx.needs_input_grad[0]:
-        grad_x = torch._scaled_mm(g_fp8, w_column_major, scale_a=g_inverse, scale_b=w_inverse, out_dtype=ctx.x_dtype)
+        if input_grad_gemm is None:
+            grad_x = torch._scaled_mm(g_fp8, w_column_major, scale_a=g_inverse, scale_b=w_inverse,
+                                      out_dtype=ctx.x_dtype)
+        else:
+            grad_x = input_grad_gemm(g_fp8, w_column_major, g_inverse, w_inverse)
     if ctx.needs_input_grad[1]:
-        def weight_grad():
-            return torch._scaled_mm(g_fp8_t, x_column_major, scale_a=g_inverse, scale_b=x_inverse,
-                                    out_dtype=ctx.w_dtype)
-
-        if ctx.param is None:
-            grad_w = weight_grad()
-        else:  # split mode: the weight-gradient GEMM is W (torchdist_ext.weight_grad)
-            like = torch.empty(w_column_major.shape, dtype=ctx.w_dtype, device=w_column_major.device)
-            grad_w = deferred_weight_grad(ctx.param, lambda buffer: buffer.add_(weight_grad()), like)
+        grad_w = _weight_grad(ctx, g_fp8_t, g_inverse, x_column_major, x_inverse, w_column_major)
     if ctx.has_bias and ctx.needs_input_grad[2]:
         grad_bias = g.sum(0)
     return grad_x, grad_w, grad_bias
@@ -149,26 +177,67 @@ class _Fp8LinearFunction(torch.autograd.Function):
 
 
 class _Fp8AllGatherLinearFunction(torch.autograd.Function):
-    """Sequence-parallel column GEMM in fp8: this rank's sequence block is cast, the fp8 bytes are
-    all-gathered (a quarter of fp32's traffic, half of bf16's), and the GEMM runs on the gathered fp8
-    sequence; backward reduce-scatters the input gradient back to the blocks."""
+    """Sequence-parallel column GEMM in fp8: this rank's sequence block is cast, and the fp8 blocks travel a
+    ring (a quarter of fp32's traffic, half of bf16's) while each arrived block's GEMM runs
+    (``tdx::all_gather_scaled_mm``); backward's input-gradient GEMM reduce-scatters as a ring too
+    (``tdx::scaled_mm_reduce_scatter``)."""
 
     @staticmethod
-    def forward(ctx, x, weight, bias, scale, amax_history, recipe, group_name, group_size, dim, owner):
+    def forward(ctx, x, weight, bias, scale, amax_history, recipe, group_name, dim, owner):
         x_fp8_block, x_inverse = _cast(x.contiguous(), _INPUT, torch.float8_e4m3fn, scale, amax_history, recipe)
-        gathered = collectives.all_gather(x_fp8_block.view(torch.uint8), group_name, group_size, dim)
-        x_fp8 = gathered.view(torch.float8_e4m3fn).reshape(-1, x.shape[-1])
-        out = _forward_gemm(ctx, x_fp8, None, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
+        w_fp8, w_fp8_t, w_inverse = _weight_operand(weight, scale, amax_history, recipe)
+        out, gathered = all_gather_scaled_mm(x_fp8_block, w_fp8.t(), x_inverse, w_inverse, x.dtype, group_name, dim)
+        if bias is not None:
+            out = out + bias.to(x.dtype)
+        x_column_major = _column_major(_rows_padded_to_16(gathered.reshape(-1, x.shape[-1])))
+        _save_for_backward(ctx, x_column_major, x_inverse, w_fp8, w_fp8_t, w_inverse, weight, bias is not None,
+                           scale, amax_history, recipe, x.dtype)
         ctx.param = owner[0]
-        ctx.gathered_shape, ctx.group = gathered.shape, (group_name, group_size, dim)
-        return out.view(*gathered.shape[:-1], weight.shape[0])
+        ctx.gathered_shape, ctx.group_name, ctx.dim = gathered.shape, group_name, dim
+        return out
 
     @staticmethod
     def backward(ctx, grad_out):
-        grad_x, grad_w, grad_bias = _backward_gemms(ctx, grad_out)
-        if grad_x is not None:
-            grad_x = collectives.reduce_scatter(grad_x.view(ctx.gathered_shape), *ctx.group)
-        return grad_x, grad_w, grad_bias, None, None, None, None, None, None, None
+        def input_grad_gemm(g_fp8, w_column_major, g_inverse, w_inverse):
+            g_fp8 = g_fp8.view(*ctx.gathered_shape[:-1], g_fp8.shape[-1])
+            return scaled_mm_reduce_scatter(g_fp8, w_column_major, g_inverse, w_inverse, ctx.x_dtype,
+                                            ctx.group_name, ctx.dim)
+
+        grad_x, grad_w, grad_bias = _backward_gemms(ctx, grad_out, input_grad_gemm)
+        return grad_x, grad_w, grad_bias, None, None, None, None, None, None
+
+
+class _Fp8LinearReduceScatterFunction(torch.autograd.Function):
+    """Sequence-parallel row GEMM in fp8: the local GEMM's partial sums reduce-scatter as a ring while the next
+    block's GEMM runs (``tdx::scaled_mm_reduce_scatter``); backward casts this rank's block of the output
+    gradient and its fp8 blocks travel a ring into the input gradient's GEMM (``tdx::all_gather_scaled_mm``),
+    whose gathered fp8 gradient then serves the weight gradient."""
+
+    @staticmethod
+    def forward(ctx, x, weight, scale, amax_history, recipe, group_name, dim, owner):
+        x_fp8, x_fp8_t, x_inverse = _cast_both_layouts(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn,
+                                                       scale, amax_history, recipe, 16)
+        w_fp8, w_fp8_t, w_inverse = _weight_operand(weight, scale, amax_history, recipe)
+        out = scaled_mm_reduce_scatter(x_fp8.view(x.shape), w_fp8.t(), x_inverse, w_inverse, x.dtype, group_name,
+                                       dim)
+        _save_for_backward(ctx, x_fp8_t.t(), x_inverse, w_fp8, w_fp8_t, w_inverse, weight, False, scale,
+                           amax_history, recipe, x.dtype)
+        ctx.param = owner[0]
+        ctx.group_name, ctx.dim = group_name, dim
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        x_column_major, w_column_major, x_inverse, w_inverse, scale = _saved_operands(ctx)
+        g_block_fp8, g_inverse = _cast(grad_out.contiguous(), _GRAD, ctx.recipe.grad_dtype, scale,
+                                       ctx.amax_history, ctx.recipe)
+        grad_x, g_fp8 = all_gather_scaled_mm(g_block_fp8, w_column_major, g_inverse, w_inverse, ctx.x_dtype,
+                                             ctx.group_name, ctx.dim)
+        grad_w = None
+        if ctx.needs_input_grad[1]:
+            g_fp8_t = _rows_padded_to_16(g_fp8.reshape(-1, g_fp8.shape[-1])).t().contiguous()
+            grad_w = _weight_grad(ctx, g_fp8_t, g_inverse, x_column_major, x_inverse, w_column_major)
+        return (grad_x if ctx.needs_input_grad[0] else None), grad_w, None, None, None, None, None, None
 
 
 def gathers_fp8(recipe: Recipe) -> bool:
@@ -185,15 +254,26 @@ def _check_split_is_eager(split_param: nn.Parameter | None) -> None:
 
 
 def fp8_all_gather_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, amax_history: Tensor,
-                          recipe: Recipe, group_name: str, group_size: int, dim: int,
-                          split_param: nn.Parameter | None = None) -> Tensor:
+                          recipe: Recipe, group_name: str, dim: int, split_param: nn.Parameter | None = None) -> Tensor:
     """``F.linear(all_gather(x, dim), weight, bias)`` with x cast to fp8 before the gather (see
     ``_Fp8AllGatherLinearFunction``): ``x [.., S/n, .., in]`` this rank's block along ``dim``,
     ``weight [out, in]``; returns ``[.., S, .., out]``. Needs ``gathers_fp8(recipe)``. ``split_param``: as for
     ``fp8_linear``."""
     _check_split_is_eager(split_param)
-    return _Fp8AllGatherLinearFunction.apply(x, weight, bias, scale, amax_history, recipe, group_name, group_size,
-                                             dim, (split_param,))
+    return _Fp8AllGatherLinearFunction.apply(x, weight, bias, scale, amax_history, recipe, group_name, dim,
+                                             (split_param,))
+
+
+def fp8_linear_reduce_scatter(x: Tensor, weight: Tensor, scale: Tensor, amax_history: Tensor, recipe: Recipe,
+                              group_name: str, dim: int, split_param: nn.Parameter | None = None) -> Tensor:
+    """``reduce_scatter(F.linear(x, weight), dim)`` with fp8 GEMMs as rings (see
+    ``_Fp8LinearReduceScatterFunction``): ``x [.., S, .., in]`` full along ``dim`` (S divisible by the group),
+    ``weight [out, in]``; returns this rank's block ``[.., S/n, .., out]`` of the sum over the group. Needs
+    ``gathers_fp8(recipe)`` (the backward gathers the fp8 output gradient). ``split_param``: as for
+    ``fp8_linear``."""
+    _check_split_is_eager(split_param)
+    return _Fp8LinearReduceScatterFunction.apply(x, weight, scale, amax_history, recipe, group_name, dim,
+                                                 (split_param,))
 
 
 def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, amax_history: Tensor,

@@ -15,8 +15,10 @@ from torchdist_ext.ops.attention import (
 )
 from torchdist_ext.ops.collective_matmul import (
     all_gather_matmul,
+    all_gather_scaled_mm,
     all_gather_weight_grad,
     matmul_reduce_scatter,
+    scaled_mm_reduce_scatter,
 )
 from torchdist_ext.ops.cross_entropy import vocab_parallel_cross_entropy_fwd
 from torchdist_ext.ops.fp8 import fp8_cast_amax, fp8_cast_transpose_amax
@@ -25,6 +27,7 @@ from torchdist_ext.ops.moe import moe_combine, moe_dispatch, moe_grouped_mm, moe
 
 __all__ = [
     "all_gather_matmul",
+    "all_gather_scaled_mm",
     "all_gather_weight_grad",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
@@ -36,6 +39,7 @@ __all__ = [
     "linear_wgrad_",
     "lse_merge_",
     "matmul_reduce_scatter",
+    "scaled_mm_reduce_scatter",
     "moe_combine",
     "moe_dispatch",
     "moe_grouped_mm",

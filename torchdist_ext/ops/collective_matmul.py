@@ -11,6 +11,12 @@ other's gradients:
                                                dW = AG(dY).T @ x
     all_gather_weight_grad G = D.T @ AG(s)     dD = all_gather_matmul(s, dG)
                                                ds = matmul_reduce_scatter(D, dG.T)
+
+Their fp8 pair runs ``torch._scaled_mm`` on each ring block (no autograd of their own: the
+fp8 linears' backward calls them, ``torchdist_ext.fp8.linear``):
+
+    all_gather_scaled_mm      Y = AG(x) @ B * sx * sb   (and AG(x), for the weight gradient)
+    scaled_mm_reduce_scatter  Y = RS(x @ B * sx * sb)
 """
 
 import torch
@@ -19,7 +25,15 @@ from torch.distributed.distributed_c10d import _get_group_size_by_name
 
 from torchdist_ext.collectives import reduce_scatter
 
-__all__ = ["all_gather_matmul", "matmul_reduce_scatter", "all_gather_weight_grad"]
+__all__ = [
+    "all_gather_matmul",
+    "all_gather_scaled_mm",
+    "all_gather_weight_grad",
+    "matmul_reduce_scatter",
+    "scaled_mm_reduce_scatter",
+]
+
+_FP8_DTYPES = (torch.float8_e4m3fn, torch.float8_e5m2)
 
 
 def all_gather_matmul(
@@ -61,6 +75,36 @@ def all_gather_weight_grad(dense: Tensor, shard: Tensor, group_name: str, gather
     return torch.ops.tdx.all_gather_weight_grad(dense, shard, group_name, gather_dim)
 
 
+def all_gather_scaled_mm(x: Tensor, mat2: Tensor, scale_x: Tensor, scale_mat2: Tensor, out_dtype: torch.dtype,
+                         group_name: str, gather_dim: int) -> tuple[Tensor, Tensor]:
+    """``torch._scaled_mm(all_gather(x, gather_dim), mat2, scale_x, scale_mat2)`` as a ring: each fp8 block's
+    GEMM overlaps the next block's transfer (the bytes of a quarter of fp32's traffic).
+
+    Args:
+        x: this rank's fp8 block ``[..., S/n, ..., k]`` along ``gather_dim`` (not the last dim).
+        mat2: fp8 ``[k, n]``; column-major on a GPU (``w_fp8.t()`` of a row-major ``[n, k]`` weight).
+        scale_x, scale_mat2: 1-element fp32 dequantisation factors (the inverse cast scales; equal on every
+            rank for the gathered blocks to mean the same values).
+    Returns:
+        ``(out, gathered)``: ``out [..., S, ..., n]`` in ``out_dtype``; ``gathered``, the all-gathered fp8 ``x``.
+    """
+    return torch.ops.tdx.all_gather_scaled_mm(x, mat2, scale_x, scale_mat2, out_dtype, group_name, gather_dim)
+
+
+def scaled_mm_reduce_scatter(x: Tensor, mat2: Tensor, scale_x: Tensor, scale_mat2: Tensor, out_dtype: torch.dtype,
+                             group_name: str, scatter_dim: int) -> Tensor:
+    """This rank's block of ``sum_over_ranks(torch._scaled_mm(x, mat2, scale_x, scale_mat2))`` along
+    ``scatter_dim``, as a ring: each block's GEMM overlaps the transfer of the previous block's running sum.
+
+    Args:
+        x: fp8 ``[..., S, ..., k]`` with ``S`` divisible by the group size.
+        mat2, scale_x, scale_mat2: as ``all_gather_scaled_mm``.
+    Returns:
+        ``[..., S/n, ..., n]`` in ``out_dtype`` (the partial sums are added in it).
+    """
+    return torch.ops.tdx.scaled_mm_reduce_scatter(x, mat2, scale_x, scale_mat2, out_dtype, group_name, scatter_dim)
+
+
 def _sharded_dim(op: str, t: Tensor, dim: int) -> int:
     """The C++ op's checks of the sharded dim, for the fake (meta) implementations; returns it wrapped."""
     torch._check(t.dim() >= 2, lambda: f"{op}: the activation must have at least 2 dims, got shape {tuple(t.shape)}")
@@ -92,6 +136,52 @@ def _check_matmul_operands(op: str, x: Tensor, weight: Tensor) -> None:
         lambda: f"{op}: x.size(-1)={x.shape[-1]} must equal weight.size(1)={weight.shape[1]}",
     )
     _check_same_kind(op, x, "x", weight, "weight")
+
+
+def _check_scaled_mm_operands(op: str, x: Tensor, mat2: Tensor, scale_x: Tensor, scale_mat2: Tensor) -> None:
+    torch._check(
+        x.dtype in _FP8_DTYPES and mat2.dtype in _FP8_DTYPES,
+        lambda: f"{op}: x and mat2 must be float8_e4m3fn or float8_e5m2, got {x.dtype} and {mat2.dtype}",
+    )
+    torch._check(mat2.dim() == 2, lambda: f"{op}: mat2 must be 2-D [k, n], got shape {tuple(mat2.shape)}")
+    torch._check(
+        x.shape[-1] == mat2.shape[0], lambda: f"{op}: x.size(-1)={x.shape[-1]} must equal mat2.size(0)={mat2.shape[0]}"
+    )
+    for scale in (scale_x, scale_mat2):
+        torch._check(
+            scale.dtype == torch.float32 and scale.numel() == 1,
+            lambda: f"{op}: scale_x and scale_mat2 must be 1-element float32 tensors, got {scale.dtype} with "
+            f"{scale.numel()} elements",
+        )
+    for t in (mat2, scale_x, scale_mat2):
+        torch._check(
+            t.device == x.device, lambda: f"{op}: every tensor must be on x's device {x.device}, got {t.device}"
+        )
+
+
+@torch.library.register_fake("tdx::all_gather_scaled_mm")
+def _(x, mat2, scale_x, scale_mat2, out_dtype, group_name, gather_dim):
+    op = "all_gather_scaled_mm"
+    dim = _sharded_dim(op, x, gather_dim)
+    _check_scaled_mm_operands(op, x, mat2, scale_x, scale_mat2)
+    gathered_shape = list(x.shape)
+    gathered_shape[dim] *= _get_group_size_by_name(group_name)
+    return x.new_empty([*gathered_shape[:-1], mat2.shape[1]], dtype=out_dtype), x.new_empty(gathered_shape)
+
+
+@torch.library.register_fake("tdx::scaled_mm_reduce_scatter")
+def _(x, mat2, scale_x, scale_mat2, out_dtype, group_name, scatter_dim):
+    op = "scaled_mm_reduce_scatter"
+    dim = _sharded_dim(op, x, scatter_dim)
+    _check_scaled_mm_operands(op, x, mat2, scale_x, scale_mat2)
+    n = _get_group_size_by_name(group_name)
+    torch._check(
+        x.shape[dim] % n == 0, lambda: f"{op}: x.size({dim})={x.shape[dim]} must be divisible by the group size {n}"
+    )
+    shape = list(x.shape)
+    shape[dim] //= n
+    shape[-1] = mat2.shape[1]
+    return x.new_empty(shape, dtype=out_dtype)
 
 
 @torch.library.register_fake("tdx::all_gather_matmul")

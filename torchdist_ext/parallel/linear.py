@@ -14,10 +14,13 @@ Parameters are DTensors on ``tp_mesh``, so ``fully_shard(module, mesh=dp_mesh)``
 makes them 2-D and distributed checkpoints reshard them.
 
 In fp8 (``torchdist_ext.fp8.convert_to_fp8``) the local GEMM runs through
-``fp8_linear``; under sequence parallelism the column layer all-gathers the fp8
-bytes of its input (delayed scales reduced over the ranks; otherwise the
-activations) and the row layer reduce-scatters its output, as bulk collectives
-(the ring-fused ops run in the activation dtype).
+``fp8_linear``. Under sequence parallelism with delayed scales reduced over the
+ranks (``gathers_fp8``) the rings carry fp8: the column layer's input blocks travel
+as fp8 bytes into ``tdx::all_gather_scaled_mm`` and the row layer's partial sums
+reduce-scatter in ``tdx::scaled_mm_reduce_scatter`` (their backward, the other way
+round, gathers the fp8 output gradient). Otherwise (current scaling: each rank's
+own scale) the activations are gathered and the output reduce-scattered as bulk
+collectives around the fp8 GEMM.
 """
 
 import math
@@ -29,7 +32,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Replicate, Shard
 
 from torchdist_ext import ops
-from torchdist_ext.fp8.linear import fp8_all_gather_linear, fp8_linear, gathers_fp8
+from torchdist_ext.fp8.linear import fp8_all_gather_linear, fp8_linear, fp8_linear_reduce_scatter, gathers_fp8
 from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.parallel.input_checks import (
     check_divisible,
@@ -165,8 +168,7 @@ class ColumnParallelLinear(_ParallelLinear):
         bias = None if self.bias is None else self.bias.to_local()
         if self.sequence_parallel and self.fp8_recipe is not None and gathers_fp8(self.fp8_recipe):
             out = fp8_all_gather_linear(x, weight, bias, self.scale, self.amax_history, self.fp8_recipe, self.tp.name,
-                                        self.tp.size, sequence_dim(x, self.seq_dim),
-                                        self.weight if self.split_weight_grad else None)
+                                        sequence_dim(x, self.seq_dim), self.weight if self.split_weight_grad else None)
         elif self.sequence_parallel and self.fp8_recipe is not None:
             out = self._local_linear(gather_from_sequence_region(x, self.tp, sequence_dim(x, self.seq_dim)),
                                      weight, bias)
@@ -233,6 +235,9 @@ class RowParallelLinear(_ParallelLinear):
                 out = split_linear(x, weight, self, "scatter", self.tp.name, dim)
             elif self.fp8_recipe is None:
                 out = ops.matmul_reduce_scatter(x, weight, self.tp.name, dim)
+            elif gathers_fp8(self.fp8_recipe):
+                out = fp8_linear_reduce_scatter(x, weight, self.scale, self.amax_history, self.fp8_recipe,
+                                                self.tp.name, dim, self.weight if self.split_weight_grad else None)
             else:
                 out = reduce_scatter_to_sequence_region(self._local_linear(x, weight, None), self.tp, dim)
         else:

@@ -26,7 +26,8 @@ RECOMPUTE_MODES = ("none", "selective", "full")
 
 _tdx, _c10d, _aten = torch.ops.tdx, torch.ops._c10d_functional, torch.ops.aten
 _COMMUNICATING = [
-    _tdx.all_gather_matmul, _tdx.matmul_reduce_scatter, _tdx.all_gather_weight_grad, _tdx.all_to_all_seq_to_heads,
+    _tdx.all_gather_matmul, _tdx.matmul_reduce_scatter, _tdx.all_gather_weight_grad, _tdx.all_gather_scaled_mm,
+    _tdx.scaled_mm_reduce_scatter, _tdx.all_to_all_seq_to_heads,
     _tdx.all_to_all_heads_to_seq, _tdx.ring_attention_fwd, _tdx.moe_dispatch, _tdx.moe_combine,
     _tdx.vocab_parallel_cross_entropy_fwd, _c10d.all_reduce, _c10d.all_gather_into_tensor,
     _c10d.reduce_scatter_tensor, _c10d.all_to_all_single, _c10d.wait_tensor,
