@@ -18,7 +18,8 @@
 #      expressions; each with the fraction of the measured copy bandwidth;
 #   3. the main job on the GPUs it finds (one GPU, or an odd count: dp only;
 #      even: dp x tp=2), NCCL, bf16, printing tokens/s and MFU, --check against
-#      one fp32 process; then again with fp8 GEMMs (--fp8 delayed); with the
+#      one fp32 process; then again with fp8 GEMMs (--fp8 delayed), and with
+#      FSDP2 gathering the weights in fp8 (--fp8-all-gather); with the
 #      communication ledger wrapping NCCL (--ledger: the planner's memory and
 #      bytes beside the measured ones); compiled (--compile).
 # Writes gpu_check.log (everything) and build.log under the output folder.
@@ -66,8 +67,8 @@ for bench in bench_moe_kernels bench_fp8 bench_cross_entropy bench_lse_merge; do
 done
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 tp=$([ $((gpus % 2)) -eq 0 ] && echo 2 || echo 1)
-for precision in "" "--fp8 delayed"; do
-  # shellcheck disable=SC2086  # $precision is two words or none
+for precision in "" "--fp8 delayed" "--fp8 delayed --fp8-all-gather"; do
+  # shellcheck disable=SC2086  # $precision is a few words or none
   step 150 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" examples/train_llama.py \
     --device cuda --tp "$tp" --steps 30 --batch $((8 * gpus / tp)) --check $precision
 done

@@ -190,7 +190,7 @@ bool is_fp8(at::ScalarType type) {
 }
 
 void check_scaled_mm_operands(const char* op, const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x,
-                              const at::Tensor& scale_mat2) {
+                              const at::Tensor& scale_mat2, at::ScalarType out_dtype) {
   TORCH_CHECK(
       is_fp8(x.scalar_type()) && is_fp8(mat2.scalar_type()), op,
       ": x and mat2 must be float8_e4m3fn or float8_e5m2, got ", x.scalar_type(), " and ", mat2.scalar_type());
@@ -207,13 +207,27 @@ void check_scaled_mm_operands(const char* op, const at::Tensor& x, const at::Ten
     TORCH_CHECK(
         t->device() == x.device(), op, ": every tensor must be on x's device ", x.device(), ", got ", t->device());
   }
+  TORCH_CHECK(
+      out_dtype == at::kFloat || out_dtype == at::kBFloat16 || out_dtype == at::kHalf, op,
+      ": out_dtype must be float32, bfloat16 or float16, got ", out_dtype);
+  if (x.is_cuda()) {  // torch._scaled_mm's rules on a GPU, checked before any block travels
+    TORCH_CHECK(
+        mat2.stride(0) == 1 && mat2.size(0) % 16 == 0 && mat2.size(1) % 16 == 0, op,
+        ": on CUDA mat2 must be column-major with both dims multiples of 16, got shape ", mat2.sizes(),
+        " and strides ", mat2.strides());
+  }
 }
 
-// dst (a [outer, rows, n] view) = (a @ b) * scale_a * scale_b in dst's dtype.
+// dst (a [outer, rows, n] view) = (a @ b) * scale_a * scale_b in dst's dtype, written in place when dst is
+// contiguous.
 void scaled_mm_into(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                     const at::Tensor& scale_b) {
-  const auto product = at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, dst.scalar_type());
-  dst.copy_(product.view(dst.sizes()));
+  if (dst.is_contiguous()) {
+    auto dst_2d = dst.view({a.size(0), b.size(1)});
+    at::_scaled_mm_out(dst_2d, a, b, scale_a, scale_b, std::nullopt, std::nullopt, dst.scalar_type());
+  } else {
+    dst.copy_(at::_scaled_mm(a, b, scale_a, scale_b, std::nullopt, std::nullopt, dst.scalar_type()).view(dst.sizes()));
+  }
 }
 
 // x: this rank's fp8 block [..., S/n, ..., k] along gather_dim, mat2: fp8 [k, n].
@@ -223,7 +237,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_scaled_mm(
     const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x, const at::Tensor& scale_mat2,
     at::ScalarType out_dtype, c10::string_view group_name, int64_t gather_dim) {
   const int64_t dim = sharded_dim(kAllGatherScaledMm, x, gather_dim);
-  check_scaled_mm_operands(kAllGatherScaledMm, x, mat2, scale_x, scale_mat2);
+  check_scaled_mm_operands(kAllGatherScaledMm, x, mat2, scale_x, scale_mat2, out_dtype);
   comm::Ring ring(group_name);
   const int64_t n = ring.size();
   const auto shard = x.contiguous();
@@ -253,7 +267,7 @@ at::Tensor scaled_mm_reduce_scatter(const at::Tensor& x, const at::Tensor& mat2,
                                     const at::Tensor& scale_mat2, at::ScalarType out_dtype,
                                     c10::string_view group_name, int64_t scatter_dim) {
   const int64_t dim = sharded_dim(kScaledMmReduceScatter, x, scatter_dim);
-  check_scaled_mm_operands(kScaledMmReduceScatter, x, mat2, scale_x, scale_mat2);
+  check_scaled_mm_operands(kScaledMmReduceScatter, x, mat2, scale_x, scale_mat2, out_dtype);
   comm::Ring ring(group_name);
   const int n = ring.size();
   TORCH_CHECK(

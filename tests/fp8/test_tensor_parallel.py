@@ -78,6 +78,46 @@ def test_fp8_tensor_parallel_equals_one_process(world, sequence_parallel, reques
     request.getfixturevalue(world).run(tp_fp8_matches_one_process, sequence_parallel)
 
 
+def current_scaling_sequence_parallel_matches_replicated():
+    """Current scaling (each rank's own scales): the sequence-parallel layers gather the activations and
+    reduce-scatter the output around the fp8 GEMM; every rank casts the same tensors as without sequence
+    parallelism (the gathered input, its own GEMM shard, the gathered output gradient), so the two agree up
+    to the order of the sums."""
+    n = dist.get_world_size()
+    mesh = cached_mesh((n,), ("tp",))
+    torch.manual_seed(0)
+    up, down = nn.Linear(32, 64), nn.Linear(64, 32)
+    models = {sp: convert_to_fp8(Mlp(ColumnParallelLinear.from_linear(up, tp_mesh=mesh, sequence_parallel=sp),
+                                     RowParallelLinear.from_linear(down, tp_mesh=mesh, sequence_parallel=sp)),
+                                 CurrentScaling()) for sp in (False, True)}
+    gen = torch.Generator().manual_seed(1)
+    x, upstream = torch.randn(2, 4 * n, 32, generator=gen) * 4, torch.randn(2, 4 * n, 32, generator=gen) * 1e-2
+    out, grad = step(models[False], x, upstream)
+    out_sp, grad_sp = step(models[True], shard_replicated(x, mesh=mesh, dim=1), shard_replicated(upstream, mesh=mesh,
+                                                                                                   dim=1))
+    assert_close_to_scale(gather_replicated(out_sp, mesh=mesh, dim=1), out, what="output")
+    assert_close_to_scale(gather_replicated(grad_sp, mesh=mesh, dim=1), grad, what="input grad")
+    for (name, p_sp), p in zip(models[True].named_parameters(), models[False].parameters()):
+        assert_close_to_scale(p_sp.grad.full_tensor(), p.grad.full_tensor(), what=f"{name} grad")
+
+
+def test_current_scaling_sequence_parallel_matches_replicated(world2):
+    world2.run(current_scaling_sequence_parallel_matches_replicated)
+
+
+def reduction_mesh_without_the_tp_ranks() -> str:
+    mesh = cached_mesh((dist.get_world_size(), 1), ("tp", "dp"))
+    layer = ColumnParallelLinear(32, 64, tp_mesh=mesh["tp"], sequence_parallel=True)
+    with pytest.raises(ValueError) as refused:
+        convert_to_fp8(layer, DelayedScaling(), amax_reduction_mesh=mesh["dp"])
+    return str(refused.value)
+
+
+def test_an_amax_reduction_mesh_must_include_the_tp_ranks(world2):
+    for message in world2.run(reduction_mesh_without_the_tp_ranks):
+        assert "must include the tensor-parallel ranks [0, 1] of ColumnParallelLinear" in message, message
+
+
 def compiled_fp8_block_equals_eager():
     n = dist.get_world_size()
     mesh = cached_mesh((n,), ("tp",))

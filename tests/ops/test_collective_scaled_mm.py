@@ -97,6 +97,28 @@ def check_schema_promises(op, args):
                 assert out.untyped_storage().data_ptr() != arg.untyped_storage().data_ptr(), "output aliases input"
 
 
+def check_four_dims_and_a_strided_input():
+    """[b, s, heads, k] sharded on dim 1 (rows = s/n * heads per block, blocks interleaved in memory), from a
+    non-contiguous x."""
+    n, r = dist.get_world_size(), dist.get_rank()
+    mat2 = fp8(100 + r, 32, 16).t()
+    strided = fp8(1, 2, 2 * n, 3, 32)[..., ::2]  # every other feature: not contiguous
+    out, gathered = all_gather_scaled_mm(strided.chunk(n, dim=1)[r], mat2, scale(0), scale(1), torch.float32,
+                                         group_name(), 1)
+    assert torch.equal(gathered.view(torch.uint8), strided.contiguous().view(torch.uint8))
+    close(out, scaled_mm(strided.contiguous(), mat2, scale(0), scale(1), torch.float32), torch.float32)
+    xs = [fp8(10 + j, 2, 2 * n, 3, 16) for j in range(n)]
+    out = scaled_mm_reduce_scatter(xs[r], mat2, scale(0), scale(1), torch.float32, group_name(), 1)
+    mats = [fp8(100 + j, 32, 16).t() for j in range(n)]
+    total = sum(scaled_mm(xs[j], mats[j], scale(0), scale(1), torch.float32).double() for j in range(n))
+    close(out, total.chunk(n, dim=1)[r], torch.float32)
+    return True
+
+
+def test_four_dims_and_a_strided_input(world2):
+    assert all(world2.run(check_four_dims_and_a_strided_input))
+
+
 def run_opcheck():
     n, name = dist.get_world_size(), group_name()
     mat2 = fp8(1, 32, 16).t()
@@ -152,6 +174,10 @@ def bad_scale():
                              group_name(), 1)
 
 
+def bad_out_dtype():
+    all_gather_scaled_mm(fp8(0, 2, 3, 16), fp8(1, 32, 16).t(), scale(0), scale(0), torch.float64, group_name(), 1)
+
+
 def bad_sharded_dim():
     all_gather_scaled_mm(fp8(0, 2, 3, 16), fp8(1, 32, 16).t(), scale(0), scale(0), torch.float32, group_name(), -1)
 
@@ -168,6 +194,7 @@ def bad_divisibility():
         (bad_inner_dim, "x.size\\(-1\\)=16 must equal mat2.size\\(0\\)=8"),
         (bad_mat2_rank, "mat2 must be 2-D \\[k, n\\]"),
         (bad_scale, "scale_x and scale_mat2 must be 1-element float32 tensors, got Float with 2 elements"),
+        (bad_out_dtype, "out_dtype must be float32, bfloat16 or float16, got Double"),
         (bad_sharded_dim, "must not be the feature \\(last\\) dim"),
         (bad_divisibility, "x.size\\(1\\)=3 must be divisible by the group size 2"),
     ],

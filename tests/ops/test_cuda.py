@@ -95,6 +95,25 @@ def test_collective_matmuls(cuda_world):
     assert cuda_world.run(check_collective_matmuls) == [True]
 
 
+def check_fp8_collective_matmuls():
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(2, 16, 32, generator=gen).to(torch.float8_e4m3fn).cuda()
+    mat2 = torch.randn(48, 32, generator=gen).to(torch.float8_e4m3fn).cuda().t()  # column-major, as _scaled_mm takes
+    s_x, s_m = torch.tensor([0.5], device="cuda"), torch.tensor([0.25], device="cuda")
+    expected = torch._scaled_mm(x.flatten(0, 1), mat2, scale_a=s_x, scale_b=s_m, out_dtype=torch.bfloat16).view(2, 16, 48)
+    out, gathered = torchdist_ext.ops.all_gather_scaled_mm(x, mat2, s_x, s_m, torch.bfloat16, group_name(), 1)
+    assert torch.equal(out, expected) and torch.equal(gathered.view(torch.uint8), x.view(torch.uint8))
+    scattered = torchdist_ext.ops.scaled_mm_reduce_scatter(x, mat2, s_x, s_m, torch.bfloat16, group_name(), 1)
+    assert torch.equal(scattered, expected)
+    return True
+
+
+@pytest.mark.skipif(torch.cuda.is_available() and torch.cuda.get_device_capability() < (8, 9),
+                    reason="fp8 GEMMs need compute capability 8.9 or newer")
+def test_fp8_collective_matmuls(cuda_world):
+    assert cuda_world.run(check_fp8_collective_matmuls) == [True]
+
+
 def check_ring_attention_blocks(dtype, causal):
     """With one rank the ring is one block: the CUDA block kernels, merge and backward against SDPA."""
     gen = torch.Generator().manual_seed(2)

@@ -138,7 +138,8 @@ def _check_matmul_operands(op: str, x: Tensor, weight: Tensor) -> None:
     _check_same_kind(op, x, "x", weight, "weight")
 
 
-def _check_scaled_mm_operands(op: str, x: Tensor, mat2: Tensor, scale_x: Tensor, scale_mat2: Tensor) -> None:
+def _check_scaled_mm_operands(op: str, x: Tensor, mat2: Tensor, scale_x: Tensor, scale_mat2: Tensor,
+                              out_dtype: torch.dtype) -> None:
     torch._check(
         x.dtype in _FP8_DTYPES and mat2.dtype in _FP8_DTYPES,
         lambda: f"{op}: x and mat2 must be float8_e4m3fn or float8_e5m2, got {x.dtype} and {mat2.dtype}",
@@ -157,13 +158,23 @@ def _check_scaled_mm_operands(op: str, x: Tensor, mat2: Tensor, scale_x: Tensor,
         torch._check(
             t.device == x.device, lambda: f"{op}: every tensor must be on x's device {x.device}, got {t.device}"
         )
+    torch._check(
+        out_dtype in (torch.float32, torch.bfloat16, torch.float16),
+        lambda: f"{op}: out_dtype must be float32, bfloat16 or float16, got {out_dtype}",
+    )
+    if x.device.type == "cuda":  # torch._scaled_mm's rules on a GPU
+        torch._check(
+            mat2.stride(0) == 1 and mat2.shape[0] % 16 == 0 and mat2.shape[1] % 16 == 0,
+            lambda: f"{op}: on CUDA mat2 must be column-major with both dims multiples of 16, got shape "
+            f"{tuple(mat2.shape)} and strides {mat2.stride()}",
+        )
 
 
 @torch.library.register_fake("tdx::all_gather_scaled_mm")
 def _(x, mat2, scale_x, scale_mat2, out_dtype, group_name, gather_dim):
     op = "all_gather_scaled_mm"
     dim = _sharded_dim(op, x, gather_dim)
-    _check_scaled_mm_operands(op, x, mat2, scale_x, scale_mat2)
+    _check_scaled_mm_operands(op, x, mat2, scale_x, scale_mat2, out_dtype)
     gathered_shape = list(x.shape)
     gathered_shape[dim] *= _get_group_size_by_name(group_name)
     return x.new_empty([*gathered_shape[:-1], mat2.shape[1]], dtype=out_dtype), x.new_empty(gathered_shape)
@@ -173,7 +184,7 @@ def _(x, mat2, scale_x, scale_mat2, out_dtype, group_name, gather_dim):
 def _(x, mat2, scale_x, scale_mat2, out_dtype, group_name, scatter_dim):
     op = "scaled_mm_reduce_scatter"
     dim = _sharded_dim(op, x, scatter_dim)
-    _check_scaled_mm_operands(op, x, mat2, scale_x, scale_mat2)
+    _check_scaled_mm_operands(op, x, mat2, scale_x, scale_mat2, out_dtype)
     n = _get_group_size_by_name(group_name)
     torch._check(
         x.shape[dim] % n == 0, lambda: f"{op}: x.size({dim})={x.shape[dim]} must be divisible by the group size {n}"

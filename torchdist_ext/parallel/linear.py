@@ -96,6 +96,19 @@ class _ParallelLinear(SplitsWeightGrad, Fp8State, nn.Module):
         # Every rank starts from rank 0's draw, as one process would.
         self._set_full_parameters(weight, full_bias, src_data_rank=0)
 
+    def enable_fp8(self, recipe, *, amax_reduction_mesh: DeviceMesh | None = None, device=None) -> None:
+        """``Fp8State.enable_fp8``, refusing an ``amax_reduction_mesh`` without this layer's tp ranks: their
+        delayed scales would differ, and the fp8 blocks that travel between them (sequence parallelism) or
+        their replicated results would be dequantised with another rank's scale."""
+        if amax_reduction_mesh is not None:
+            tp_ranks = set(self.tp.mesh.mesh.flatten().tolist())
+            reduced = set(amax_reduction_mesh.mesh.flatten().tolist())
+            if not tp_ranks <= reduced:
+                raise ValueError(f"amax_reduction_mesh (ranks {sorted(reduced)}) must include the tensor-parallel "
+                                 f"ranks {sorted(tp_ranks)} of {type(self).__name__}, or they would cast with "
+                                 f"different scales")
+        super().enable_fp8(recipe, amax_reduction_mesh=amax_reduction_mesh, device=device)
+
     def _set_full_parameters(self, weight: Tensor, bias: Tensor | None, src_data_rank: int | None) -> None:
         self.weight = distribute_parameter(weight, self.tp, self.weight_placement, src_data_rank)
         if bias is None:
