@@ -40,6 +40,7 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from device_timing import copy_bandwidth, median_seconds  # noqa: E402
+from world_timing import median_call_seconds  # noqa: E402
 
 from torchdist_ext.fp8 import DelayedScaling, Fp8Linear, fp8_step  # noqa: E402
 from torchdist_ext.ops import fp8_cast_amax, fp8_cast_transpose_amax  # noqa: E402
@@ -181,28 +182,6 @@ def step_rows() -> list[dict]:
 SP_RING_SIZES = [(2048, 512, 2048), (4096, 1024, 4096)]  # (sequence, hidden, ffn): one [1, S, h] micro-batch
 
 
-def median_collective_seconds(fns: dict, repeats: int, warmup: int = 2) -> dict[str, float]:
-    """This rank's median time of each collective ``fn()``, the variants interleaved in alternating order and
-    every rank started together (a barrier before each call)."""
-    import statistics
-    import time
-
-    import torch.distributed as dist
-
-    for fn in fns.values():
-        for _ in range(warmup):
-            fn()
-    times = {name: [] for name in fns}
-    for repeat in range(repeats):
-        order = list(fns.items())
-        for name, fn in order if repeat % 2 == 0 else reversed(order):
-            dist.barrier()
-            start = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - start)
-    return {name: statistics.median(values) for name, values in times.items()}
-
-
 def sp_ring_case(seq: int, hidden: int, ffn: int, repeats: int) -> dict[str, float]:
     """Runs on every rank: this rank's median seconds of the fp8 rings and of their bulk compositions."""
     import torch.distributed as dist
@@ -234,7 +213,7 @@ def sp_ring_case(seq: int, hidden: int, ffn: int, repeats: int) -> dict[str, flo
     torch.testing.assert_close(fns["ring_column"]().reshape(-1, ffn // n), bulk_column().float().to(bf16))
     row = bulk_row()  # bf16 partial sums added in other orders: a few bf16 rounding steps of the largest value
     torch.testing.assert_close(fns["ring_row"](), row, rtol=0, atol=n * 2**-8 * row.abs().max().item())
-    return median_collective_seconds(fns, repeats)
+    return median_call_seconds(fns, repeats, warmup=2)
 
 
 def sp_ring_rows(repeats: int) -> list[dict]:

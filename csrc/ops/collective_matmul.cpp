@@ -9,6 +9,8 @@
 #include <ATen/ATen.h>
 #include <c10/core/WrapDimMinimal.h>
 
+#include <functional>
+
 #include "comm/ring_pipeline.h"
 #include "ops/device.h"
 
@@ -75,6 +77,72 @@ void matmul_into(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& b
   }
 }
 
+// The GEMM of one block's rows [rows, k] into dst, a [outer, rows, n] view of the output.
+using BlockGemm = std::function<void(const at::Tensor& dst, const at::Tensor& rows)>;
+
+bool is_fp8(at::ScalarType type) {
+  return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
+}
+
+// The gather ring of all_gather_matmul and all_gather_scaled_mm. x: this rank's block [..., S/n, ..., k] along
+// `dim` (already checked). Returns (out [..., S, ..., out_features] in out_dtype, each arriving block's GEMM
+// written into its rows; the gathered x if return_gathered, else an empty tensor). fp8 blocks travel as bytes
+// (c10d backends need not know the fp8 dtypes).
+std::tuple<at::Tensor, at::Tensor> all_gather_gemm(const char* op, const at::Tensor& x, int64_t dim,
+                                                   c10::string_view group_name, int64_t out_features,
+                                                   at::ScalarType out_dtype, bool return_gathered,
+                                                   const BlockGemm& gemm) {
+  comm::Ring ring(group_name);
+  const int64_t n = ring.size();
+  const auto shard = x.contiguous();
+  const auto shape = block_shape(shard, dim, 1);
+  auto gathered_sizes = shard.sizes().vec();
+  gathered_sizes[dim] *= n;
+  auto out_sizes = gathered_sizes;
+  out_sizes.back() = out_features;
+  auto out = at::empty(out_sizes, shard.options().dtype(out_dtype));
+  auto gathered = at::empty(return_gathered ? gathered_sizes : std::vector<int64_t>{0}, shard.options());
+  const auto out_blocks = out.view({shape.outer, n * shape.rows, out_features});
+  const auto travelling = is_fp8(shard.scalar_type()) ? shard.view(at::kByte) : shard;
+  comm::for_each_ring_block(ring, op, "x block", travelling, [&](const at::Tensor& arrived, int owner) {
+    const auto block = arrived.view(shard.scalar_type()).view({shape.outer, shape.rows, shape.features});
+    gemm(out_blocks.narrow(1, owner * shape.rows, shape.rows),
+         block.view({shape.outer * shape.rows, shape.features}));
+    if (return_gathered) {
+      gathered.view({shape.outer, n * shape.rows, shape.features})
+          .narrow(1, owner * shape.rows, shape.rows)
+          .copy_(block);
+    }
+  });
+  return {out, gathered};
+}
+
+// The reduce-scatter ring of matmul_reduce_scatter and scaled_mm_reduce_scatter. x: [..., S, ..., k] with S
+// divisible by the group size, `dim` already checked. Returns this rank's block [..., S/n, ..., out_features]
+// of the sum over ranks of the GEMMs, summed in out_dtype: each step's GEMM writes this rank's contribution to
+// one block while the previous block's running sum is in flight; this rank's own block comes last.
+at::Tensor gemm_reduce_scatter(const char* op, const at::Tensor& x, int64_t dim, c10::string_view group_name,
+                               int64_t out_features, at::ScalarType out_dtype, const BlockGemm& gemm) {
+  comm::Ring ring(group_name);
+  const int n = ring.size();
+  TORCH_CHECK(
+      x.size(dim) % n == 0, op, ": x.size(", dim, ")=", x.size(dim), " must be divisible by the group size ", n);
+  const auto input = x.contiguous();
+  const auto shape = block_shape(input, dim, n);
+  const auto in_blocks = input.view({shape.outer, n * shape.rows, shape.features});
+  auto out_sizes = input.sizes().vec();
+  out_sizes[dim] /= n;
+  out_sizes.back() = out_features;
+  comm::RingReduceScatter sums(ring, op, "partial sum", out_sizes, input.options().dtype(out_dtype),
+                               comm::RingReduceScatter::Order::kOwnBlockLast);
+  for (int step = 0; step < n; ++step) {
+    gemm(sums.contribution(), in_blocks.narrow(1, sums.block() * shape.rows, shape.rows)
+                                  .reshape({shape.outer * shape.rows, shape.features}));
+    sums.pass();
+  }
+  return sums.result();
+}
+
 // x: [..., S/n, ..., in] (shard along gather_dim), weight: [out, in].
 // Returns (all_gather(x, gather_dim) @ weight.T  [..., S, ..., out],
 //          all_gather(x, gather_dim) if return_gathered else an empty tensor).
@@ -83,31 +151,9 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
     int64_t gather_dim, bool return_gathered) {
   const int64_t dim = sharded_dim(kAllGatherMatmul, x, gather_dim);
   check_matmul_operands(kAllGatherMatmul, x, weight);
-  comm::Ring ring(group_name);
-  const int64_t n = ring.size();
-  const auto shard = x.contiguous();
-  const auto shape = block_shape(shard, dim, 1);
-  const int64_t out_features = weight.size(0);
-
-  auto out_sizes = shard.sizes().vec();
-  out_sizes[dim] *= n;
-  auto gathered_sizes = out_sizes;
-  out_sizes.back() = out_features;
-  auto out = at::empty(out_sizes, shard.options());
-  const auto out_blocks = out.view({shape.outer, n * shape.rows, out_features});
-  auto gathered = at::empty(return_gathered ? gathered_sizes : std::vector<int64_t>{0}, shard.options());
-
   const auto weight_t = weight.t();
-  comm::for_each_ring_block(ring, kAllGatherMatmul, "x block", shard, [&](const at::Tensor& block, int owner) {
-    const auto rows = block.view({shape.outer * shape.rows, shape.features});
-    matmul_into(out_blocks.narrow(1, owner * shape.rows, shape.rows), rows, weight_t);
-    if (return_gathered) {
-      gathered.view({shape.outer, n * shape.rows, shape.features})
-          .narrow(1, owner * shape.rows, shape.rows)
-          .copy_(block.view({shape.outer, shape.rows, shape.features}));
-    }
-  });
-  return {out, gathered};
+  return all_gather_gemm(kAllGatherMatmul, x, dim, group_name, weight.size(0), x.scalar_type(), return_gathered,
+                         [&](const at::Tensor& dst, const at::Tensor& rows) { matmul_into(dst, rows, weight_t); });
 }
 
 // x: [..., S, ..., in] with S divisible by n, weight: [out, in].
@@ -117,31 +163,9 @@ at::Tensor matmul_reduce_scatter(
     int64_t scatter_dim) {
   const int64_t dim = sharded_dim(kMatmulReduceScatter, x, scatter_dim);
   check_matmul_operands(kMatmulReduceScatter, x, weight);
-  comm::Ring ring(group_name);
-  const int n = ring.size();
-  TORCH_CHECK(
-      x.size(dim) % n == 0, kMatmulReduceScatter, ": x.size(", dim, ")=", x.size(dim),
-      " must be divisible by the group size ", n);
-  const auto input = x.contiguous();
-  const auto shape = block_shape(input, dim, n);
-  const int64_t out_features = weight.size(0);
-  const auto in_blocks = input.view({shape.outer, n * shape.rows, shape.features});
   const auto weight_t = weight.t();
-  auto out_sizes = input.sizes().vec();
-  out_sizes[dim] /= n;
-  out_sizes.back() = out_features;
-  // Each step's GEMM writes this rank's contribution to one block while the
-  // previous block's running sum is in flight; this rank's own block comes last.
-  comm::RingReduceScatter sums(ring, kMatmulReduceScatter, "partial sum", out_sizes, input.options(),
-                               comm::RingReduceScatter::Order::kOwnBlockLast);
-  for (int step = 0; step < n; ++step) {
-    const auto rows = in_blocks.narrow(1, sums.block() * shape.rows, shape.rows)
-                          .reshape({shape.outer * shape.rows, shape.features});
-    auto into = sums.contribution().view({-1, out_features});
-    at::mm_out(into, rows, weight_t);
-    sums.pass();
-  }
-  return sums.result();
+  return gemm_reduce_scatter(kMatmulReduceScatter, x, dim, group_name, weight.size(0), x.scalar_type(),
+                             [&](const at::Tensor& dst, const at::Tensor& rows) { matmul_into(dst, rows, weight_t); });
 }
 
 // dense: [..., S, ..., a], shard: [..., S/n, ..., b] (block along gather_dim).
@@ -184,10 +208,6 @@ at::Tensor all_gather_weight_grad(
 }
 
 // ---- fp8: the same two rings with torch._scaled_mm per block ----
-
-bool is_fp8(at::ScalarType type) {
-  return type == at::kFloat8_e4m3fn || type == at::kFloat8_e5m2;
-}
 
 void check_scaled_mm_operands(const char* op, const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x,
                               const at::Tensor& scale_mat2, at::ScalarType out_dtype) {
@@ -232,32 +252,15 @@ void scaled_mm_into(const at::Tensor& dst, const at::Tensor& a, const at::Tensor
 
 // x: this rank's fp8 block [..., S/n, ..., k] along gather_dim, mat2: fp8 [k, n].
 // Returns ((all_gather(x) @ mat2) * scale_x * scale_mat2 [..., S, ..., n] in out_dtype, all_gather(x)).
-// The blocks travel as bytes (c10d backends need not know the fp8 dtypes).
 std::tuple<at::Tensor, at::Tensor> all_gather_scaled_mm(
     const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x, const at::Tensor& scale_mat2,
     at::ScalarType out_dtype, c10::string_view group_name, int64_t gather_dim) {
   const int64_t dim = sharded_dim(kAllGatherScaledMm, x, gather_dim);
   check_scaled_mm_operands(kAllGatherScaledMm, x, mat2, scale_x, scale_mat2, out_dtype);
-  comm::Ring ring(group_name);
-  const int64_t n = ring.size();
-  const auto shard = x.contiguous();
-  const auto shape = block_shape(shard, dim, 1);
-  auto gathered_sizes = shard.sizes().vec();
-  gathered_sizes[dim] *= n;
-  auto out_sizes = gathered_sizes;
-  out_sizes.back() = mat2.size(1);
-  auto out = at::empty(out_sizes, shard.options().dtype(out_dtype));
-  auto gathered = at::empty(gathered_sizes, shard.options());
-  const auto out_blocks = out.view({shape.outer, n * shape.rows, mat2.size(1)});
-  const auto gathered_blocks = gathered.view({shape.outer, n * shape.rows, shape.features});
-  comm::for_each_ring_block(
-      ring, kAllGatherScaledMm, "x block", shard.view(at::kByte), [&](const at::Tensor& bytes, int owner) {
-        const auto block = bytes.view(shard.scalar_type()).view({shape.outer, shape.rows, shape.features});
-        scaled_mm_into(out_blocks.narrow(1, owner * shape.rows, shape.rows),
-                       block.view({shape.outer * shape.rows, shape.features}), mat2, scale_x, scale_mat2);
-        gathered_blocks.narrow(1, owner * shape.rows, shape.rows).copy_(block);
-      });
-  return {out, gathered};
+  return all_gather_gemm(kAllGatherScaledMm, x, dim, group_name, mat2.size(1), out_dtype, /*return_gathered=*/true,
+                         [&](const at::Tensor& dst, const at::Tensor& rows) {
+                           scaled_mm_into(dst, rows, mat2, scale_x, scale_mat2);
+                         });
 }
 
 // x: fp8 [..., S, ..., k] with S divisible by n, mat2: fp8 [k, n_out].
@@ -268,26 +271,10 @@ at::Tensor scaled_mm_reduce_scatter(const at::Tensor& x, const at::Tensor& mat2,
                                     c10::string_view group_name, int64_t scatter_dim) {
   const int64_t dim = sharded_dim(kScaledMmReduceScatter, x, scatter_dim);
   check_scaled_mm_operands(kScaledMmReduceScatter, x, mat2, scale_x, scale_mat2, out_dtype);
-  comm::Ring ring(group_name);
-  const int n = ring.size();
-  TORCH_CHECK(
-      x.size(dim) % n == 0, kScaledMmReduceScatter, ": x.size(", dim, ")=", x.size(dim),
-      " must be divisible by the group size ", n);
-  const auto input = x.contiguous();
-  const auto shape = block_shape(input, dim, n);
-  const auto in_blocks = input.view({shape.outer, n * shape.rows, shape.features});
-  auto out_sizes = input.sizes().vec();
-  out_sizes[dim] /= n;
-  out_sizes.back() = mat2.size(1);
-  comm::RingReduceScatter sums(ring, kScaledMmReduceScatter, "partial sum", out_sizes,
-                               input.options().dtype(out_dtype), comm::RingReduceScatter::Order::kOwnBlockLast);
-  for (int step = 0; step < n; ++step) {
-    const auto rows = in_blocks.narrow(1, sums.block() * shape.rows, shape.rows)
-                          .reshape({shape.outer * shape.rows, shape.features});
-    scaled_mm_into(sums.contribution(), rows, mat2, scale_x, scale_mat2);
-    sums.pass();
-  }
-  return sums.result();
+  return gemm_reduce_scatter(kScaledMmReduceScatter, x, dim, group_name, mat2.size(1), out_dtype,
+                             [&](const at::Tensor& dst, const at::Tensor& rows) {
+                               scaled_mm_into(dst, rows, mat2, scale_x, scale_mat2);
+                             });
 }
 
 }  // namespace

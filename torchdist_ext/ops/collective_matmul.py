@@ -170,13 +170,32 @@ def _check_scaled_mm_operands(op: str, x: Tensor, mat2: Tensor, scale_x: Tensor,
         )
 
 
+def _gathered_shape(x: Tensor, dim: int, group_name: str) -> list[int]:
+    """The shape of ``x`` all-gathered along ``dim`` over the group."""
+    shape = list(x.shape)
+    shape[dim] *= _get_group_size_by_name(group_name)
+    return shape
+
+
+def _scattered_shape(op: str, x: Tensor, dim: int, group_name: str, features: int) -> list[int]:
+    """The shape of this rank's block along ``dim`` of ``x``'s GEMM with ``features`` outputs, checking that the
+    group divides ``x.size(dim)`` (the C++ op's check)."""
+    n = _get_group_size_by_name(group_name)
+    torch._check(
+        x.shape[dim] % n == 0, lambda: f"{op}: x.size({dim})={x.shape[dim]} must be divisible by the group size {n}"
+    )
+    shape = list(x.shape)
+    shape[dim] //= n
+    shape[-1] = features
+    return shape
+
+
 @torch.library.register_fake("tdx::all_gather_scaled_mm")
 def _(x, mat2, scale_x, scale_mat2, out_dtype, group_name, gather_dim):
     op = "all_gather_scaled_mm"
     dim = _sharded_dim(op, x, gather_dim)
     _check_scaled_mm_operands(op, x, mat2, scale_x, scale_mat2, out_dtype)
-    gathered_shape = list(x.shape)
-    gathered_shape[dim] *= _get_group_size_by_name(group_name)
+    gathered_shape = _gathered_shape(x, dim, group_name)
     return x.new_empty([*gathered_shape[:-1], mat2.shape[1]], dtype=out_dtype), x.new_empty(gathered_shape)
 
 
@@ -185,22 +204,14 @@ def _(x, mat2, scale_x, scale_mat2, out_dtype, group_name, scatter_dim):
     op = "scaled_mm_reduce_scatter"
     dim = _sharded_dim(op, x, scatter_dim)
     _check_scaled_mm_operands(op, x, mat2, scale_x, scale_mat2, out_dtype)
-    n = _get_group_size_by_name(group_name)
-    torch._check(
-        x.shape[dim] % n == 0, lambda: f"{op}: x.size({dim})={x.shape[dim]} must be divisible by the group size {n}"
-    )
-    shape = list(x.shape)
-    shape[dim] //= n
-    shape[-1] = mat2.shape[1]
-    return x.new_empty(shape, dtype=out_dtype)
+    return x.new_empty(_scattered_shape(op, x, dim, group_name, mat2.shape[1]), dtype=out_dtype)
 
 
 @torch.library.register_fake("tdx::all_gather_matmul")
 def _(x, weight, group_name, gather_dim, return_gathered=False):
     dim = _sharded_dim("all_gather_matmul", x, gather_dim)
     _check_matmul_operands("all_gather_matmul", x, weight)
-    gathered_shape = list(x.shape)
-    gathered_shape[dim] *= _get_group_size_by_name(group_name)
+    gathered_shape = _gathered_shape(x, dim, group_name)
     out = x.new_empty([*gathered_shape[:-1], weight.shape[0]])
     gathered = x.new_empty(gathered_shape if return_gathered else [0])
     return out, gathered
@@ -211,14 +222,7 @@ def _(x, weight, group_name, scatter_dim):
     op = "matmul_reduce_scatter"
     dim = _sharded_dim(op, x, scatter_dim)
     _check_matmul_operands(op, x, weight)
-    n = _get_group_size_by_name(group_name)
-    torch._check(
-        x.shape[dim] % n == 0, lambda: f"{op}: x.size({dim})={x.shape[dim]} must be divisible by the group size {n}"
-    )
-    shape = list(x.shape)
-    shape[dim] //= n
-    shape[-1] = weight.shape[0]
-    return x.new_empty(shape)
+    return x.new_empty(_scattered_shape(op, x, dim, group_name, weight.shape[0]))
 
 
 @torch.library.register_fake("tdx::all_gather_weight_grad")
