@@ -4,8 +4,8 @@ measured on every rank.
     memory per rank   planner: params + grads + optimizer + activations + backward + buffers (without its framework
                       reserve; backward: what a backward pass allocates on top of the held activations, a
                       recomputed layer's rerun and the layer's gradients)
-                      measured: the step's peak of live tensors (the caching allocator's on CUDA,
-                      ``torchdist_ext.cpu_memory``'s on the CPU), the largest rank's
+                      measured: the step's peak of live tensors (the caching allocator's on CUDA, less
+                      cuBLAS's workspaces; ``torchdist_ext.cpu_memory``'s on the CPU), the largest rank's
     between passes    with a pipeline, the planner's figure less its backward next to the largest live bytes right
                       after a pipeline action (``TimedAction.live_bytes``): the memory held between passes
     pp rank r         with a pipeline, each pipeline rank's: the planner's for that rank (its own ends and
@@ -35,8 +35,8 @@ import torch.distributed as dist
 from torchdist_ext import cpu_memory, ledger
 from torchdist_ext.planner import ClusterSpec, Estimate, Layout, ModelSpec, estimate
 
-# The planner's per-GPU allowance for the CUDA context, NCCL buffers and fragmentation (csrc/planner/estimate.cpp):
-# not tensors, so not in the measured peak.
+# The planner's per-GPU allowance for the CUDA context, NCCL buffers, library workspaces and fragmentation
+# (csrc/planner/estimate.cpp): not the model's tensors, so not in the measured peak (``peak_memory``).
 FRAMEWORK_RESERVE_BYTES = 2 * 2**30
 
 
@@ -94,11 +94,22 @@ def reset_peak_memory(device: torch.device) -> None:
 
 
 def peak_memory(device: torch.device) -> float:
-    """The peak bytes of live tensors on ``device`` since ``reset_peak_memory``."""
+    """The peak bytes of live tensors on ``device`` since ``reset_peak_memory``. On CUDA, the caching
+    allocator's peak less what cuBLAS's workspaces hold in it (``cublas_workspace_bytes``)."""
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-        return float(torch.cuda.max_memory_allocated(device))
+        peak = torch.cuda.max_memory_allocated(device)
+        return float(peak - cublas_workspace_bytes(device))
     return float(cpu_memory.max_memory_allocated())
+
+
+def cublas_workspace_bytes(device: torch.device) -> int:
+    """The bytes cuBLAS's workspaces hold in the caching allocator (one per cuBLAS handle and stream, made at
+    its first GEMM and kept): the library's, like the CUDA context the planner's framework reserve stands for,
+    not the model's tensors. Frees them to count them (the next GEMM makes them again)."""
+    before = torch.cuda.memory_allocated(device)
+    torch._C._cuda_clearCublasWorkspaces()
+    return before - torch.cuda.memory_allocated(device)
 
 
 def comm_totals(groups: dict) -> tuple[dict[str, float], dict[str, int]]:

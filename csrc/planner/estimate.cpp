@@ -14,7 +14,8 @@ namespace {
 constexpr double kKernelEfficiency = 0.7;
 // NCCL ring collectives reach this share of the link bandwidth (commonly quoted as 70-85%).
 constexpr double kLinkEfficiency = 0.8;
-// CUDA context, NCCL buffers and allocator fragmentation per GPU.
+// CUDA context, NCCL buffers, library workspaces (cuBLAS: 32 MiB per handle and stream on Hopper) and allocator
+// fragmentation per GPU.
 constexpr double kFrameworkReserveBytes = 2.0 * (1ull << 30);
 // fp8 GEMMs run at twice the bf16 rate; attention and the rest stay in bf16.
 constexpr double kFp8GemmSpeedup = 2.0;

@@ -243,3 +243,31 @@ def test_on_one_gpu_in_bf16_matches_the_fp32_process():
     output = run_main_job("--device", "cuda", "--tp", "1", "--steps", "10", processes=1)
     assert "bf16 on cuda" in output, output
     assert largest_relative_difference(output) < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_one_gpu_fp8_all_gather_matches_the_fp32_process():
+    output = run_main_job("--device", "cuda", "--tp", "1", "--steps", "10", "--fp8", "delayed", "--fp8-all-gather",
+                          processes=1)
+    assert "(fp8 all-gathers) on cuda" in output, output
+    assert largest_relative_difference(output) < 2e-2
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_cublas_workspaces_are_counted_apart_from_tensors(monkeypatch):
+    """The --ledger report's CUDA peak leaves out cuBLAS's workspaces (one per handle and stream: here the
+    forward's thread and autograd's backward thread): counting them frees them, and what stays allocated is
+    the tensors alone."""
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    from predicted_vs_measured import cublas_workspace_bytes
+
+    device = torch.device("cuda")
+    torch.cuda.synchronize(device)
+    before = torch.cuda.memory_allocated(device)
+    a = torch.randn(64, 64, device=device, requires_grad=True)
+    (a @ a).sum().backward()
+    assert cublas_workspace_bytes(device) > 0
+    assert cublas_workspace_bytes(device) == 0  # freed by the first count
+    assert torch.cuda.memory_allocated(device) - before == a.nbytes + a.grad.nbytes

@@ -108,7 +108,8 @@ class Fp8AllGatherWeight(torch.Tensor):
             shard_fp8, amax = fp8_cast_amax(self._tensor, scale, torch.float8_e4m3fn)
             torch.maximum(module.gathered_weight_amax, amax, out=module.gathered_weight_amax)
             shard_bytes = shard_fp8.view(torch.uint8)
-            padded_rows = -(-outer_size[0] // mesh.size(-1))
+            # The shard dim is the mesh's last (HSDP: replicate x shard); torch 2.11's mesh.size takes no -1.
+            padded_rows = -(-outer_size[0] // mesh.size(mesh.ndim - 1))
             if shard_bytes.shape[0] not in (padded_rows, outer_size[0]):  # an uneven or empty shard
                 padded = shard_bytes.new_zeros((padded_rows, *shard_bytes.shape[1:]))
                 padded[:shard_bytes.shape[0]] = shard_bytes
