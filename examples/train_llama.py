@@ -187,8 +187,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fp8_all_gather and args.fp8 != "delayed":
         parser.error(f"--fp8-all-gather needs --fp8 delayed (every rank casts its shard with the shared delayed "
                      f"scale), got --fp8 {args.fp8}")
-    if args.pp > 1 and args.device == "cuda":
-        parser.error("--pp with --device cuda is not supported yet (the pipeline's messages go over gloo)")
     if args.grad_accum < 1:
         parser.error(f"--grad-accum must be at least 1, got {args.grad_accum}")
     if args.grad_accum > 1 and args.pp > 1:

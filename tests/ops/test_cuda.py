@@ -290,3 +290,34 @@ def test_fp8_cast_kernels_match_cpu(dtype):
         for ours, theirs in zip(gpu_both[:2], cpu_both[:2]):
             assert torch.equal(ours.cpu().view(torch.uint8), theirs.view(torch.uint8))
         assert torch.equal(gpu_both[2].cpu(), cpu_both[2])
+
+
+def check_pipeline_on_cuda(schedule):
+    """A one-rank pipeline of two stages (zb-v's V on one GPU, handed over in memory) on CUDA: the first step's
+    collective on the NCCL group, the split W, the event clock and the caching allocator's live bytes; loss
+    and gradients equal the whole model's on the same GPU."""
+    from torch import nn
+
+    from torchdist_ext.pipeline import Pipeline, stages_of_rank
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4))).cuda()
+    inputs, targets = torch.randn(8, 16, device="cuda"), torch.randn(8, 16, device="cuda")
+    F.mse_loss(model(inputs), targets).backward()
+    expected = [p.grad.clone() for p in model.parameters()]
+    expected_loss = F.mse_loss(model(inputs), targets).detach()
+    model.zero_grad(set_to_none=True)
+    mesh = cached_mesh((1,), ("pp",), device_type="cuda")
+    stages = {s: model[2 * s:2 * s + 2] for s in stages_of_rank(schedule, 1, 0)}
+    pipe = Pipeline(stages, pp_mesh=mesh["pp"], schedule=schedule, num_microbatches=4, loss_fn=F.mse_loss)
+    loss = pipe.step(inputs, targets)
+    torch.testing.assert_close(loss, expected_loss, rtol=1e-5, atol=0)
+    for p, g in zip(model.parameters(), expected):
+        torch.testing.assert_close(p.grad, g, rtol=1e-4, atol=1e-6)
+    assert {a.kind for a in pipe.timeline} == {"F", "B", "W"}
+    assert all(a.start <= a.end and a.live_bytes > 0 for a in pipe.timeline)
+    return True
+
+
+def test_pipeline_on_cuda(cuda_world):
+    assert cuda_world.run(check_pipeline_on_cuda, "zb-v") == [True]

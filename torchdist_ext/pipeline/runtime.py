@@ -11,9 +11,13 @@ the targets), split along dim 0 into ``num_microbatches`` equal micro-batches. T
 equal those of ``loss_fn(model(inputs), targets)`` in one process.
 
 Between stages on different ranks activations (forward) and their gradients (backward) travel as
-point-to-point messages on the pipeline group: a small header (shape and dtype) and the data, two tags per
-(direction, stage, micro-batch); sends are asynchronous, and the receive of the next action's input is posted
-before the current action runs, so it arrives while this rank computes. A send's buffer is released as soon
+point-to-point messages on the pipeline group, gloo (CPU tensors) or NCCL (CUDA tensors) alike. Every rank
+posts them in one global order, at the action boundaries ``torchdist_ext.pipeline.messages.message_plan``
+gives (the order of the planner's simulated send times, which NCCL's in-order matching needs to be free of
+deadlock), each boundary's messages as one batch (``batch_isend_irecv``): a send right after the action that
+makes it, a receive when the simulation sends it, so it arrives while this rank computes. The first message
+of each (direction, stage) of a step carries a header (shape and dtype) that the receiver reads first; later
+micro-batches must match it (checked by the sender). A send's buffer is released as soon
 as a message from its peer shows that the peer has received it (the peer sent that message from a later
 action than the one that consumed ours), not at the end of the step: a stage's outputs and input gradients
 would otherwise stay alive for all the step's micro-batches. A stage's output tensor itself gives up its
@@ -24,8 +28,9 @@ stage. Between stages on the same rank (zb-v's turn) they are handed over in mem
 
 Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
-the last step's actions with their wall-clock start and end on this rank, and the bytes of live tensors
-right after each (``torchdist_ext.cpu_memory``'s count once ``track()`` has run; else None): their largest is
+the last step's actions with their wall-clock start and end on this rank (on CUDA, from events on the
+stream, so the GPU's times, not the host's), and the bytes of live tensors right after each (the caching
+allocator's on CUDA, ``torchdist_ext.cpu_memory``'s once ``track()`` has run; else None): their largest is
 the step's peak between passes, what the planner's activation model counts (``peak_held_activations``),
 without the transients inside a pass.
 
@@ -35,12 +40,12 @@ micro-batches (as torchtitan does under pipeline parallelism; resharding after e
 them again for each later backward and forward), accumulates its unsharded gradients and reduce-scatters
 them once, right after the stage's last B or W of the step (not at the end of the step), as torch's
 pipelining does: FSDP2's resharding and gradient sync are off during the step and its post-backward runs
-then, which reshards; after the step the stage reshards after each forward again (FSDP2's default). The stage module itself must be the
-``fully_shard`` root of its sharded blocks.
+then, which reshards; after the step the stage reshards after each forward again (FSDP2's default). The
+stage module itself must be the ``fully_shard`` root of its sharded blocks.
 
-The messages go over gloo (CPU tensors) for now: NCCL matches point-to-point messages in the order they are
-posted per peer and blocks a peer's later sends behind a posted receive, which this runtime's early
-receives would deadlock; batched exchanges per action (``batch_isend_irecv``) are the way there.
+On CUDA the pipeline group must hold the NCCL backend (``"cpu:gloo,cuda:nccl"`` or ``"nccl"``), every rank
+must have called ``torch.cuda.set_device``, and the first step makes one collective call on the group (NCCL
+builds the communicator of batched messages in a call every rank makes).
 """
 
 import time
@@ -56,6 +61,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchdist_ext import cpu_memory
+from torchdist_ext.pipeline.messages import PostedOp, message_plan
 from torchdist_ext.weight_grad import SplitLinear, WeightGradStore, give_weight_grad_slot
 from torchdist_ext.pipeline.schedule import (
     Action,
@@ -84,18 +90,59 @@ class TimedAction(NamedTuple):
 
 
 class _PendingSend(NamedTuple):
-    work: dist.Work
+    works: list[dist.Work]
     message: Tensor  # kept alive until the send completes
     peer: int
     consumer: int  # the position of the peer's action that receives it
 
 
 def _live_bytes_counter(device: torch.device) -> Callable[[], int] | None:
-    """What counts the bytes of live tensors on ``device``: ``torchdist_ext.cpu_memory`` once tracking (the
-    messages go over gloo, so the stages run on the CPU for now), else None."""
+    """What counts the bytes of live tensors on ``device``: CUDA's caching allocator, or on the CPU
+    ``torchdist_ext.cpu_memory`` once tracking (else None)."""
+    if device.type == "cuda":
+        return lambda: torch.cuda.memory_allocated(device)
     if device.type == "cpu" and cpu_memory.tracking():
         return cpu_memory.memory_allocated
     return None
+
+
+class _ActionClock:
+    """When an action starts and ends: the host's clock on the CPU; on CUDA, events on the current stream (the
+    host runs ahead of the GPU), turned into wall-clock seconds after the step."""
+
+    def __init__(self, device: torch.device):
+        self.cuda = device.type == "cuda"
+        if self.cuda:
+            torch.cuda.synchronize(device)
+            self.origin, self.origin_seconds = torch.cuda.Event(enable_timing=True), time.time()
+            self.origin.record()
+
+    def now(self):
+        if not self.cuda:
+            return time.time()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def seconds(self, mark) -> float:
+        """``mark`` (from ``now``) in ``time.time`` seconds; on CUDA, waits for it."""
+        if not self.cuda:
+            return mark
+        mark.synchronize()
+        return self.origin_seconds + self.origin.elapsed_time(mark) / 1e3
+
+
+def _header(tensor: Tensor) -> Tensor:
+    """A message's header: its number of dims, dtype (an index into _DTYPES) and shape, -1 padded."""
+    header = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64)
+    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
+    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
+    return header.to(tensor.device)
+
+
+def _wait(works: list[dist.Work]) -> None:
+    for work in works:
+        work.wait()
 
 
 def enable_weight_grad_split(module: nn.Module) -> nn.Module:
@@ -156,32 +203,85 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.weight_grads = WeightGradStore()
         self.timeline: list[TimedAction] = []
+        self._posts: dict[int, list[PostedOp]] = {}  # boundary -> this rank's messages posted there, in order
+        for op in message_plan(schedule, self.pp, num_microbatches, virtual_stages)[self.rank]:
+            self._posts.setdefault(op.boundary, []).append(op)
+        self._group_ready = False
         # The position of each stage's last gradient action (B, or W under a split): its FSDP2 reduction.
         self._last_grad_action = {a.stage: i for i, a in enumerate(self.actions) if a.kind in "BW"}
 
     # -- messages ------------------------------------------------------------------------------------------
 
     def _tag(self, direction: int, stage: int, microbatch: int) -> int:
-        """Two tags per message (header, data), unique per direction, receiving stage and micro-batch."""
+        """Two tags per message (header, data), unique per direction, receiving stage and micro-batch (gloo
+        matches by tag; NCCL by the order, which ``message_plan`` makes the same on both ranks)."""
         return 2 * ((direction * self.num_stages + stage) * self.num_microbatches + microbatch)
 
     def _send(self, tensor: Tensor, direction: int, to_stage: int, microbatch: int) -> None:
+        """Hands ``tensor`` to ``to_stage``: in memory on this rank, else into the outbox, which the message
+        plan posts from at this or a later boundary."""
+        key = (direction, to_stage, microbatch)
         if rank_of_stage(self.schedule, self.pp, to_stage, self.virtual_stages) == self.rank:
-            self._in_memory[(direction, to_stage, microbatch)] = tensor
+            self._in_memory[key] = tensor
             return
         if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPES:
             raise ValueError(f"a pipeline stage's output must have at most {_MAX_DIMS} dims and a dtype in "
                              f"{_DTYPES}, got shape {tuple(tensor.shape)} and {tensor.dtype}")
-        header = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64)
-        header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-        header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        peer = rank_of_stage(self.schedule, self.pp, to_stage, self.virtual_stages)
-        tag = self._tag(direction, to_stage, microbatch)
-        data = tensor.contiguous()
-        consumer = self._position[(_PASS_OF[direction], to_stage, microbatch)]
-        for message, message_tag in ((header.to(data.device), tag), (data, tag + 1)):
-            work = dist.isend(message, group=self.group, group_dst=peer, tag=message_tag)
-            self._sends.append(_PendingSend(work, message, peer, consumer))
+        layout = (list(tensor.shape), tensor.dtype)
+        expected = self._sent_layouts.setdefault((direction, to_stage), layout)
+        if layout != expected:  # only the first message of each kind carries a header
+            what = "activation" if direction == _FORWARD else "gradient"
+            raise ValueError(f"stage {to_stage}'s input {what} of micro-batch {microbatch} has shape {layout[0]} "
+                             f"and dtype {layout[1]}, but earlier micro-batches' had {expected[0]} and "
+                             f"{expected[1]}: every micro-batch must give the stages the same shapes")
+        self._outbox[key] = tensor.contiguous()
+
+    def _post(self, boundary: int) -> None:
+        """Posts the messages the plan puts at ``boundary`` (before the action at that position), in the
+        plan's order, as one batch. The first message of each (direction, stage) of a step is preceded by a
+        header (its shape and dtype), which the receiver reads before it posts the data's receive."""
+        batch: list[tuple[dist.P2POp, _PendingSend | tuple | None]] = []
+        for op in self._posts.get(boundary, ()):
+            m = op.message
+            key, kind = (m.direction, m.stage, m.microbatch), (m.direction, m.stage)
+            tag = self._tag(*key)
+            if op.is_send:
+                data = self._outbox.pop(key)
+                consumer = self._position[(_PASS_OF[m.direction], m.stage, m.microbatch)]
+                messages = [(_header(data), tag)] if kind not in self._announced else []
+                self._announced.add(kind)
+                for message, message_tag in messages + [(data, tag + 1)]:
+                    batch.append((dist.P2POp(dist.isend, message, group=self.group, group_peer=m.dst, tag=message_tag),
+                                  _PendingSend([], message, m.dst, consumer)))
+                continue
+            if kind not in self._layouts:
+                header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+                batch.append((dist.P2POp(dist.irecv, header, group=self.group, group_peer=m.src, tag=tag), None))
+                self._issue(batch)  # waits for the header
+                batch = []
+                dims, dtype, *shape = header.tolist()
+                self._layouts[kind] = (shape[:dims], _DTYPES[dtype])
+            shape, dtype = self._layouts[kind]
+            data = torch.empty(shape, dtype=dtype, device=self.device)
+            batch.append((dist.P2POp(dist.irecv, data, group=self.group, group_peer=m.src, tag=tag + 1), (key, m.src)))
+        self._issue(batch)
+
+    def _issue(self, batch: list[tuple[dist.P2POp, _PendingSend | tuple | None]]) -> None:
+        """Posts a batch of point-to-point ops and files each op's works: a send's until its peer has consumed
+        it, a receive's in the inbox until the action that reads it; a header's receive is waited for now."""
+        if not batch:
+            return
+        ops = [op for op, _ in batch]
+        works = dist.batch_isend_irecv(ops)
+        each = [[work] for work in works] if len(works) == len(ops) else [works] * len(ops)  # NCCL: one per batch
+        for (op, what), op_works in zip(batch, each):
+            if isinstance(what, _PendingSend):
+                self._sends.append(what._replace(works=op_works))
+            elif what is None:
+                _wait(op_works)
+            else:
+                key, peer = what
+                self._inbox[key] = (peer, op_works, op.tensor)
 
     def _release_sends(self, peer: int, before: int) -> None:
         """Waits for (at once: they were received) and drops the sends to ``peer`` that its actions up to
@@ -190,48 +290,17 @@ class Pipeline:
         pending = []
         for send in self._sends:
             if send.peer == peer and send.consumer <= before:
-                send.work.wait()
+                _wait(send.works)
             else:
                 pending.append(send)
         self._sends = pending
-
-    def _post_receive(self, direction: int, stage: int, microbatch: int, from_stage: int) -> None:
-        """Posts the header's receive of a message ``stage`` will need (no-op for an in-memory handover)."""
-        key = (direction, stage, microbatch)
-        peer = rank_of_stage(self.schedule, self.pp, from_stage, self.virtual_stages)
-        if peer == self.rank or key in self._receives:
-            return
-        tag = self._tag(direction, stage, microbatch)
-        header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-        posted = [dist.irecv(header, group=self.group, group_src=peer, tag=tag), header]
-        # The micro-batches of a step share their shapes: once one arrived, the data's receive is posted too.
-        if (layout := self._layouts.get((direction, stage))) is not None:
-            data = torch.empty(layout[0], dtype=layout[1], device=self.device)
-            posted += [dist.irecv(data, group=self.group, group_src=peer, tag=tag + 1), data]
-        self._receives[key] = (peer, posted)
 
     def _receive(self, direction: int, stage: int, microbatch: int, from_stage: int) -> Tensor:
         key = (direction, stage, microbatch)
         if key in self._in_memory:
             return self._in_memory.pop(key)
-        self._post_receive(direction, stage, microbatch, from_stage)
-        peer, posted = self._receives.pop(key)
-        posted[0].wait()
-        header = posted[1].tolist()
-        layout = (header[2:2 + header[0]], _DTYPES[header[1]])
-        what = "activation" if direction == _FORWARD else "gradient"
-        if len(posted) == 2:
-            self._layouts[(direction, stage)] = layout
-            data = torch.empty(layout[0], dtype=layout[1], device=self.device)
-            dist.recv(data, group=self.group, group_src=peer, tag=self._tag(direction, stage, microbatch) + 1)
-        else:
-            expected = self._layouts[(direction, stage)]
-            if layout != expected:
-                raise ValueError(f"stage {stage}'s input {what} of micro-batch {microbatch} has shape {layout[0]} "
-                                 f"and dtype {layout[1]}, but earlier micro-batches' had {expected[0]} and "
-                                 f"{expected[1]}: every micro-batch must give the stages the same shapes")
-            posted[2].wait()
-            data = posted[3]
+        peer, works, data = self._inbox.pop(key)
+        _wait(works)
         self._release_sends(peer, before=self._position[(_PASS_OF[direction], from_stage, microbatch)])
         return data
 
@@ -281,40 +350,45 @@ class Pipeline:
             if t.dim() == 0 or t.shape[0] % self.num_microbatches:
                 raise ValueError(f"{name}.size(0) must be divisible by num_microbatches={self.num_microbatches}, "
                                  f"got shape {tuple(t.shape)}")
-            if t.device.type != "cpu":
-                raise ValueError(f"{name} must be a CPU tensor: the pipeline's messages go over gloo for now (see "
-                                 f"the module docstring), got one on {t.device}")
         self.device = inputs.device
+        if self.device.type == "cuda" and not self._group_ready:
+            # NCCL builds a group's communicator for batched messages in a call every rank makes: this one.
+            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
+            self._group_ready = True
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
-        self._saved, self._in_memory, self._receives, self._sends, self._losses = {}, {}, {}, [], []
-        self._layouts = {}  # (direction, stage) -> (shape, dtype) of its incoming messages this step
-        self.timeline = []
+        self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
+        self._sends, self._losses = [], []
+        self._layouts, self._sent_layouts = {}, {}  # (direction, stage) -> (shape, dtype) of its messages
+        self._announced = set()  # the (direction, stage) whose first message of the step was sent with a header
         self.weight_grads.clear()  # nothing left over from a step that raised
         run = {"F": self._forward, "B": self._backward, "W": lambda s, i, _: self.weight_grads.run((s, i))}
         live_bytes = _live_bytes_counter(self.device)
+        clock = _ActionClock(self.device)
         for module in self.stages.values():
             if isinstance(module, FSDPModule):  # accumulate over the micro-batches; reduce once (below)
                 module.set_requires_gradient_sync(False)
                 module.set_reshard_after_forward(False)
                 module.set_reshard_after_backward(False)
                 module.set_is_last_backward(False)
+        timed = []
         for position, action in enumerate(self.actions):
+            self._post(position)
             source = self._input_source(action)
             received = self._receive(*source) if source else None  # waiting for it is idle time, not the action's
-            if position + 1 < len(self.actions) and (upcoming := self._input_source(self.actions[position + 1])):
-                self._post_receive(*upcoming)
-            start = time.time()
+            start = clock.now()
             run[action.kind](action.stage, action.microbatch, received)
-            self.timeline.append(TimedAction(action.kind, action.stage, action.microbatch, start, time.time(),
-                                             live_bytes() if live_bytes is not None else None))
+            timed.append((action, start, clock.now(), live_bytes() if live_bytes is not None else None))
             if position == self._last_grad_action[action.stage] and isinstance(self.stages[action.stage], FSDPModule):
                 _reduce_fsdp_gradients(self.stages[action.stage])
+        self._post(len(self.actions))
         for send in self._sends:
-            send.work.wait()
+            _wait(send.works)
+        self.timeline = [TimedAction(a.kind, a.stage, a.microbatch, clock.seconds(start), clock.seconds(end), held)
+                         for a, start, end, held in timed]
         losses = [loss.float() for loss in self._losses]  # fp32 on every rank, whatever the logits' dtype
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
-        self._inputs = self._targets = self._saved = self._sends = None
+        self._inputs = self._targets = self._saved = self._sends = self._inbox = self._outbox = None
         return loss
 
 

@@ -6,6 +6,7 @@ order the planner prices is the order that runs.
     stages_of_rank(schedule, pp, rank, v)   the stages rank holds, in chunk order
     rank_of_stage(schedule, pp, stage, v)   the rank holding a stage
     rank_actions(schedule, pp, m, rank, v)  [Action(kind, stage, microbatch)] in the order rank runs them
+    every_rank_timeline(schedule, pp, m, v) every rank's actions with their simulated start and end
 
 Placement: one stage per rank (gpipe, 1f1b, zb-h1); chunk c of rank d is stage ``c * pp + d`` (interleaved,
 Megatron's); rank d holds stage d on the way down and stage ``2 pp - 1 - d`` on the way back (zb-v's V).
@@ -18,8 +19,8 @@ from typing import NamedTuple
 
 from torchdist_ext import _planner
 
-__all__ = ["SCHEDULES", "Action", "num_stages", "planner_name", "rank_actions", "rank_of_stage",
-           "splits_weight_grad", "stages_of_rank"]
+__all__ = ["SCHEDULES", "Action", "every_rank_actions", "every_rank_timeline", "num_stages", "planner_name",
+           "rank_actions", "rank_of_stage", "splits_weight_grad", "stages_of_rank"]
 
 SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
 _PLANNER_NAMES = {"interleaved-1f1b": "interleaved"}
@@ -94,6 +95,14 @@ def rank_actions(schedule: str, pp: int, num_microbatches: int, rank: int, virtu
 
 def every_rank_actions(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[Action]]:
     """``rank_actions`` of every rank (index: rank), from one simulation."""
+    return [[action for action, _, _ in passes]
+            for passes in every_rank_timeline(schedule, pp, num_microbatches, virtual_stages)]
+
+
+def every_rank_timeline(schedule: str, pp: int, num_microbatches: int,
+                        virtual_stages: int = 1) -> list[list[tuple[Action, float, float]]]:
+    """Every rank's actions in order with their simulated (start, end): the planner's unit times (F 1; B 2,
+    or B 1 and W 1 under a weight-gradient split)."""
     _check(schedule, pp, virtual_stages)
     if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
         raise ValueError(f"num_microbatches must be a positive int, got {num_microbatches!r}")
@@ -101,7 +110,8 @@ def every_rank_actions(schedule: str, pp: int, num_microbatches: int, virtual_st
         raise ValueError(f"schedule 'interleaved-1f1b' needs num_microbatches divisible by pp={pp} (Megatron's "
                          f"order walks micro-batches in groups of pp), got {num_microbatches}")
     timeline = _planner.simulate_schedule(pp, num_microbatches, planner_name(schedule), virtual_stages)
-    actions: list[list[Action]] = [[] for _ in range(pp)]
+    passes: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
     for p in sorted(timeline, key=lambda p: p.start):  # stable: each rank's passes keep their order
-        actions[p.stage].append(Action(p.kind, _stage(schedule, pp, p.stage, p.chunk), p.microbatch))
-    return actions
+        action = Action(p.kind, _stage(schedule, pp, p.stage, p.chunk), p.microbatch)
+        passes[p.stage].append((action, p.start, p.end))
+    return passes
