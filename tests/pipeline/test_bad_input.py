@@ -6,7 +6,7 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 
 from torchdist_ext.pipeline import Pipeline, partition_layers, rank_actions, rank_of_stage, stages_of_rank
-from torchdist_ext.testing import cached_mesh
+from torchdist_ext.testing import cached_mesh, spawn_world
 
 
 @pytest.mark.parametrize("call, message", [
@@ -60,3 +60,33 @@ def pipeline_refusals():
 
 def test_pipeline_refuses_bad_arguments_on_every_rank_without_hanging(world2):
     assert world2.run(pipeline_refusals) == [4, 4]
+
+
+class ShrinksSecondMicrobatch(nn.Module):
+    """Stage 0 whose output for the second micro-batch has another shape than the first's."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear, self.calls = nn.Linear(4, 4), 0
+
+    def forward(self, x):
+        self.calls += 1
+        out = self.linear(x)
+        return out if self.calls == 1 else out[:, :2]
+
+
+def step_with_a_shape_change():
+    mesh = cached_mesh((2,), ("pp",))
+    stage = ShrinksSecondMicrobatch() if mesh.get_local_rank() == 0 else nn.Linear(4, 4)
+    pipe = Pipeline({mesh.get_local_rank(): stage}, pp_mesh=mesh, schedule="1f1b", num_microbatches=2,
+                    loss_fn=nn.functional.mse_loss)
+    pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+
+
+def test_a_micro_batch_of_another_shape_is_refused_by_its_sender():
+    """Only each kind's first message of a step carries a header, so the sender checks the later ones: the
+    run ends with the sender's ValueError (its receiver, waiting for data that never comes, is stopped)."""
+    with spawn_world(2, timeout=60.0) as world:
+        with pytest.raises(ValueError, match=r"stage 1's input activation of micro-batch 1 has shape \[2, 2\].*"
+                                             r"every micro-batch must give the stages the same shapes"):
+            world.run(step_with_a_shape_change)
