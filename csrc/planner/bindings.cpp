@@ -165,11 +165,11 @@ PYBIND11_MODULE(_planner, m) {
   m.def(
       "replay_schedule",
       [](long pp, long m, const std::string& schedule, long v, const std::vector<double>& forward,
-         const std::vector<double>& backward, const std::vector<double>& weight) {
-        return replay_schedule(pp, m, parse_option<Schedule>(schedule), v, forward, backward, weight);
+         const std::vector<double>& backward, const std::vector<double>& weight, double message) {
+        return replay_schedule(pp, m, parse_option<Schedule>(schedule), v, forward, backward, weight, message);
       },
       py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages"), py::arg("forward"),
-      py::arg("backward"), py::arg("weight"));
+      py::arg("backward"), py::arg("weight"), py::arg("message") = 0.0);
   m.def("idle_fraction", &idle_fraction, py::arg("timeline"), py::arg("pp"));
   m.def("peak_held_activations", &peak_held_activations, py::arg("timeline"), py::arg("pp"),
         py::arg("weight_inputs"));

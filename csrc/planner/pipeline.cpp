@@ -47,11 +47,11 @@ struct FixedPass {
 
 // Runs each device's passes in their fixed order over `stages` pipeline stages: a pass starts as soon as its
 // device is free and its inputs exist (F after the previous stage's F; B after its own F and the next
-// stage's B; W after its own B).
+// stage's B; W after its own B), an input from another device `message` after it was made.
 std::vector<ScheduledPass> run_fixed_orders(const std::vector<std::vector<FixedPass>>& orders, long stages,
-                                            const char* what) {
+                                            const char* what, double message = 0.0) {
   const long p = static_cast<long>(orders.size());
-  std::map<std::tuple<long, char, long>, double> finished;  // (stage, kind, micro-batch) -> end
+  std::map<std::tuple<long, char, long>, std::pair<double, long>> finished;  // (stage, kind, mb) -> (end, device)
   std::vector<size_t> cursor(p, 0);
   std::vector<double> free_at(p, 0.0);
   std::vector<ScheduledPass> timeline;
@@ -77,11 +77,12 @@ std::vector<ScheduledPass> run_fixed_orders(const std::vector<std::vector<FixedP
           ready = false;
           break;
         }
-        start = std::max(start, found->second);
+        const auto [end, device] = found->second;
+        start = std::max(start, end + (device == d ? 0.0 : message));
       }
       if (!ready) continue;
       timeline.push_back({d, pass.kind, pass.microbatch, start, start + pass.cost, pass.chunk});
-      finished[{pass.stage, pass.kind, pass.microbatch}] = start + pass.cost;
+      finished[{pass.stage, pass.kind, pass.microbatch}] = {start + pass.cost, d};
       free_at[d] = start + pass.cost;
       ++cursor[d];
       --remaining;
@@ -366,7 +367,9 @@ double busiest_rank_boundary_sends(long pp, Schedule schedule, long virtual_stag
 }
 
 std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, long v, const std::vector<double>& forward,
-                                           const std::vector<double>& backward, const std::vector<double>& weight) {
+                                           const std::vector<double>& backward, const std::vector<double>& weight,
+                                           double message) {
+  if (!(message >= 0)) throw std::invalid_argument("replay_schedule: the message time must be >= 0");
   const auto simulated = simulate_schedule(p, m, schedule, v);
   const bool split = schedule == Schedule::kZbH1 || schedule == Schedule::kZbV;
   const long stages = p * chunks_per_rank(schedule, v);
@@ -394,7 +397,7 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
       orders[d].push_back({stage, pass.kind, pass.microbatch, pass.chunk, cost});
     }
   }
-  return run_fixed_orders(orders, stages, "replay_schedule");
+  return run_fixed_orders(orders, stages, "replay_schedule", message);
 }
 
 std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& timeline, long p, Schedule schedule,

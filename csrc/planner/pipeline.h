@@ -64,12 +64,13 @@ std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, Sch
 // device's chunk as it runs: what a pipeline runtime measures; one value for every stage, or one per stage
 // in stage order): each device runs its passes in that order, each as soon as the device is free and its
 // inputs exist (F after the previous stage's F; B after its own F and the next stage's B; W after its own
-// B). In gpipe, 1f1b and interleaved a B costs backward + weight (it computes both). The order the planner
-// prices, with the measured times: its idle fraction is the planner's prediction for a run that measured
-// those costs.
+// B), an input made on another device `message` later (one activation or gradient's transfer between stages;
+// 0: free). In gpipe, 1f1b and interleaved a B costs backward + weight (it computes both). The order the
+// planner prices, with the measured times: its idle fraction is the planner's prediction for a run that
+// measured those costs.
 std::vector<ScheduledPass> replay_schedule(long pp, long num_microbatches, Schedule schedule, long virtual_stages,
                                            const std::vector<double>& forward, const std::vector<double>& backward,
-                                           const std::vector<double>& weight);
+                                           const std::vector<double>& weight, double message = 0.0);
 
 // The most activation memory a pipeline rank holds during a simulated step, in units of one chunk's stored
 // activations of one micro-batch, on the rank that holds the most: each F adds a unit; each B frees its F's

@@ -356,6 +356,19 @@ TEST(Pipeline, ReplayWithTheSimulatorsCostsIsTheSimulatedTimeline) {
   }
 }
 
+TEST(Pipeline, ReplayWaitsTheMessageTimeForAnInputFromAnotherDeviceOnly) {
+  // GPipe, p = 2, m = 1, F = B = 1: F0 [0, 1], F1 [1.5, 2.5], B1 [2.5, 3.5], B0 [4, 5] with 0.5 per message.
+  const auto timed = replay_schedule(2, 1, Schedule::kGPipe, 1, {1.0}, {1.0}, {0.0}, 0.5);
+  double makespan = 0;
+  for (const auto& pass : timed) makespan = std::max(makespan, pass.end);
+  EXPECT_DOUBLE_EQ(makespan, 5.0);
+  EXPECT_DOUBLE_EQ(idle_fraction(timed, 2), 1.0 - 4.0 / (2 * 5.0));
+  // zb-v on one device hands its turn over in memory: no message, whatever it would cost.
+  EXPECT_NEAR(idle_fraction(replay_schedule(1, 4, Schedule::kZbV, 1, {0.5}, {0.5}, {0.5}, 10.0), 1),
+              idle_fraction(replay_schedule(1, 4, Schedule::kZbV, 1, {0.5}, {0.5}, {0.5}), 1), 1e-12);
+  EXPECT_THROW(replay_schedule(2, 4, Schedule::k1F1B, 1, {1.0}, {1.0}, {1.0}, -1.0), std::invalid_argument);
+}
+
 TEST(Pipeline, ReplayedOneFOneBKeepsItsClosedFormForAnyUniformCosts) {
   // With the same costs on every stage, 1F1B's bubble is (p - 1) / (m + p - 1) whatever F, B and W cost;
   // splitting W off (zb-h1) leaves a smaller one.

@@ -38,6 +38,8 @@ def test_plan_delivers_every_message_to_its_receive(schedule, virtual_stages, pp
             assert len(sends) == len(receives) == 1
             assert made + 1 <= sends[0].boundary <= len(actions[message.src])  # after the action that makes it
             assert receives[0].boundary <= read  # before the action that reads it
+            assert sends[0].with_header == receives[0].with_header == (message.microbatch == min(
+                other.microbatch for other, _, _ in found if other[1:3] == message[1:3]))  # each kind's first
         for plan in plans:
             assert [op.boundary for op in plan] == sorted(op.boundary for op in plan)
 
@@ -47,8 +49,8 @@ def just_in_time_plans(schedule: str, pp: int, m: int, virtual_stages: int = 1) 
     found, _ = _messages(schedule, pp, m, virtual_stages)
     plans = []
     for rank in range(pp):
-        ops = ([PostedOp(made + 1, True, msg) for msg, made, _ in found if msg.src == rank]
-               + [PostedOp(read, False, msg) for msg, _, read in found if msg.dst == rank])
+        ops = ([PostedOp(made + 1, True, False, msg) for msg, made, _ in found if msg.src == rank]
+               + [PostedOp(read, False, False, msg) for msg, _, read in found if msg.dst == rank])
         plans.append(sorted(ops, key=lambda op: (op.boundary, not op.is_send)))
     return plans
 

@@ -2,6 +2,8 @@
 fractions over the step's makespan, the planner's prediction for the measured costs, and the PNG. (How close
 measured and predicted bubbles are is a timing figure: benchmarks/bench_pipeline.py reports it.)"""
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 from torch import nn
@@ -54,3 +56,14 @@ def test_measured_figures_of_a_synthetic_timeline():
     assert per_rank == pytest.approx([1 - 3 / 5, 1 - 2 / 5]) and overall == pytest.approx(0.5)
     assert mean_costs(timelines, 2) == {"F": [1.0, 1.0], "B": [2.0, 1.0], "W": [0.0, 0.0]}
 
+
+
+def test_predicted_idle_fraction_waits_each_message_between_ranks():
+    """The synthetic 1F1B step above, replayed: with no message time the measured costs give rank 0 F [0, 1],
+    B [3, 5] and rank 1 F [1, 2], B [2, 3] (idle 0.5); with 0.25 per message, the two messages between the
+    ranks (F0's output, B1's input gradient) push rank 1 to [1.25, 3.25] and rank 0's B to [3.5, 5.5]."""
+    timelines = [[TimedAction("F", 0, 0, 0.0, 1.0), TimedAction("B", 0, 0, 3.0, 5.0)],
+                 [TimedAction("F", 1, 0, 1.0, 2.0), TimedAction("B", 1, 0, 2.0, 3.0)]]
+    pipe = SimpleNamespace(pp=2, num_microbatches=1, schedule="1f1b", virtual_stages=1, num_stages=2)
+    assert predicted_idle_fraction(pipe, timelines) == pytest.approx(0.5)
+    assert predicted_idle_fraction(pipe, timelines, message_seconds=0.25) == pytest.approx(1 - 5 / (2 * 5.5))

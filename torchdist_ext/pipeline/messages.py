@@ -12,8 +12,9 @@ So every rank posts its messages in one global order: by the time the planner's 
 (direction, receiving stage, micro-batch). Then the first message of that order not yet delivered is at the
 head of both its ranks' streams, so it is delivered, and by induction every message is. The sender posts a
 message right after the action that makes it, or later if a message ordered before it is still to be posted
-there; the receiver posts it at its first action boundary at or after the simulated send, and no later than
-the action that reads it. ``message_plan`` gives each rank that list; ``deadlocks`` checks a plan against
+there; the receiver posts it one action ahead of the action that reads it, or earlier where the simulation
+sends it earlier (the first message of each kind, whose header the receiver waits for before it can post the
+data's receive, as late as the order allows). ``message_plan`` gives each rank that list; ``deadlocks`` checks a plan against
 the rule above (a rendezvous model of NCCL's streams) and is what the tests run over every schedule.
 """
 
@@ -40,6 +41,7 @@ class Message(NamedTuple):
 class PostedOp(NamedTuple):
     boundary: int  # posted right before the rank's action at this position (len(actions): after the last)
     is_send: bool
+    with_header: bool  # the first message of its (direction, stage) in the step: preceded by its shape and dtype
     message: Message
 
 
@@ -72,23 +74,28 @@ def message_plan(schedule: str, pp: int, num_microbatches: int, virtual_stages: 
     found, ends = _messages(schedule, pp, num_microbatches, virtual_stages)
     plans = []
     for rank in range(pp):
-        # (message, lowest boundary, highest boundary) of this rank's sends and receives, in the global order
+        # (message, lowest boundary, highest boundary, is_send) of this rank's ops, in the global order
         ops = sorted([(m, made + 1, len(ends[rank]), True) for m, made, _ in found if m.src == rank]
                      + [(m, 0, read, False) for m, _, read in found if m.dst == rank])
         earliest, latest = [], [0] * len(ops)
-        for m, low, _, _ in ops:
+        for _, low, _, _ in ops:
             earliest.append(max(low, earliest[-1] if earliest else 0))
         bound = len(ends[rank])
         for j in range(len(ops) - 1, -1, -1):
             bound = latest[j] = min(ops[j][2], bound)
-        plan = []
-        for j, (m, _, _, is_send) in enumerate(ops):
+        plan, kinds = [], set()
+        for j, (m, _, read, is_send) in enumerate(ops):
+            with_header = (m.direction, m.stage) not in kinds
+            kinds.add((m.direction, m.stage))
             if is_send:
                 boundary = earliest[j]
-            else:  # the first boundary at or after the simulated send: after an action ending no earlier
+            elif with_header:  # the host waits for the header where it posts the receive: as late as it can
+                boundary = latest[j]
+            else:  # by the simulated send or one action ahead of its reader, whichever comes first
                 at_send = next((i + 1 for i, end in enumerate(ends[rank]) if end >= m.sent_at), len(ends[rank]))
-                boundary = min(latest[j], max(earliest[j], at_send))
-            plan.append(PostedOp(boundary, is_send, m))
+                boundary = min(latest[j], max(earliest[j], min(at_send, read - 1)))
+            boundary = max(boundary, plan[-1].boundary if plan else 0)
+            plan.append(PostedOp(boundary, is_send, with_header, m))
         plans.append(plan)
     return plans
 

@@ -243,18 +243,17 @@ class Pipeline:
         batch: list[tuple[dist.P2POp, _PendingSend | tuple | None]] = []
         for op in self._posts.get(boundary, ()):
             m = op.message
-            key, kind = (m.direction, m.stage, m.microbatch), (m.direction, m.stage)
+            key, kind = (m.direction, m.stage, m.microbatch), (m.direction, m.stage)  # kind: of the same shape
             tag = self._tag(*key)
             if op.is_send:
                 data = self._outbox.pop(key)
                 consumer = self._position[(_PASS_OF[m.direction], m.stage, m.microbatch)]
-                messages = [(_header(data), tag)] if kind not in self._announced else []
-                self._announced.add(kind)
+                messages = [(_header(data), tag)] if op.with_header else []
                 for message, message_tag in messages + [(data, tag + 1)]:
                     batch.append((dist.P2POp(dist.isend, message, group=self.group, group_peer=m.dst, tag=message_tag),
                                   _PendingSend([], message, m.dst, consumer)))
                 continue
-            if kind not in self._layouts:
+            if op.with_header:
                 header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
                 batch.append((dist.P2POp(dist.irecv, header, group=self.group, group_peer=m.src, tag=tag), None))
                 self._issue(batch)  # waits for the header
@@ -359,7 +358,6 @@ class Pipeline:
         self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
         self._sends, self._losses = [], []
         self._layouts, self._sent_layouts = {}, {}  # (direction, stage) -> (shape, dtype) of its messages
-        self._announced = set()  # the (direction, stage) whose first message of the step was sent with a header
         self.weight_grads.clear()  # nothing left over from a step that raised
         run = {"F": self._forward, "B": self._backward, "W": lambda s, i, _: self.weight_grads.run((s, i))}
         live_bytes = _live_bytes_counter(self.device)

@@ -49,12 +49,13 @@ def mean_costs(timelines: list[list[TimedAction]], num_stages: int) -> dict[str,
     return costs
 
 
-def predicted_idle_fraction(pipe: Pipeline, timelines: list[list[TimedAction]]) -> float:
+def predicted_idle_fraction(pipe: Pipeline, timelines: list[list[TimedAction]], message_seconds: float = 0.0) -> float:
     """The planner's idle fraction for this schedule timed with each stage's measured mean F / B / W costs
-    (``replay_schedule``; the B of an unsplit schedule, which computes W too, counts as measured)."""
+    (``replay_schedule``; the B of an unsplit schedule, which computes W too, counts as measured), each
+    message between ranks taking ``message_seconds`` (0: free)."""
     costs = mean_costs(timelines, pipe.num_stages)
     replayed = _planner.replay_schedule(pipe.pp, pipe.num_microbatches, planner_name(pipe.schedule),
-                                        pipe.virtual_stages, costs["F"], costs["B"], costs["W"])
+                                        pipe.virtual_stages, costs["F"], costs["B"], costs["W"], message_seconds)
     return _planner.idle_fraction(replayed, pipe.pp)
 
 
