@@ -1,7 +1,8 @@
-"""The pipeline's message plan is valid for NCCL's in-order matching on every schedule: under a rendezvous model
-of one FIFO stream per rank (a send finishes only while its receive is posted too), every message is
-delivered to its own receive, batched per action boundary or one op at a time; the model finds the deadlocks
-and mismatches of just-in-time posting (so it is not vacuous); and the runtime posts exactly the plan."""
+"""The pipeline's message plan is valid for NCCL's in-order matching on every schedule (p = 2, 3, 4, 8; m = 1,
+2, 3, p, p + 1, 2p, 2p + 1, 4p): under a rendezvous model of one FIFO stream per rank (a send finishes only
+while its receive is posted too), every message is delivered to its own receive, batched per action boundary
+or one op at a time; the model finds the deadlocks and mismatches of just-in-time posting (so it is not
+vacuous); and the runtime posts exactly the plan, in order."""
 
 import pytest
 import torch
@@ -65,8 +66,8 @@ def test_the_model_finds_what_just_in_time_posting_does_wrong():
 
 
 def posts_the_plan(schedule: str, num_microbatches: int) -> bool:
-    """One step with dist.batch_isend_irecv recorded: the data messages (headers aside) go out in the plan's
-    order and batches, and the step still computes."""
+    """One step with dist.isend / dist.irecv recorded: the data messages (headers aside) go out in the plan's
+    order, and the step still computes."""
     mesh = cached_mesh((dist.get_world_size(),), ("pp",))
     pp, rank = mesh.size(), mesh.get_local_rank()
     torch.manual_seed(0)
@@ -75,24 +76,26 @@ def posts_the_plan(schedule: str, num_microbatches: int) -> bool:
     pipe = Pipeline(mine, pp_mesh=mesh["pp"], schedule=schedule, num_microbatches=num_microbatches,
                     loss_fn=lambda out, target: (out - target).square().mean())
     posted = []
-    original = dist.batch_isend_irecv
+    isend, irecv = dist.isend, dist.irecv
 
-    def recording(ops):
-        posted.append([(op.op is dist.isend, op.group_peer, op.tag) for op in ops if op.tag % 2])  # data: odd tags
-        return original(ops)
+    def recording(op, is_send):
+        def post(tensor, group, tag, **peer):
+            if tag % 2:  # data: odd tags
+                posted.append((is_send, peer.get("group_dst", peer.get("group_src")), tag))
+            return op(tensor, group=group, tag=tag, **peer)
+        return post
 
-    dist.batch_isend_irecv = recording
+    dist.isend, dist.irecv = recording(isend, True), recording(irecv, False)
     try:
         loss = pipe.step(torch.randn(2 * num_microbatches, 8), torch.randn(2 * num_microbatches, 8))
     finally:
-        dist.batch_isend_irecv = original
-    expected: dict[int, list] = {}
+        dist.isend, dist.irecv = isend, irecv
+    expected = []
     for op in message_plan(schedule, pp, num_microbatches)[rank]:
         m = op.message
         tag = 2 * ((m.direction * pipe.num_stages + m.stage) * num_microbatches + m.microbatch) + 1
-        expected.setdefault(op.boundary, []).append((op.is_send, m.dst if op.is_send else m.src, tag))
-    flat = [op for batch in posted for op in batch]
-    assert flat == [op for boundary in sorted(expected) for op in expected[boundary]], (flat, expected)
+        expected.append((op.is_send, m.dst if op.is_send else m.src, tag))
+    assert posted == expected, (posted, expected)
     assert torch.isfinite(loss)
     return True
 

@@ -1,7 +1,7 @@
 """The order in which every pipeline rank posts a step's point-to-point messages, valid for NCCL.
 
 NCCL matches a rank's sends to a peer with that peer's receives in the order they are posted (tags are
-ignored), and one stream carries a group's messages in that order: a send, or a batch holding one, cannot
+ignored), and a stream carries the messages in that order: a send, or a batch holding one, cannot
 finish before its receiver has posted the matching receive, and it holds up everything posted after it.
 Posting each message just in time (the send right after the action that makes it, the receive right before
 the action that reads it) deadlocks: in 1F1B, stage 0 sends F1 before it receives B0's gradient, while
@@ -14,8 +14,12 @@ head of both its ranks' streams, so it is delivered, and by induction every mess
 message right after the action that makes it, or later if a message ordered before it is still to be posted
 there; the receiver posts it one action ahead of the action that reads it, or earlier where the simulation
 sends it earlier (the first message of each kind, whose header the receiver waits for before it can post the
-data's receive, as late as the order allows). ``message_plan`` gives each rank that list; ``deadlocks`` checks a plan against
-the rule above (a rendezvous model of NCCL's streams) and is what the tests run over every schedule.
+data's receive, as late as the order allows). ``message_plan`` gives each rank that list; the runtime posts
+it one op at a time (each op its own work, so waiting for one message never waits for a later action's).
+``deadlocks`` checks a plan against the rule above (a rendezvous model of NCCL's streams, with or without
+batching per boundary) and is what the tests run over every schedule. It models the ops' order only, not
+the headers (each posted right before its data on both ranks), the host's waits for them, or whether a
+receive is posted before its reader: the tests check that separately.
 """
 
 from typing import NamedTuple

@@ -12,11 +12,11 @@ equal those of ``loss_fn(model(inputs), targets)`` in one process.
 
 Between stages on different ranks activations (forward) and their gradients (backward) travel as
 point-to-point messages on the pipeline group, gloo (CPU tensors) or NCCL (CUDA tensors) alike. Every rank
-posts them in one global order, at the action boundaries ``torchdist_ext.pipeline.messages.message_plan``
-gives (the order of the planner's simulated send times, which NCCL's in-order matching needs to be free of
-deadlock), each boundary's messages as one batch (``batch_isend_irecv``): a send right after the action that
-makes it, a receive when the simulation sends it, so it arrives while this rank computes. The first message
-of each (direction, stage) of a step carries a header (shape and dtype) that the receiver reads first; later
+posts them in one global order (``torchdist_ext.pipeline.messages.message_plan``: the order of the planner's
+simulated send times, which NCCL's in-order matching needs to be free of deadlock), one op at a time: a send
+right after the action that makes it, a receive one action ahead of the action that reads it (or earlier,
+where the simulation sends it earlier), so it arrives while this rank computes. The first message of each
+(direction, stage) of a step carries a header (shape and dtype) that the receiver reads first; later
 micro-batches must match it (checked by the sender). A send's buffer is released as soon
 as a message from its peer shows that the peer has received it (the peer sent that message from a later
 action than the one that consumed ours), not at the end of the step: a stage's outputs and input gradients
@@ -43,9 +43,8 @@ pipelining does: FSDP2's resharding and gradient sync are off during the step an
 then, which reshards; after the step the stage reshards after each forward again (FSDP2's default). The
 stage module itself must be the ``fully_shard`` root of its sharded blocks.
 
-On CUDA the pipeline group must hold the NCCL backend (``"cpu:gloo,cuda:nccl"`` or ``"nccl"``), every rank
-must have called ``torch.cuda.set_device``, and the first step makes one collective call on the group (NCCL
-builds the communicator of batched messages in a call every rank makes).
+On CUDA the pipeline group must hold the NCCL backend (``"cpu:gloo,cuda:nccl"`` or ``"nccl"``) and every rank
+must have called ``torch.cuda.set_device``.
 """
 
 import time
@@ -90,7 +89,7 @@ class TimedAction(NamedTuple):
 
 
 class _PendingSend(NamedTuple):
-    works: list[dist.Work]
+    work: dist.Work
     message: Tensor  # kept alive until the send completes
     peer: int
     consumer: int  # the position of the peer's action that receives it
@@ -133,16 +132,12 @@ class _ActionClock:
 
 
 def _header(tensor: Tensor) -> Tensor:
-    """A message's header: its number of dims, dtype (an index into _DTYPES) and shape, -1 padded."""
-    header = torch.full((2 + _MAX_DIMS,), -1, dtype=torch.int64)
-    header[0], header[1] = tensor.dim(), _DTYPES.index(tensor.dtype)
-    header[2:2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-    return header.to(tensor.device)
-
-
-def _wait(works: list[dist.Work]) -> None:
-    for work in works:
-        work.wait()
+    """A message's header, on its device: its number of dims, dtype (an index into _DTYPES) and shape, -1
+    padded (on CUDA copied from pinned memory, so the host does not wait for the stream)."""
+    values = [tensor.dim(), _DTYPES.index(tensor.dtype), *tensor.shape] + [-1] * (_MAX_DIMS - tensor.dim())
+    if tensor.device.type == "cpu":
+        return torch.tensor(values, dtype=torch.int64)
+    return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(tensor.device, non_blocking=True)
 
 
 def enable_weight_grad_split(module: nn.Module) -> nn.Module:
@@ -206,7 +201,6 @@ class Pipeline:
         self._posts: dict[int, list[PostedOp]] = {}  # boundary -> this rank's messages posted there, in order
         for op in message_plan(schedule, self.pp, num_microbatches, virtual_stages)[self.rank]:
             self._posts.setdefault(op.boundary, []).append(op)
-        self._group_ready = False
         # The position of each stage's last gradient action (B, or W under a split): its FSDP2 reduction.
         self._last_grad_action = {a.stage: i for i, a in enumerate(self.actions) if a.kind in "BW"}
 
@@ -237,10 +231,10 @@ class Pipeline:
         self._outbox[key] = tensor.contiguous()
 
     def _post(self, boundary: int) -> None:
-        """Posts the messages the plan puts at ``boundary`` (before the action at that position), in the
-        plan's order, as one batch. The first message of each (direction, stage) of a step is preceded by a
-        header (its shape and dtype), which the receiver reads before it posts the data's receive."""
-        batch: list[tuple[dist.P2POp, _PendingSend | tuple | None]] = []
+        """Posts the messages the plan puts at ``boundary`` (before the action at that position), one op at a
+        time in the plan's order, so that each op gets its own work: a wait covers the ops posted before it on
+        the link, never a later action's. The first message of each (direction, stage) of a step is preceded
+        by a header (its shape and dtype), which the receiver waits for before it posts the data's receive."""
         for op in self._posts.get(boundary, ()):
             m = op.message
             key, kind = (m.direction, m.stage, m.microbatch), (m.direction, m.stage)  # kind: of the same shape
@@ -248,39 +242,18 @@ class Pipeline:
             if op.is_send:
                 data = self._outbox.pop(key)
                 consumer = self._position[(_PASS_OF[m.direction], m.stage, m.microbatch)]
-                messages = [(_header(data), tag)] if op.with_header else []
-                for message, message_tag in messages + [(data, tag + 1)]:
-                    batch.append((dist.P2POp(dist.isend, message, group=self.group, group_peer=m.dst, tag=message_tag),
-                                  _PendingSend([], message, m.dst, consumer)))
+                for message, message_tag in ([(_header(data), tag)] if op.with_header else []) + [(data, tag + 1)]:
+                    work = dist.isend(message, group=self.group, group_dst=m.dst, tag=message_tag)
+                    self._sends.append(_PendingSend(work, message, m.dst, consumer))
                 continue
             if op.with_header:
                 header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
-                batch.append((dist.P2POp(dist.irecv, header, group=self.group, group_peer=m.src, tag=tag), None))
-                self._issue(batch)  # waits for the header
-                batch = []
+                dist.irecv(header, group=self.group, group_src=m.src, tag=tag).wait()
                 dims, dtype, *shape = header.tolist()
                 self._layouts[kind] = (shape[:dims], _DTYPES[dtype])
             shape, dtype = self._layouts[kind]
             data = torch.empty(shape, dtype=dtype, device=self.device)
-            batch.append((dist.P2POp(dist.irecv, data, group=self.group, group_peer=m.src, tag=tag + 1), (key, m.src)))
-        self._issue(batch)
-
-    def _issue(self, batch: list[tuple[dist.P2POp, _PendingSend | tuple | None]]) -> None:
-        """Posts a batch of point-to-point ops and files each op's works: a send's until its peer has consumed
-        it, a receive's in the inbox until the action that reads it; a header's receive is waited for now."""
-        if not batch:
-            return
-        ops = [op for op, _ in batch]
-        works = dist.batch_isend_irecv(ops)
-        each = [[work] for work in works] if len(works) == len(ops) else [works] * len(ops)  # NCCL: one per batch
-        for (op, what), op_works in zip(batch, each):
-            if isinstance(what, _PendingSend):
-                self._sends.append(what._replace(works=op_works))
-            elif what is None:
-                _wait(op_works)
-            else:
-                key, peer = what
-                self._inbox[key] = (peer, op_works, op.tensor)
+            self._inbox[key] = (m.src, dist.irecv(data, group=self.group, group_src=m.src, tag=tag + 1), data)
 
     def _release_sends(self, peer: int, before: int) -> None:
         """Waits for (at once: they were received) and drops the sends to ``peer`` that its actions up to
@@ -289,7 +262,7 @@ class Pipeline:
         pending = []
         for send in self._sends:
             if send.peer == peer and send.consumer <= before:
-                _wait(send.works)
+                send.work.wait()
             else:
                 pending.append(send)
         self._sends = pending
@@ -298,8 +271,8 @@ class Pipeline:
         key = (direction, stage, microbatch)
         if key in self._in_memory:
             return self._in_memory.pop(key)
-        peer, works, data = self._inbox.pop(key)
-        _wait(works)
+        peer, work, data = self._inbox.pop(key)
+        work.wait()
         self._release_sends(peer, before=self._position[(_PASS_OF[direction], from_stage, microbatch)])
         return data
 
@@ -350,10 +323,6 @@ class Pipeline:
                 raise ValueError(f"{name}.size(0) must be divisible by num_microbatches={self.num_microbatches}, "
                                  f"got shape {tuple(t.shape)}")
         self.device = inputs.device
-        if self.device.type == "cuda" and not self._group_ready:
-            # NCCL builds a group's communicator for batched messages in a call every rank makes: this one.
-            dist.all_reduce(torch.zeros(1, device=self.device), group=self.group)
-            self._group_ready = True
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
         self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
         self._sends, self._losses = [], []
@@ -380,7 +349,7 @@ class Pipeline:
                 _reduce_fsdp_gradients(self.stages[action.stage])
         self._post(len(self.actions))
         for send in self._sends:
-            _wait(send.works)
+            send.work.wait()
         self.timeline = [TimedAction(a.kind, a.stage, a.microbatch, clock.seconds(start), clock.seconds(end), held)
                          for a, start, end, held in timed]
         losses = [loss.float() for loss in self._losses]  # fp32 on every rank, whatever the logits' dtype
