@@ -22,6 +22,7 @@ the headers (each posted right before its data on both ranks), the host's waits 
 receive is posted before its reader: the tests check that separately.
 """
 
+from bisect import bisect_left
 from typing import NamedTuple
 
 from torchdist_ext.pipeline.schedule import every_rank_timeline, num_stages, rank_of_stage
@@ -96,7 +97,7 @@ def message_plan(schedule: str, pp: int, num_microbatches: int, virtual_stages: 
             elif with_header:  # the host waits for the header where it posts the receive: as late as it can
                 boundary = latest[j]
             else:  # by the simulated send or one action ahead of its reader, whichever comes first
-                at_send = next((i + 1 for i, end in enumerate(ends[rank]) if end >= m.sent_at), len(ends[rank]))
+                at_send = min(bisect_left(ends[rank], m.sent_at) + 1, len(ends[rank]))
                 boundary = min(latest[j], max(earliest[j], min(at_send, read - 1)))
             boundary = max(boundary, plan[-1].boundary if plan else 0)
             plan.append(PostedOp(boundary, is_send, with_header, m))

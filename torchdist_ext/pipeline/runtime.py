@@ -60,7 +60,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchdist_ext import cpu_memory
-from torchdist_ext.pipeline.messages import PostedOp, message_plan
+from torchdist_ext.pipeline.messages import BACKWARD, FORWARD, PostedOp, message_plan
 from torchdist_ext.weight_grad import SplitLinear, WeightGradStore, give_weight_grad_slot
 from torchdist_ext.pipeline.schedule import (
     Action,
@@ -75,7 +75,6 @@ __all__ = ["Pipeline", "TimedAction", "enable_weight_grad_split"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
 _MAX_DIMS = 6
-_FORWARD, _BACKWARD = 0, 1
 _PASS_OF = ("F", "B")  # the pass that sends, and the one that receives, a message of each direction
 
 
@@ -224,7 +223,7 @@ class Pipeline:
         layout = (list(tensor.shape), tensor.dtype)
         expected = self._sent_layouts.setdefault((direction, to_stage), layout)
         if layout != expected:  # only the first message of each kind carries a header
-            what = "activation" if direction == _FORWARD else "gradient"
+            what = "activation" if direction == FORWARD else "gradient"
             raise ValueError(f"stage {to_stage}'s input {what} of micro-batch {microbatch} has shape {layout[0]} "
                              f"and dtype {layout[1]}, but earlier micro-batches' had {expected[0]} and "
                              f"{expected[1]}: every micro-batch must give the stages the same shapes")
@@ -279,9 +278,9 @@ class Pipeline:
     def _input_source(self, action: Action) -> tuple[int, int, int, int] | None:
         """(direction, stage, micro-batch, from stage) of the message an action waits for, or None."""
         if action.kind == "F" and action.stage > 0:
-            return _FORWARD, action.stage, action.microbatch, action.stage - 1
+            return FORWARD, action.stage, action.microbatch, action.stage - 1
         if action.kind == "B" and action.stage < self.num_stages - 1:
-            return _BACKWARD, action.stage, action.microbatch, action.stage + 1
+            return BACKWARD, action.stage, action.microbatch, action.stage + 1
         return None
 
     # -- actions -------------------------------------------------------------------------------------------
@@ -299,7 +298,7 @@ class Pipeline:
             self._saved[(stage, microbatch)] = (x, loss)
         else:
             self._saved[(stage, microbatch)] = (x, out)
-            self._send(out.detach(), _FORWARD, stage + 1, microbatch)
+            self._send(out.detach(), FORWARD, stage + 1, microbatch)
             _release_storage(out)
 
     def _backward(self, stage: int, microbatch: int, grad: Tensor | None) -> None:
@@ -311,7 +310,7 @@ class Pipeline:
             else:  # out's storage may be released: its gradient edge (grad_fn) and metadata are what count
                 torch.autograd.backward(torch.autograd.graph.get_gradient_edge(out), grad)
         if stage > 0:
-            self._send(x.grad, _BACKWARD, stage - 1, microbatch)
+            self._send(x.grad, BACKWARD, stage - 1, microbatch)
 
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """One training step (forward and backward of every micro-batch; no optimizer step): returns the
