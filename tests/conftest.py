@@ -1,8 +1,12 @@
 import pytest
 
 from torchdist_ext.cpu_isa import CPU_ISAS, supported_cpu_isas
+from torchdist_ext.testing import pin_inductor_cpu_isa
 
 pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]
+
+# Before anything compiles, here and in every process a test starts: see torchdist_ext/testing/inductor_isa.py.
+pin_inductor_cpu_isa()
 
 
 @pytest.fixture(params=CPU_ISAS)

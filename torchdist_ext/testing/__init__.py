@@ -5,9 +5,11 @@
     shard_replicated(x, *, mesh, dim) / gather_replicated(x, *, mesh, dim)   (see replicated.py)
     cached_mesh(shape, names)                              a DeviceMesh built once per process
     RetainedMemory()                                       bytes a forward keeps alive (see retained_memory.py)
+    pin_inductor_cpu_isa()                                 one inductor CPU vector ISA per machine (see inductor_isa.py)
 pytest fixtures ``world2`` / ``world4``: ``pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]``.
 """
 
+from torchdist_ext.testing.inductor_isa import pin_inductor_cpu_isa
 from torchdist_ext.testing.mesh_cache import cached_mesh
 from torchdist_ext.testing.replicated import gather_replicated, shard_replicated
 from torchdist_ext.testing.retained_memory import RetainedMemory
@@ -20,6 +22,7 @@ __all__ = [
     "WorldTimeoutError",
     "cached_mesh",
     "gather_replicated",
+    "pin_inductor_cpu_isa",
     "shard_replicated",
     "spawn_world",
 ]

@@ -30,6 +30,7 @@ that started the world (the parent-death signal follows the creating thread).
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import multiprocessing
 import multiprocessing.connection
 import os
@@ -84,9 +85,13 @@ def _worker_main(rank: int, world_size: int, init_file: str, timeout: float, thr
                  conn) -> None:
     """Worker loop: initialise the process group, then run (sys_path, fn, args, kwargs) requests until told to stop."""
     _detach_from_parent_fate()
+    faulthandler.enable(all_threads=True)  # a rank killed by a signal prints every thread's Python stack
     import torch
     import torch.distributed as dist
 
+    from torchdist_ext.testing.inductor_isa import pin_inductor_cpu_isa
+
+    pin_inductor_cpu_isa()
     torch.set_num_threads(threads)
     try:
         if "ledger_" in backend:  # a communication ledger: register its backends in this process
