@@ -2,13 +2,40 @@
 
 #include "comm/group.h"
 
+#include <mutex>
+
 namespace tdx::comm {
+namespace {
+
+// Keeps `works` (and so the buffers they hold) alive until the process exits.
+void keep_until_exit(std::vector<c10::intrusive_ptr<c10d::Work>>&& works) {
+  if (works.empty()) return;
+  static std::mutex mutex;
+  static auto* kept = new std::vector<c10::intrusive_ptr<c10d::Work>>();  // never destroyed, by design
+  const std::lock_guard<std::mutex> lock(mutex);
+  for (auto& work : works) kept->push_back(std::move(work));
+  works.clear();
+}
+
+}  // namespace
+
+PendingExchange& PendingExchange::operator=(PendingExchange&& other) noexcept {
+  if (this != &other) {
+    keep_until_exit(std::move(works_));
+    works_ = std::move(other.works_);
+    other.works_.clear();
+  }
+  return *this;
+}
+
+PendingExchange::~PendingExchange() { keep_until_exit(std::move(works_)); }
 
 void PendingExchange::wait() {
-  for (auto& work : works_) {
-    work->wait();
+  // Each work is dropped only once waited: if a wait throws, the rest stay in flight (and are kept).
+  while (!works_.empty()) {
+    works_.front()->wait();
+    works_.erase(works_.begin());
   }
-  works_.clear();
 }
 
 Ring::Ring(c10::string_view group_name)

@@ -12,10 +12,23 @@
 namespace tdx::comm {
 
 // One send-to-next plus receive-from-previous, in flight until wait().
+//
+// An exchange left unwaited (an exception between posting and waiting) is
+// never freed: its works, which hold the send and receive buffers, are kept
+// for the rest of the process. Gloo reads into a receive buffer from its own
+// thread through a raw pointer; freeing the buffer while the peer's data may
+// still arrive would let that thread write into freed memory, or wedge the
+// link for every later message if the data arrives after the free.
 class PendingExchange {
  public:
   PendingExchange() = default;
   explicit PendingExchange(std::vector<c10::intrusive_ptr<c10d::Work>> works) : works_(std::move(works)) {}
+  PendingExchange(PendingExchange&& other) noexcept : works_(std::move(other.works_)) { other.works_.clear(); }
+  PendingExchange& operator=(PendingExchange&& other) noexcept;
+  PendingExchange(const PendingExchange&) = delete;
+  PendingExchange& operator=(const PendingExchange&) = delete;
+  ~PendingExchange();
+
   // Blocks (CPU) or makes the current stream wait (CUDA) until both finished.
   void wait();
 

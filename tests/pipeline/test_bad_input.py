@@ -1,4 +1,5 @@
-"""Bad pipeline input: a clear ValueError / TypeError naming the argument, raised before any collective."""
+"""Bad pipeline input: a clear ValueError / TypeError naming the argument, raised before any collective; and a
+step that raises midway, after which the pipeline refuses further steps."""
 
 import pytest
 import torch
@@ -90,3 +91,46 @@ def test_a_micro_batch_of_another_shape_is_refused_by_its_sender():
         with pytest.raises(ValueError, match=r"stage 1's input activation of micro-batch 1 has shape \[2, 2\].*"
                                              r"every micro-batch must give the stages the same shapes"):
             world.run(step_with_a_shape_change)
+
+
+class FailsOnCall(nn.Module):
+    """A stage whose forward raises on its ``failing``-th call."""
+
+    def __init__(self, failing: int):
+        super().__init__()
+        self.linear, self.failing, self.calls = nn.Linear(4, 4), failing, 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == self.failing:
+            raise ArithmeticError(f"stage failed on micro-batch {self.calls - 1}")
+        return self.linear(x)
+
+
+def a_step_after_a_failed_one() -> tuple[str, str, float]:
+    mesh = cached_mesh((2,), ("pp",))
+    rank = mesh.get_local_rank()
+    pipe = Pipeline({rank: FailsOnCall(failing=2 if rank == 0 else 1)}, pp_mesh=mesh, schedule="1f1b",
+                    num_microbatches=2, loss_fn=nn.functional.mse_loss)
+    failures = []
+    for _ in range(2):
+        try:
+            pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+        except Exception as error:
+            failures.append(f"{type(error).__name__}: {error}")
+    total = torch.ones(())
+    torch.distributed.all_reduce(total, group=mesh.get_group())
+    return *failures, total.item()
+
+
+def test_a_step_after_one_that_raised_is_refused_and_the_group_still_works():
+    """Stage 0 (rank 0) raises on micro-batch 1, once it has sent micro-batch 0 and posted the receive of its
+    gradient; stage 1 (rank 1) on micro-batch 0, once it has received it. The next step is refused on both
+    ranks (its messages would share tags with the failed step's), and the group's collectives still run: the
+    posted receives' buffers are kept, not freed under gloo's reading thread."""
+    with spawn_world(2, timeout=60.0) as world:
+        for rank, (first, second, total) in enumerate(world.run(a_step_after_a_failed_one)):
+            assert first == f"ArithmeticError: stage failed on micro-batch {1 - rank}", first
+            assert second.startswith(f"RuntimeError: an earlier step() raised ({first}): messages of that step "
+                                     "may still be in flight"), second
+            assert total == 2.0

@@ -197,6 +197,7 @@ class Pipeline:
         self.loss_fn = loss_fn
         self.weight_grads = WeightGradStore()
         self.timeline: list[TimedAction] = []
+        self._failed_step: str | None = None  # why an earlier step raised while its messages were in flight
         self._posts: dict[int, list[PostedOp]] = {}  # boundary -> this rank's messages posted there, in order
         for op in message_plan(schedule, self.pp, num_microbatches, virtual_stages)[self.rank]:
             self._posts.setdefault(op.boundary, []).append(op)
@@ -314,19 +315,43 @@ class Pipeline:
 
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """One training step (forward and backward of every micro-batch; no optimizer step): returns the
-        mean loss (0-d, the same on every rank) and leaves the gradients in the stages' parameters."""
+        mean loss (0-d, the same on every rank) and leaves the gradients in the stages' parameters.
+
+        A step that raises once its actions have begun (a stage's error, a peer's timeout) leaves the pipeline
+        unusable: later calls raise RuntimeError, since that step's messages may still be in flight."""
         for name, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
             if t.dim() == 0 or t.shape[0] % self.num_microbatches:
                 raise ValueError(f"{name}.size(0) must be divisible by num_microbatches={self.num_microbatches}, "
                                  f"got shape {tuple(t.shape)}")
+        if self._failed_step is not None:
+            raise RuntimeError(f"an earlier step() raised ({self._failed_step}): messages of that step may still be "
+                               "in flight between the ranks and would be read as this step's, so this pipeline "
+                               "cannot run another step; end the job and restart it from a checkpoint")
         self.device = inputs.device
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
         self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
         self._sends, self._losses = [], []
         self._layouts, self._sent_layouts = {}, {}  # (direction, stage) -> (shape, dtype) of its messages
-        self.weight_grads.clear()  # nothing left over from a step that raised
+        self.weight_grads.clear()
+        try:
+            return self._run_actions()
+        except BaseException as error:
+            self._abandon_step(error)
+            raise
+
+    def _abandon_step(self, error: BaseException) -> None:
+        """After an action raised: refuses later steps, whose messages would share tags with this step's
+        (a message of another rank, still in flight, would be read as a later step's), and keeps this rank's
+        posted messages (their works, which hold the buffers) for the rest of the process. Gloo reads a message
+        into its receive buffer from its own thread: a buffer freed before its data arrives would be written
+        after the free, or wedge the link for every later message."""
+        self._failed_step = f"{type(error).__name__}: {error}"
+        _KEPT_AFTER_A_FAILED_STEP.extend(work for _, work, _ in self._inbox.values())
+        _KEPT_AFTER_A_FAILED_STEP.extend(send.work for send in self._sends)
+
+    def _run_actions(self) -> Tensor:
         run = {"F": self._forward, "B": self._backward, "W": lambda s, i, _: self.weight_grads.run((s, i))}
         live_bytes = _live_bytes_counter(self.device)
         clock = _ActionClock(self.device)
@@ -356,6 +381,10 @@ class Pipeline:
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
         self._inputs = self._targets = self._saved = self._sends = self._inbox = self._outbox = None
         return loss
+
+
+# The works of messages that a step which raised left in flight (Pipeline._keep_messages_in_flight).
+_KEPT_AFTER_A_FAILED_STEP: list[dist.Work] = []
 
 
 def _release_storage(out: Tensor) -> None:
