@@ -60,8 +60,7 @@ compat:
 # torch is not built with ASan: the runtime is preloaded (with libstdc++, whose __cxa_throw it intercepts),
 # Python allocates with malloc so that ASan sees every block, and leaks are not reported (Python's are many).
 asan: $(VENV)/.installed-deps
-	mkdir -p $(ASAN_DIR)
-	find $(ASAN_DIR) -mindepth 1 -maxdepth 1 ! -name build -exec rm -rf {} +
+	rm -rf $(ASAN_DIR) && mkdir -p $(ASAN_DIR)
 	git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C $(ASAN_DIR)
 	cd $(ASAN_DIR) && TDX_CUDA=0 TDX_SANITIZE=address MAX_JOBS=$(MAX_JOBS) $(CURDIR)/$(PY) setup.py -q build_ext --inplace
 	cd $(ASAN_DIR) && LD_PRELOAD="$$(g++ -print-file-name=libasan.so) $$(g++ -print-file-name=libstdc++.so)" \
