@@ -9,7 +9,9 @@ per rank. For each schedule and m, the median of 3 steps (after one warm-up): th
 1f1b's, the measured idle fraction (1 - busy / makespan, averaged over the ranks), the planner's
 prediction for the measured per-stage F / B / W times (``replay_schedule``: the order that ran, timed with
 those costs), the same with each message between the ranks taking its measured transfer time (half a round
-trip of one stage output, alone) and the planner's closed form (equal F / B / W). Against torch: the median wall time of
+trip of one stage output, alone), the same with each action's own measured time instead of its stage's mean
+(what it leaves out is the runtime's: its gaps between actions, message latency beyond the transfer) and the
+planner's closed form (equal F / B / W). Against torch: the median wall time of
 ``step`` (slowest rank) of ours over that of torch's schedule on the same stages, in the same run
 (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``; torch has no
 zb-h1 with one stage per rank: ``ScheduleInterleavedZeroBubble`` needs several). ``--out`` writes each
@@ -137,6 +139,7 @@ def measure(schedule: str, microbatches: int, batch: int, out: str | None) -> di
     makespan, measured, predicted, timelines = sorted(runs, key=lambda r: r[0])[1]
     transfer = message_seconds(batch // microbatches, mesh.get_group())
     with_messages = predicted_idle_fraction(pipe, timelines, transfer)
+    each_action = predicted_idle_fraction(pipe, timelines, transfer, each_action=True)
     closed = _planner.bubble_fraction(2, microbatches, planner_name(schedule), v)
     if out and mesh.get_local_rank() == 0:
         plot_timeline(Path(out) / f"pipeline_{schedule}_m{microbatches}.png", timelines,
@@ -148,7 +151,8 @@ def measure(schedule: str, microbatches: int, batch: int, out: str | None) -> di
             "ours_over_torch": None if theirs is None else round(ours / theirs, 3),
             "measured_bubble": round(measured, 3),
             "planner_bubble": round(predicted, 3), "message_ms": round(transfer * 1e3, 2),
-            "planner_bubble_with_messages": round(with_messages, 3), "closed_form_bubble": round(closed, 3)}
+            "planner_bubble_with_messages": round(with_messages, 3),
+            "replayed_each_action": round(each_action, 3), "closed_form_bubble": round(closed, 3)}
 
 
 def main() -> None:
@@ -170,17 +174,19 @@ def main() -> None:
                 print(json.dumps(rows[-1]), flush=True)
     print()
     print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'/ 1f1b':>7} {'torch ms':>9} {'ours/torch':>10} {'bubble':>7} "
-          f"{'planner':>8} {'relative':>9} {'message ms':>10} {'+ messages':>10} {'relative':>9} {'closed form':>11}")
+          f"{'planner':>8} {'relative':>9} {'message ms':>10} {'+ messages':>10} {'relative':>9} {'each action':>11} "
+          f"{'relative':>9} {'closed form':>11}")
     for r in rows:
         base = next(b["ours_ms"] for b in rows if b["schedule"] == "1f1b" and b["microbatches"] == r["microbatches"])
         gap = (r["measured_bubble"] - r["planner_bubble"]) / r["planner_bubble"]
         gap_with = (r["measured_bubble"] - r["planner_bubble_with_messages"]) / r["planner_bubble_with_messages"]
+        gap_each = (r["measured_bubble"] - r["replayed_each_action"]) / r["replayed_each_action"]
         torch_ms = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.1f}"
         ratio = "-" if r["ours_over_torch"] is None else f"{r['ours_over_torch']:.3f}"
         print(f"{r['schedule']:>17} {r['microbatches']:>3} {r['ours_ms']:8.1f} {r['ours_ms'] / base:7.3f} "
               f"{torch_ms:>9} {ratio:>10} {r['measured_bubble']:7.3f} {r['planner_bubble']:8.3f} {gap:+9.1%} "
               f"{r['message_ms']:10.2f} {r['planner_bubble_with_messages']:10.3f} {gap_with:+9.1%} "
-              f"{r['closed_form_bubble']:11.3f}")
+              f"{r['replayed_each_action']:11.3f} {gap_each:+9.1%} {r['closed_form_bubble']:11.3f}")
 
 
 if __name__ == "__main__":

@@ -373,16 +373,21 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
   const auto simulated = simulate_schedule(p, m, schedule, v);
   const bool split = schedule == Schedule::kZbH1 || schedule == Schedule::kZbV;
   const long stages = p * chunks_per_rank(schedule, v);
+  const auto per_stage = static_cast<size_t>(stages), per_pass = static_cast<size_t>(stages * m);
   for (const auto* costs : {&forward, &backward, &weight}) {
-    if (costs->size() != 1 && costs->size() != static_cast<size_t>(stages)) {
-      throw std::invalid_argument("replay_schedule: give one cost per kind, or one per stage (" +
-                                  std::to_string(stages) + "), got " + std::to_string(costs->size()));
+    if (costs->size() != 1 && costs->size() != per_stage && costs->size() != per_pass) {
+      throw std::invalid_argument("replay_schedule: give one cost per kind, one per stage (" + std::to_string(stages) +
+                                  ") or one per stage and micro-batch (" + std::to_string(stages * m) + "), got " +
+                                  std::to_string(costs->size()));
     }
     for (double cost : *costs) {
       if (!(cost >= 0)) throw std::invalid_argument("replay_schedule: the forward, backward and weight costs must be >= 0");
     }
   }
-  auto cost_of = [](const std::vector<double>& costs, long stage) { return costs.size() == 1 ? costs[0] : costs[stage]; };
+  auto cost_of = [&](const std::vector<double>& costs, long stage, long micro) {
+    if (costs.size() == 1) return costs[0];
+    return costs.size() == per_stage ? costs[stage] : costs[stage * m + micro];
+  };
   std::vector<std::vector<ScheduledPass>> simulated_orders(p);
   for (const auto& pass : simulated) simulated_orders[pass.stage].push_back(pass);
   std::vector<std::vector<FixedPass>> orders(p);
@@ -391,9 +396,10 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
                      [](const ScheduledPass& a, const ScheduledPass& b) { return a.start < b.start; });
     for (const ScheduledPass& pass : simulated_orders[d]) {
       const long stage = stage_of(d, pass.chunk, p, schedule);
-      const double cost = pass.kind == 'F'   ? cost_of(forward, stage)
-                          : pass.kind == 'W' ? cost_of(weight, stage)
-                                             : cost_of(backward, stage) + (split ? 0.0 : cost_of(weight, stage));
+      const long micro = pass.microbatch;
+      const double cost = pass.kind == 'F'   ? cost_of(forward, stage, micro)
+                          : pass.kind == 'W' ? cost_of(weight, stage, micro)
+                                             : cost_of(backward, stage, micro) + (split ? 0.0 : cost_of(weight, stage, micro));
       orders[d].push_back({stage, pass.kind, pass.microbatch, pass.chunk, cost});
     }
   }

@@ -61,8 +61,8 @@ std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, Sch
 
 // The passes of simulate_schedule(pp, num_microbatches, schedule, virtual_stages) in the same per-device
 // order, timed again with the given costs of one pass of one micro-batch on each pipeline stage (a
-// device's chunk as it runs: what a pipeline runtime measures; one value for every stage, or one per stage
-// in stage order): each device runs its passes in that order, each as soon as the device is free and its
+// device's chunk as it runs: what a pipeline runtime measures; one value for every stage, one per stage in
+// stage order, or one per stage and micro-batch, stage-major, as each pass of a run took): each device runs its passes in that order, each as soon as the device is free and its
 // inputs exist (F after the previous stage's F; B after its own F and the next stage's B; W after its own
 // B), an input made on another device `message` later (one activation or gradient's transfer between stages;
 // 0: free). In gpipe, 1f1b and interleaved a B costs backward + weight (it computes both). The order the

@@ -386,6 +386,20 @@ TEST(Pipeline, ReplayedOneFOneBKeepsItsClosedFormForAnyUniformCosts) {
   EXPECT_DOUBLE_EQ(makespan, 1.0 + 4 * (1.0 + 3.0) + 2.0);  // F on stage 0, then stage 1's 4 x (F + B), then stage 0's last B
 }
 
+TEST(Pipeline, ReplayTakesOneCostPerStageAndMicroBatch) {
+  // GPipe, p = 2, m = 2, stage-major costs: F0.0 = 1, F0.1 = 3, F1.0 = 1, F1.1 = 1; B = 1; no W.
+  // F0.0 [0, 1], F0.1 [1, 4], F1.0 [1, 2], F1.1 [4, 5], B1.0 [5, 6], B1.1 [6, 7], B0.0 [6, 7], B0.1 [7, 8].
+  const auto timed = replay_schedule(2, 2, Schedule::kGPipe, 1, {1.0, 3.0, 1.0, 1.0}, {1.0}, {0.0});
+  double makespan = 0;
+  for (const auto& pass : timed) makespan = std::max(makespan, pass.end);
+  EXPECT_DOUBLE_EQ(makespan, 8.0);
+  // The same value for every pass reads as one per kind.
+  EXPECT_NEAR(idle_fraction(replay_schedule(2, 2, Schedule::kZbV, 1, std::vector<double>(8, 1.0), {1.0}, {1.0}), 2),
+              idle_fraction(replay_schedule(2, 2, Schedule::kZbV, 1, {1.0}, {1.0}, {1.0}), 2), 1e-12);
+  EXPECT_THROW(replay_schedule(2, 2, Schedule::kGPipe, 1, std::vector<double>(5, 1.0), {1.0}, {0.0}),
+               std::invalid_argument);
+}
+
 TEST(Pipeline, OneFOneBHoldsAtMostPMicroBatches) {
   EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, Schedule::k1F1B, 1), 8);
   EXPECT_DOUBLE_EQ(in_flight_microbatches(8, 32, Schedule::kGPipe, 1), 32);

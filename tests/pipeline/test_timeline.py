@@ -11,6 +11,7 @@ from torch import nn
 from torchdist_ext.pipeline import (
     Pipeline,
     TimedAction,
+    action_costs,
     gather_timeline,
     mean_costs,
     measured_idle_fractions,
@@ -56,8 +57,6 @@ def test_measured_figures_of_a_synthetic_timeline():
     assert per_rank == pytest.approx([1 - 3 / 5, 1 - 2 / 5]) and overall == pytest.approx(0.5)
     assert mean_costs(timelines, 2) == {"F": [1.0, 1.0], "B": [2.0, 1.0], "W": [0.0, 0.0]}
 
-
-
 def test_predicted_idle_fraction_waits_each_message_between_ranks():
     """The synthetic 1F1B step above, replayed: with no message time the measured costs give rank 0 F [0, 1],
     B [3, 5] and rank 1 F [1, 2], B [2, 3] (idle 0.5); with 0.25 per message, the two messages between the
@@ -67,3 +66,20 @@ def test_predicted_idle_fraction_waits_each_message_between_ranks():
     pipe = SimpleNamespace(pp=2, num_microbatches=1, schedule="1f1b", virtual_stages=1, num_stages=2)
     assert predicted_idle_fraction(pipe, timelines) == pytest.approx(0.5)
     assert predicted_idle_fraction(pipe, timelines, message_seconds=0.25) == pytest.approx(1 - 5 / (2 * 5.5))
+
+
+def test_replayed_with_each_actions_own_time_a_gap_free_step_is_reproduced():
+    """1F1B, p = 2, m = 2, stage 0's first forward three times its second: rank 0 F0.0 [0, 3], F0.1 [3, 4],
+    B0.0 [5, 6], B0.1 [7, 8]; rank 1 F1.0 [3, 4], B1.0 [4, 5], F1.1 [5, 6], B1.1 [6, 7] (idle 1 - 10 / 16).
+    Each action's own time replays it exactly; stage 0's mean forward (2) does not: rank 0's forwards end at
+    2 and 4, and the step at 7 (idle 1 - 10 / 14)."""
+    timelines = [[TimedAction("F", 0, 0, 0.0, 3.0), TimedAction("F", 0, 1, 3.0, 4.0),
+                  TimedAction("B", 0, 0, 5.0, 6.0), TimedAction("B", 0, 1, 7.0, 8.0)],
+                 [TimedAction("F", 1, 0, 3.0, 4.0), TimedAction("B", 1, 0, 4.0, 5.0),
+                  TimedAction("F", 1, 1, 5.0, 6.0), TimedAction("B", 1, 1, 6.0, 7.0)]]
+    assert action_costs(timelines, 2, 2) == {"F": [3.0, 1.0, 1.0, 1.0], "B": [1.0] * 4, "W": [0.0] * 4}
+    pipe = SimpleNamespace(pp=2, num_microbatches=2, schedule="1f1b", virtual_stages=1, num_stages=2)
+    measured = measured_idle_fractions(timelines)[1]
+    assert measured == pytest.approx(1 - 10 / 16)
+    assert predicted_idle_fraction(pipe, timelines, each_action=True) == pytest.approx(measured)
+    assert predicted_idle_fraction(pipe, timelines) == pytest.approx(1 - 10 / 14)

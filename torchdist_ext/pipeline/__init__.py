@@ -24,6 +24,7 @@ from torchdist_ext.pipeline.schedule import (
 )
 from torchdist_ext.pipeline.stages import partition_layers
 from torchdist_ext.pipeline.timeline import (
+    action_costs,
     gather_timeline,
     mean_costs,
     measured_idle_fractions,
@@ -36,6 +37,7 @@ __all__ = [
     "Action",
     "Pipeline",
     "TimedAction",
+    "action_costs",
     "enable_weight_grad_split",
     "gather_timeline",
     "mean_costs",

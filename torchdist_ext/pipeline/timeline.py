@@ -18,7 +18,7 @@ from torchdist_ext import _planner
 from torchdist_ext.pipeline.runtime import Pipeline, TimedAction
 from torchdist_ext.pipeline.schedule import planner_name
 
-__all__ = ["gather_timeline", "mean_costs", "measured_idle_fractions", "plot_timeline", "predicted_idle_fraction"]
+__all__ = ["action_costs", "gather_timeline", "mean_costs", "measured_idle_fractions", "plot_timeline", "predicted_idle_fraction"]
 
 _PASS_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}  # the planner's plot colours
 
@@ -49,11 +49,27 @@ def mean_costs(timelines: list[list[TimedAction]], num_stages: int) -> dict[str,
     return costs
 
 
-def predicted_idle_fraction(pipe: Pipeline, timelines: list[list[TimedAction]], message_seconds: float = 0.0) -> float:
-    """The planner's idle fraction for this schedule timed with each stage's measured mean F / B / W costs
-    (``replay_schedule``; the B of an unsplit schedule, which computes W too, counts as measured), each
-    message between ranks taking ``message_seconds`` (0: free)."""
-    costs = mean_costs(timelines, pipe.num_stages)
+def action_costs(timelines: list[list[TimedAction]], num_stages: int, num_microbatches: int) -> dict[str, list[float]]:
+    """Each action's own duration by kind ("F", "B", "W"), stage-major (``[stage * num_microbatches +
+    micro-batch]``; 0 where the kind did not run)."""
+    costs = {kind: [0.0] * (num_stages * num_microbatches) for kind in "FBW"}
+    for timeline in timelines:
+        for a in timeline:
+            costs[a.kind][a.stage * num_microbatches + a.microbatch] = a.end - a.start
+    return costs
+
+
+def predicted_idle_fraction(pipe: Pipeline, timelines: list[list[TimedAction]], message_seconds: float = 0.0,
+                            each_action: bool = False) -> float:
+    """The planner's idle fraction for this schedule (``replay_schedule``: its order, each action as soon as
+    its rank is free and its input exists), timed with each stage's measured mean F / B / W costs, or with
+    ``each_action`` each action's own measured time (the B of an unsplit schedule, which computes W too,
+    counts as measured); each message between ranks takes ``message_seconds`` (0: free). With each action's
+    own time, what the replay leaves out is the runtime's: its gaps between actions and message latency."""
+    if each_action:
+        costs = action_costs(timelines, pipe.num_stages, pipe.num_microbatches)
+    else:
+        costs = mean_costs(timelines, pipe.num_stages)
     replayed = _planner.replay_schedule(pipe.pp, pipe.num_microbatches, planner_name(pipe.schedule),
                                         pipe.virtual_stages, costs["F"], costs["B"], costs["W"], message_seconds)
     return _planner.idle_fraction(replayed, pipe.pp)
