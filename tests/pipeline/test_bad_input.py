@@ -39,6 +39,7 @@ def pipeline_refusals():
         (dict(stages={mesh.get_local_rank(): "linear"}), TypeError, "must be an nn.Module"),
         (dict(loss_fn="mse"), TypeError, "loss_fn must be callable"),
         (dict(schedule="zb-x"), ValueError, "schedule must be one of"),
+        (dict(fixed_shapes=1), TypeError, "fixed_shapes must be a bool, got int"),
     ]:
         arguments = dict(stages={mesh.get_local_rank(): nn.Linear(4, 4)}, pp_mesh=mesh, schedule="1f1b",
                          num_microbatches=2, loss_fn=loss) | kwargs
@@ -60,7 +61,7 @@ def pipeline_refusals():
 
 
 def test_pipeline_refuses_bad_arguments_on_every_rank_without_hanging(world2):
-    assert world2.run(pipeline_refusals) == [4, 4]
+    assert world2.run(pipeline_refusals) == [5, 5]
 
 
 class ShrinksSecondMicrobatch(nn.Module):
@@ -89,8 +90,36 @@ def test_a_micro_batch_of_another_shape_is_refused_by_its_sender():
     run ends with the sender's ValueError (its receiver, waiting for data that never comes, is stopped)."""
     with spawn_world(2, timeout=60.0) as world:
         with pytest.raises(ValueError, match=r"stage 1's input activation of micro-batch 1 has shape \[2, 2\].*"
-                                             r"every micro-batch must give the stages the same shapes"):
+                                             r"every micro-batch and, with fixed_shapes=True, every step must give the stages the same shapes"):
             world.run(step_with_a_shape_change)
+
+
+def two_steps_of_different_batch(fixed_shapes: bool) -> tuple[float, float]:
+    """A step on 8 rows, then one on 4: with fixed_shapes=False the second loss, and that of a fresh pipeline
+    on the same 4 rows (the same weights: the first step only accumulated gradients)."""
+    mesh = cached_mesh((2,), ("pp",))
+    torch.manual_seed(0)
+    stage = nn.Linear(4, 4)
+
+    def pipeline(**kwargs):
+        return Pipeline({mesh.get_local_rank(): stage}, pp_mesh=mesh, schedule="1f1b", num_microbatches=2,
+                        loss_fn=nn.functional.mse_loss, **kwargs)
+
+    pipe = pipeline(fixed_shapes=fixed_shapes)
+    pipe.step(torch.randn(8, 4), torch.randn(8, 4))
+    inputs, targets = torch.randn(4, 4), torch.randn(4, 4)
+    return pipe.step(inputs, targets).item(), pipeline().step(inputs, targets).item()
+
+
+def test_a_step_of_other_shapes_needs_fixed_shapes_false():
+    """Only the first step's messages carry headers by default: a later step of other shapes is refused by
+    its sender; with fixed_shapes=False every step carries them again and computes."""
+    with spawn_world(2, timeout=60.0) as world:
+        for second, fresh in world.run(two_steps_of_different_batch, False):
+            assert second == pytest.approx(fresh, rel=1e-6)
+        with pytest.raises(ValueError, match=r"stage 1's input activation of micro-batch 0 has shape \[2, 4\].*"
+                                             r"with fixed_shapes=True, every step must give the stages the same"):
+            world.run(two_steps_of_different_batch, True)
 
 
 class FailsOnCall(nn.Module):

@@ -26,10 +26,10 @@ def microbatch_counts(schedule: str, pp: int) -> list[int]:
 @pytest.mark.parametrize("schedule, virtual_stages", SCHEDULES, ids=[f"{s}-v{v}" for s, v in SCHEDULES])
 @pytest.mark.parametrize("pp", [2, 3, 4, 8])
 def test_plan_delivers_every_message_to_its_receive(schedule, virtual_stages, pp):
-    for m in microbatch_counts(schedule, pp):
-        plans = message_plan(schedule, pp, m, virtual_stages)
-        assert deadlocks(plans, batched=True) == [], (schedule, pp, m)
-        assert deadlocks(plans, batched=False) == [], (schedule, pp, m)
+    for m, headers in [(m, headers) for m in microbatch_counts(schedule, pp) for headers in (True, False)]:
+        plans = message_plan(schedule, pp, m, virtual_stages, headers)
+        assert deadlocks(plans, batched=True) == [], (schedule, pp, m, headers)
+        assert deadlocks(plans, batched=False) == [], (schedule, pp, m, headers)
         found, _ = _messages(schedule, pp, m, virtual_stages)
         actions = every_rank_actions(schedule, pp, m, virtual_stages)
         assert len(found) == sum(len(plan) for plan in plans) // 2
@@ -39,7 +39,7 @@ def test_plan_delivers_every_message_to_its_receive(schedule, virtual_stages, pp
             assert len(sends) == len(receives) == 1
             assert made + 1 <= sends[0].boundary <= len(actions[message.src])  # after the action that makes it
             assert receives[0].boundary <= read  # before the action that reads it
-            assert sends[0].with_header == receives[0].with_header == (message.microbatch == min(
+            assert sends[0].with_header == receives[0].with_header == (headers and message.microbatch == min(
                 other.microbatch for other, _, _ in found if other[1:3] == message[1:3]))  # each kind's first
         for plan in plans:
             assert [op.boundary for op in plan] == sorted(op.boundary for op in plan)
@@ -66,8 +66,8 @@ def test_the_model_finds_what_just_in_time_posting_does_wrong():
 
 
 def posts_the_plan(schedule: str, num_microbatches: int) -> bool:
-    """One step with dist.isend / dist.irecv recorded: the data messages (headers aside) go out in the plan's
-    order, and the step still computes."""
+    """Two steps with dist.isend / dist.irecv recorded: the messages go out in the order of the plan with
+    headers (each right before its data), then of the one without (the layouts are known), and both compute."""
     mesh = cached_mesh((dist.get_world_size(),), ("pp",))
     pp, rank = mesh.size(), mesh.get_local_rank()
     torch.manual_seed(0)
@@ -80,23 +80,25 @@ def posts_the_plan(schedule: str, num_microbatches: int) -> bool:
 
     def recording(op, is_send):
         def post(tensor, group, tag, **peer):
-            if tag % 2:  # data: odd tags
-                posted.append((is_send, peer.get("group_dst", peer.get("group_src")), tag))
+            posted.append((is_send, peer.get("group_dst", peer.get("group_src")), tag))  # headers: even tags
             return op(tensor, group=group, tag=tag, **peer)
         return post
 
     dist.isend, dist.irecv = recording(isend, True), recording(irecv, False)
     try:
-        loss = pipe.step(torch.randn(2 * num_microbatches, 8), torch.randn(2 * num_microbatches, 8))
+        for headers in (True, False):  # the first step sends the headers; the second knows the layouts
+            posted.clear()
+            loss = pipe.step(torch.randn(2 * num_microbatches, 8), torch.randn(2 * num_microbatches, 8))
+            expected = []
+            for op in message_plan(schedule, pp, num_microbatches, headers=headers)[rank]:
+                m = op.message
+                tag = 2 * ((m.direction * pipe.num_stages + m.stage) * num_microbatches + m.microbatch)
+                peer = m.dst if op.is_send else m.src
+                expected += [(op.is_send, peer, t) for t in [tag] * op.with_header + [tag + 1]]
+            assert posted == expected, (headers, posted, expected)
+            assert torch.isfinite(loss)
     finally:
         dist.isend, dist.irecv = isend, irecv
-    expected = []
-    for op in message_plan(schedule, pp, num_microbatches)[rank]:
-        m = op.message
-        tag = 2 * ((m.direction * pipe.num_stages + m.stage) * num_microbatches + m.microbatch) + 1
-        expected.append((op.is_send, m.dst if op.is_send else m.src, tag))
-    assert posted == expected, (posted, expected)
-    assert torch.isfinite(loss)
     return True
 
 

@@ -14,7 +14,8 @@ head of both its ranks' streams, so it is delivered, and by induction every mess
 message right after the action that makes it, or later if a message ordered before it is still to be posted
 there; the receiver posts it one action ahead of the action that reads it, or earlier where the simulation
 sends it earlier (the first message of each kind, whose header the receiver waits for before it can post the
-data's receive, as late as the order allows). ``message_plan`` gives each rank that list; the runtime posts
+data's receive, as late as the order allows: only in a step whose shapes the receivers do not know yet, as
+every later op is then posted no earlier). ``message_plan`` gives each rank that list; the runtime posts
 it one op at a time (each op its own work, so waiting for one message never waits for a later action's).
 ``deadlocks`` checks a plan against the rule above (a rendezvous model of NCCL's streams, with or without
 batching per boundary) and is what the tests run over every schedule. It models the ops' order only, not
@@ -73,9 +74,12 @@ def _messages(schedule: str, pp: int, num_microbatches: int, virtual_stages: int
     return found, ends
 
 
-def message_plan(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1) -> list[list[PostedOp]]:
+def message_plan(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1,
+                 headers: bool = True) -> list[list[PostedOp]]:
     """Every rank's messages (index: pipeline rank), in the order it posts them, each with the action
-    boundary at which it is posted (non-decreasing along the list)."""
+    boundary at which it is posted (non-decreasing along the list). ``headers``: the first message of each
+    (direction, stage) carries a header, whose receive is posted as late as the order allows; without (a
+    step whose shapes the receivers know), every receive is posted like the later ones."""
     found, ends = _messages(schedule, pp, num_microbatches, virtual_stages)
     plans = []
     for rank in range(pp):
@@ -90,7 +94,7 @@ def message_plan(schedule: str, pp: int, num_microbatches: int, virtual_stages: 
             bound = latest[j] = min(ops[j][2], bound)
         plan, kinds = [], set()
         for j, (m, _, read, is_send) in enumerate(ops):
-            with_header = (m.direction, m.stage) not in kinds
+            with_header = headers and (m.direction, m.stage) not in kinds
             kinds.add((m.direction, m.stage))
             if is_send:
                 boundary = earliest[j]

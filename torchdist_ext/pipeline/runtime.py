@@ -16,19 +16,22 @@ posts them in one global order (``torchdist_ext.pipeline.messages.message_plan``
 simulated send times, which NCCL's in-order matching needs to be free of deadlock), one op at a time: a send
 right after the action that makes it, a receive one action ahead of the action that reads it (or earlier,
 where the simulation sends it earlier), so it arrives while this rank computes. The first message of each
-(direction, stage) of a step carries a header (shape and dtype) that the receiver reads first; later
-micro-batches must match it (checked by the sender). A send's buffer is released as soon
-as a message from its peer shows that the peer has received it (the peer sent that message from a later
-action than the one that consumed ours), not at the end of the step: a stage's outputs and input gradients
-would otherwise stay alive for all the step's micro-batches. A stage's output tensor itself gives up its
-storage once sent (its backward needs only its ``grad_fn``; Megatron-LM's ``deallocate_output_tensor``): code
-that keeps a reference to the very tensor a stage module returns (a forward hook, a module attribute, an op
-of the stage that saved it as an input) sees an empty tensor after the send: compute from it inside the
-stage. Between stages on the same rank (zb-v's turn) they are handed over in memory.
+(direction, stage) of the first step carries a header (shape and dtype) that the receiver reads first, and
+whose receive is posted as late as the order allows (the host waits for it); later micro-batches and steps
+must match it (checked by the sender). With ``fixed_shapes=False`` every step sends the headers again. A
+send's buffer is released as soon as a message from its peer shows that the peer has received it (the peer
+sent that message from a later action than the one that consumed ours), not at the end of the step: a
+stage's outputs and input gradients would otherwise stay alive for all the step's micro-batches. A stage's
+output tensor itself gives up its storage once sent (its backward needs only its ``grad_fn``; Megatron-LM's
+``deallocate_output_tensor``): code that keeps a reference to the very tensor a stage module returns (a
+forward hook, a module attribute, an op of the stage that saved it as an input) sees an empty tensor after
+the send: compute from it inside the stage. Between stages on the same rank (zb-v's turn) they are handed over in memory.
 
 Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
-the last step's actions with their wall-clock start and end on this rank (on CUDA, from events on the
+the last step's actions with their wall-clock start and end on this rank (an action ends once the messages
+it made are posted: gloo writes a message whose receive is posted in the calling thread, so this is the
+rank's work, not idle time; a wait for a header is idle) (on CUDA, from events on the
 stream, so the GPU's times, not the host's), and the bytes of live tensors right after each (the caching
 allocator's on CUDA, ``torchdist_ext.cpu_memory``'s once ``track()`` has run; else None): their largest is
 the step's peak between passes, what the planner's activation model counts (``peak_held_activations``),
@@ -163,12 +166,19 @@ class Pipeline:
         num_microbatches: micro-batches per step (interleaved-1f1b: divisible by pp).
         loss_fn: ``loss_fn(output, targets) -> scalar`` of the last stage's output of a micro-batch.
         virtual_stages: chunks per rank for interleaved-1f1b.
+        fixed_shapes: every step gives each stage inputs of the first step's shapes and dtypes (as
+            ``torch.distributed.pipelining`` and Megatron-LM assume): only the first step's messages carry
+            headers, so later steps post every receive one action ahead of its reader. False (variable
+            sequence lengths, say): every step's first message of each kind carries its header again.
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], *, pp_mesh: DeviceMesh, schedule: str,
-                 num_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], virtual_stages: int = 1):
+                 num_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], virtual_stages: int = 1,
+                 fixed_shapes: bool = True):
         if not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1:
             raise TypeError(f"pp_mesh must be a 1-D DeviceMesh, got {pp_mesh!r}")
+        if not isinstance(fixed_shapes, bool):
+            raise TypeError(f"fixed_shapes must be a bool, got {type(fixed_shapes).__name__}")
         if not callable(loss_fn):
             raise TypeError(f"loss_fn must be callable(output, targets) -> loss, got {type(loss_fn).__name__}")
         self.pp, self.rank = pp_mesh.size(), pp_mesh.get_local_rank()
@@ -198,9 +208,15 @@ class Pipeline:
         self.weight_grads = WeightGradStore()
         self.timeline: list[TimedAction] = []
         self._failed_step: str | None = None  # why an earlier step raised while its messages were in flight
-        self._posts: dict[int, list[PostedOp]] = {}  # boundary -> this rank's messages posted there, in order
-        for op in message_plan(schedule, self.pp, num_microbatches, virtual_stages)[self.rank]:
-            self._posts.setdefault(op.boundary, []).append(op)
+        # headers (a step whose shapes the receivers do not know) -> boundary -> the messages posted there
+        self._posts: dict[bool, dict[int, list[PostedOp]]] = {True: {}, False: {}}
+        for headers, posts in self._posts.items():
+            for op in message_plan(schedule, self.pp, num_microbatches, virtual_stages, headers)[self.rank]:
+                posts.setdefault(op.boundary, []).append(op)
+        self.fixed_shapes = fixed_shapes
+        self._layouts: dict = {}  # (direction, stage) -> (shape, dtype) of the messages this rank receives
+        self._sent_layouts: dict = {}  # and of those it sends
+        self._layouts_complete = False  # a step has run: every receiver knows its messages' layouts
         # The position of each stage's last gradient action (B, or W under a split): its FSDP2 reduction.
         self._last_grad_action = {a.stage: i for i, a in enumerate(self.actions) if a.kind in "BW"}
 
@@ -223,19 +239,23 @@ class Pipeline:
                              f"{_DTYPES}, got shape {tuple(tensor.shape)} and {tensor.dtype}")
         layout = (list(tensor.shape), tensor.dtype)
         expected = self._sent_layouts.setdefault((direction, to_stage), layout)
-        if layout != expected:  # only the first message of each kind carries a header
+        if layout != expected:  # only the first message of each kind (of the first step) carries a header
             what = "activation" if direction == FORWARD else "gradient"
+            every = "every micro-batch and, with fixed_shapes=True, every step" if self.fixed_shapes else \
+                "every micro-batch"
             raise ValueError(f"stage {to_stage}'s input {what} of micro-batch {microbatch} has shape {layout[0]} "
                              f"and dtype {layout[1]}, but earlier micro-batches' had {expected[0]} and "
-                             f"{expected[1]}: every micro-batch must give the stages the same shapes")
+                             f"{expected[1]}: {every} must give the stages the same shapes")
         self._outbox[key] = tensor.contiguous()
 
-    def _post(self, boundary: int) -> None:
+    def _post(self, boundary: int, clock: "_ActionClock"):
         """Posts the messages the plan puts at ``boundary`` (before the action at that position), one op at a
         time in the plan's order, so that each op gets its own work: a wait covers the ops posted before it on
         the link, never a later action's. The first message of each (direction, stage) of a step is preceded
-        by a header (its shape and dtype), which the receiver waits for before it posts the data's receive."""
-        for op in self._posts.get(boundary, ()):
+        by a header (its shape and dtype), which the receiver waits for before it posts the data's receive.
+        Returns ``clock``'s mark where that wait began (None if none did): the rank is idle from there."""
+        waiting_from = None
+        for op in self._posts[self._headers].get(boundary, ()):
             m = op.message
             key, kind = (m.direction, m.stage, m.microbatch), (m.direction, m.stage)  # kind: of the same shape
             tag = self._tag(*key)
@@ -248,12 +268,14 @@ class Pipeline:
                 continue
             if op.with_header:
                 header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
+                waiting_from = clock.now() if waiting_from is None else waiting_from
                 dist.irecv(header, group=self.group, group_src=m.src, tag=tag).wait()
                 dims, dtype, *shape = header.tolist()
                 self._layouts[kind] = (shape[:dims], _DTYPES[dtype])
             shape, dtype = self._layouts[kind]
             data = torch.empty(shape, dtype=dtype, device=self.device)
             self._inbox[key] = (m.src, dist.irecv(data, group=self.group, group_src=m.src, tag=tag + 1), data)
+        return waiting_from
 
     def _release_sends(self, peer: int, before: int) -> None:
         """Waits for (at once: they were received) and drops the sends to ``peer`` that its actions up to
@@ -333,7 +355,9 @@ class Pipeline:
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
         self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
         self._sends, self._losses = [], []
-        self._layouts, self._sent_layouts = {}, {}  # (direction, stage) -> (shape, dtype) of its messages
+        self._headers = not (self.fixed_shapes and self._layouts_complete)
+        if self._headers:
+            self._layouts, self._sent_layouts = {}, {}
         self.weight_grads.clear()
         try:
             return self._run_actions()
@@ -362,16 +386,19 @@ class Pipeline:
                 module.set_reshard_after_backward(False)
                 module.set_is_last_backward(False)
         timed = []
+        self._post(0, clock)
         for position, action in enumerate(self.actions):
-            self._post(position)
             source = self._input_source(action)
             received = self._receive(*source) if source else None  # waiting for it is idle time, not the action's
             start = clock.now()
             run[action.kind](action.stage, action.microbatch, received)
-            timed.append((action, start, clock.now(), live_bytes() if live_bytes is not None else None))
+            # The ops posted next begin with the messages this action made: part of its work (gloo copies a
+            # message whose receive is posted into the socket in this thread, about 1 ms per 4 MB here).
+            waiting_from = self._post(position + 1, clock)
+            end = clock.now() if waiting_from is None else waiting_from
+            timed.append((action, start, end, live_bytes() if live_bytes is not None else None))
             if position == self._last_grad_action[action.stage] and isinstance(self.stages[action.stage], FSDPModule):
                 _reduce_fsdp_gradients(self.stages[action.stage])
-        self._post(len(self.actions))
         for send in self._sends:
             send.work.wait()
         self.timeline = [TimedAction(a.kind, a.stage, a.microbatch, clock.seconds(start), clock.seconds(end), held)
@@ -380,6 +407,7 @@ class Pipeline:
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
         self._inputs = self._targets = self._saved = self._sends = self._inbox = self._outbox = None
+        self._layouts_complete = True
         return loss
 
 

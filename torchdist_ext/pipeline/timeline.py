@@ -18,7 +18,8 @@ from torchdist_ext import _planner
 from torchdist_ext.pipeline.runtime import Pipeline, TimedAction
 from torchdist_ext.pipeline.schedule import planner_name
 
-__all__ = ["action_costs", "gather_timeline", "mean_costs", "measured_idle_fractions", "plot_timeline", "predicted_idle_fraction"]
+__all__ = ["action_costs", "gather_timeline", "mean_costs", "measured_idle_fractions", "plot_timeline",
+           "predicted_idle_fraction"]
 
 _PASS_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}  # the planner's plot colours
 
