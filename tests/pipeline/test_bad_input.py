@@ -90,7 +90,8 @@ def test_a_micro_batch_of_another_shape_is_refused_by_its_sender():
     run ends with the sender's ValueError (its receiver, waiting for data that never comes, is stopped)."""
     with spawn_world(2, timeout=60.0) as world:
         with pytest.raises(ValueError, match=r"stage 1's input activation of micro-batch 1 has shape \[2, 2\].*"
-                                             r"every micro-batch and, with fixed_shapes=True, every step must give the stages the same shapes"):
+                                             r"every micro-batch and, with fixed_shapes=True, every step must give "
+                                             r"the stages the same shapes"):
             world.run(step_with_a_shape_change)
 
 

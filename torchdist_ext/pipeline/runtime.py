@@ -25,17 +25,17 @@ stage's outputs and input gradients would otherwise stay alive for all the step'
 output tensor itself gives up its storage once sent (its backward needs only its ``grad_fn``; Megatron-LM's
 ``deallocate_output_tensor``): code that keeps a reference to the very tensor a stage module returns (a
 forward hook, a module attribute, an op of the stage that saved it as an input) sees an empty tensor after
-the send: compute from it inside the stage. Between stages on the same rank (zb-v's turn) they are handed over in memory.
+the send: compute from it inside the stage. Between stages on the same rank (zb-v's turn) they are handed
+over in memory.
 
 Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
-the last step's actions with their wall-clock start and end on this rank (an action ends once the messages
-it made are posted: gloo writes a message whose receive is posted in the calling thread, so this is the
-rank's work, not idle time; a wait for a header is idle) (on CUDA, from events on the
-stream, so the GPU's times, not the host's), and the bytes of live tensors right after each (the caching
-allocator's on CUDA, ``torchdist_ext.cpu_memory``'s once ``track()`` has run; else None): their largest is
-the step's peak between passes, what the planner's activation model counts (``peak_held_activations``),
-without the transients inside a pass.
+the last step's actions with their wall-clock start and end on this rank (on CUDA, from events on the
+stream, so the GPU's times, not the host's; an action ends once the messages it made are posted, as gloo
+writes a message whose receive is posted in the sending thread: the rank's work, not idle time), and the
+bytes of live tensors right after each (the caching allocator's on CUDA, ``torchdist_ext.cpu_memory``'s
+once ``track()`` has run; else None): their largest is the step's peak between passes, what the planner's
+activation model counts (``peak_held_activations``), without the transients inside a pass.
 
 A stage module sharded with FSDP2 (``fully_shard`` over the data-parallel ranks of that stage) all-gathers
 its parameters once per step, at its first forward, and keeps them unsharded through the step's
