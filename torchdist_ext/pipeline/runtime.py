@@ -216,7 +216,6 @@ class Pipeline:
         self.fixed_shapes = fixed_shapes
         self._layouts: dict = {}  # (direction, stage) -> (shape, dtype) of the messages this rank receives
         self._sent_layouts: dict = {}  # and of those it sends
-        self._layouts_complete = False  # a step has run: every receiver knows its messages' layouts
         # The position of each stage's last gradient action (B, or W under a split): its FSDP2 reduction.
         self._last_grad_action = {a.stage: i for i, a in enumerate(self.actions) if a.kind in "BW"}
 
@@ -355,7 +354,7 @@ class Pipeline:
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
         self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
         self._sends, self._losses = [], []
-        self._headers = not (self.fixed_shapes and self._layouts_complete)
+        self._headers = not (self.fixed_shapes and self.timeline)  # a step ran: the receivers know the layouts
         if self._headers:
             self._layouts, self._sent_layouts = {}, {}
         self.weight_grads.clear()
@@ -407,7 +406,6 @@ class Pipeline:
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
         self._inputs = self._targets = self._saved = self._sends = self._inbox = self._outbox = None
-        self._layouts_complete = True
         return loss
 
 
