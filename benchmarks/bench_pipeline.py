@@ -1,21 +1,29 @@
-"""Pipeline schedules on 2 CPU ranks: step time against torch.distributed.pipelining's schedules, and the
+"""Pipeline schedules on CPU ranks: step time against torch.distributed.pipelining's schedules, and the
 measured bubble of each schedule next to the planner's predictions, on the same model.
 
-    python benchmarks/bench_pipeline.py [--microbatches 4 8] [--batch 2048] [--out DIR]
+    python benchmarks/bench_pipeline.py [--pp 4] [--microbatches 4 8 16] [--batch 2048] [--steps 5] [--out DIR]
 
-The model: 8 blocks of ``Linear(1024, 1024) + tanh``, split into 2 stages (gpipe, 1f1b, zb-h1) or 4
-(interleaved-1f1b with 2 chunks per rank, zb-v), a batch of ``--batch`` rows in ``m`` micro-batches, one thread
-per rank. For each schedule and m, the median of 3 steps (after one warm-up): the step time, its ratio to
-1f1b's, the measured idle fraction (1 - busy / makespan, averaged over the ranks), the planner's
-prediction for the measured per-stage F / B / W times (``replay_schedule``: the order that ran, timed with
-those costs), the same with each message between the ranks taking its measured transfer time (half a round
-trip of one stage output, alone), the same with each action's own measured time instead of its stage's mean
-(what it leaves out is the runtime's: its gaps between actions, message latency beyond the transfer) and the
-planner's closed form (equal F / B / W). Against torch: the median wall time of
-``step`` (slowest rank) of ours over that of torch's schedule on the same stages, in the same run
-(``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``, ``ScheduleZBVZeroBubble``; torch has no
-zb-h1 with one stage per rank: ``ScheduleInterleavedZeroBubble`` needs several). ``--out`` writes each
-schedule's timeline PNG.
+The model: 8 blocks of ``Linear(1024, 1024) + tanh``, split into ``pp`` stages (gpipe, 1f1b, zb-h1) or
+``2 pp`` (interleaved-1f1b with 2 chunks per rank, zb-v), a batch of ``--batch`` rows in ``m`` micro-batches,
+one thread per rank. For each schedule and m:
+
+- step time: the median over 3 steps (after one warm-up) of the slowest rank's wall time of ``step``, its
+  ratio to 1f1b's, and its ratio to each torch schedule of the same kind on the same stages, in the same run
+  (``ScheduleGPipe``, ``Schedule1F1B``, ``ScheduleInterleaved1F1B``; zb-v against both of torch's two-chunk
+  zero-bubble schedules, ``ScheduleZBVZeroBubble`` on the same V placement and
+  ``ScheduleInterleavedZeroBubble`` on the looped one; torch has no zb-h1 with one stage per rank);
+- bubble, over ``--steps`` timed steps: the measured idle fraction (1 - busy / makespan, averaged over the
+  ranks, then over the steps) and the planner's prediction for the measured F / B / W times
+  (``replay_schedule``: the order that ran, timed with each stage's mean F / B / W cost over those steps),
+  the same with each message between the ranks taking its measured transfer time (half a round trip of one
+  stage output, alone), the same with each action's own measured time instead of its stage's mean (the
+  mean over the steps of each step's replay; what it leaves out is the runtime's: its gaps between
+  actions, message latency beyond the transfer), and the planner's closed form (equal F / B / W).
+
+With more ranks than cores (``--pp 4`` on a 2-core machine) the ranks share cores, and an action's wall time
+includes the time its rank waited for a core: the bubble figures then describe that machine, not the
+schedule; read them at ``--pp 2`` with ``--batch 8192`` (a few hundred ms per micro-batch). ``--out`` writes
+each schedule's timeline PNG (the last timed step).
 """
 
 import argparse
@@ -44,17 +52,28 @@ from torchdist_ext.pipeline import (  # noqa: E402
 )
 
 WIDTH, LAYERS = 1024, 8
-TORCH_SCHEDULES = {"gpipe": "ScheduleGPipe", "1f1b": "Schedule1F1B", "interleaved-1f1b": "ScheduleInterleaved1F1B",
-                   "zb-v": "ScheduleZBVZeroBubble"}
+# Each of our schedules' counterparts in torch.distributed.pipelining, with the placement (our schedule whose
+# stages_of_rank it uses) of its stages.
+TORCH_SCHEDULES = {
+    "gpipe": [("ScheduleGPipe", "gpipe")],
+    "1f1b": [("Schedule1F1B", "1f1b")],
+    "interleaved-1f1b": [("ScheduleInterleaved1F1B", "interleaved-1f1b")],
+    "zb-v": [("ScheduleZBVZeroBubble", "zb-v"), ("ScheduleInterleavedZeroBubble", "interleaved-1f1b")],
+}
 
 
-def stage_modules(schedule: str, rank: int) -> dict[int, nn.Module]:
-    """This rank's stages of the benchmark model (the same weights on every call)."""
-    v = 2 if schedule == "interleaved-1f1b" else 1
+def virtual_stages(schedule: str) -> int:
+    return 2 if schedule == "interleaved-1f1b" else 1
+
+
+def stage_modules(placement: str, pp: int, rank: int) -> dict[int, nn.Module]:
+    """This rank's stages of the benchmark model as ``placement`` (one of our schedules) places them (the
+    same weights on every call)."""
+    v = virtual_stages(placement)
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
-    layers = partition_layers(LAYERS, num_stages(schedule, 2, v))
-    return {s: nn.Sequential(*(blocks[i] for i in layers[s])) for s in stages_of_rank(schedule, 2, rank, v)}
+    layers = partition_layers(LAYERS, num_stages(placement, pp, v))
+    return {s: nn.Sequential(*(blocks[i] for i in layers[s])) for s in stages_of_rank(placement, pp, rank, v)}
 
 
 def slowest_rank_seconds(step) -> float:
@@ -71,20 +90,19 @@ def slowest_rank_seconds(step) -> float:
     return statistics.median(times)
 
 
-def torch_step_seconds(schedule: str, microbatches: int, batch: int) -> float | None:
-    """The step time of torch.distributed.pipelining's version of ``schedule`` on the same stages."""
+def torch_step_seconds(name: str, placement: str, pp: int, microbatches: int, batch: int) -> float:
+    """The step time of torch.distributed.pipelining's schedule ``name`` on the benchmark's stages, placed
+    as our ``placement`` places them."""
     import torch.distributed.pipelining as pipelining
 
-    if schedule not in TORCH_SCHEDULES:
-        return None
     from torchdist_ext.testing import cached_mesh
 
-    mesh = cached_mesh((2,), ("pp",))
+    mesh = cached_mesh((pp,), ("pp",))
     rank = mesh.get_local_rank()
-    total = num_stages(schedule, 2, 2 if schedule == "interleaved-1f1b" else 1)
+    total = num_stages(placement, pp, virtual_stages(placement))
     stages = [pipelining.PipelineStage(module, index, total, torch.device("cpu"), group=mesh.get_group())
-              for index, module in sorted(stage_modules(schedule, rank).items())]
-    cls = getattr(pipelining, TORCH_SCHEDULES[schedule])
+              for index, module in sorted(stage_modules(placement, pp, rank).items())]
+    cls = getattr(pipelining, name)
     runner = cls(stages[0] if len(stages) == 1 else stages, n_microbatches=microbatches,
                  loss_fn=nn.functional.mse_loss)
     inputs, targets = torch.randn(batch, WIDTH), torch.randn(batch, WIDTH)
@@ -99,8 +117,8 @@ def torch_step_seconds(schedule: str, microbatches: int, batch: int) -> float | 
 
 
 def message_seconds(rows: int, group) -> float:
-    """One stage-boundary message's transfer time between the two ranks: half the median of 5 round trips of
-    a [rows, WIDTH] fp32 tensor (after one warm-up), measured alone."""
+    """One stage-boundary message's transfer time between ranks 0 and 1: half the median of 5 round trips
+    of a [rows, WIDTH] fp32 tensor (after one warm-up), measured alone."""
     rank = torch.distributed.get_rank(group)
     message = torch.randn(rows, WIDTH)
     trips = []
@@ -110,83 +128,100 @@ def message_seconds(rows: int, group) -> float:
         if rank == 0:
             torch.distributed.send(message, group_dst=1, group=group)
             torch.distributed.recv(message, group_src=1, group=group)
-        else:
+        elif rank == 1:
             torch.distributed.recv(message, group_src=0, group=group)
             torch.distributed.send(message, group_dst=0, group=group)
         trips.append(time.perf_counter() - start)
     return statistics.median(trips[1:]) / 2
 
 
-def measure(schedule: str, microbatches: int, batch: int, out: str | None) -> dict:
+def measure(schedule: str, pp: int, microbatches: int, batch: int, steps: int, out: str | None) -> dict:
     from torchdist_ext.testing import cached_mesh
 
-    mesh = cached_mesh((2,), ("pp",))
-    v = 2 if schedule == "interleaved-1f1b" else 1
-    pipe = Pipeline(stage_modules(schedule, mesh.get_local_rank()), pp_mesh=mesh, schedule=schedule,
+    mesh = cached_mesh((pp,), ("pp",))
+    v = virtual_stages(schedule)
+    pipe = Pipeline(stage_modules(schedule, pp, mesh.get_local_rank()), pp_mesh=mesh, schedule=schedule,
                     num_microbatches=microbatches, loss_fn=nn.functional.mse_loss, virtual_stages=v)
     inputs, targets = torch.randn(batch, WIDTH), torch.randn(batch, WIDTH)
     ours = slowest_rank_seconds(lambda: pipe.step(inputs, targets))
-    theirs = torch_step_seconds(schedule, microbatches, batch)
-    runs = []
-    for _ in range(3):
+    theirs = {name: torch_step_seconds(name, placement, pp, microbatches, batch)
+              for name, placement in TORCH_SCHEDULES.get(schedule, [])}
+    timed = []
+    for _ in range(steps):
         torch.distributed.barrier()
         pipe.step(inputs, targets)
-        timelines = gather_timeline(pipe)
-        start = min(a.start for t in timelines for a in t)
-        makespan = max(a.end for t in timelines for a in t) - start
-        runs.append((makespan, measured_idle_fractions(timelines)[1], predicted_idle_fraction(pipe, timelines),
-                     timelines))
-    makespan, measured, predicted, timelines = sorted(runs, key=lambda r: r[0])[1]
+        timed.append(gather_timeline(pipe))
     transfer = message_seconds(batch // microbatches, mesh.get_group())
-    with_messages = predicted_idle_fraction(pipe, timelines, transfer)
-    each_action = predicted_idle_fraction(pipe, timelines, transfer, each_action=True)
-    closed = _planner.bubble_fraction(2, microbatches, planner_name(schedule), v)
+    # Each rank's actions over every timed step: the stages' mean costs over all of them.
+    pooled = [[a for timelines in timed for a in timelines[rank]] for rank in range(pp)]
+    each_step = [measured_idle_fractions(timelines)[1] for timelines in timed]
+    measured = statistics.mean(each_step)
+    predicted = predicted_idle_fraction(pipe, pooled)
+    with_messages = predicted_idle_fraction(pipe, pooled, transfer)
+    each_action = statistics.mean(predicted_idle_fraction(pipe, timelines, transfer, each_action=True)
+                                  for timelines in timed)
+    closed = _planner.bubble_fraction(pp, microbatches, planner_name(schedule), v)
     if out and mesh.get_local_rank() == 0:
-        plot_timeline(Path(out) / f"pipeline_{schedule}_m{microbatches}.png", timelines,
-                      title=f"{schedule}, p=2, m={microbatches}: measured bubble {measured:.3f}, planner "
-                            f"{predicted:.3f} (closed form {closed:.3f})")
-    return {"bench": "pipeline", "schedule": schedule, "pp": 2, "microbatches": microbatches, "batch": batch,
-            "step_ms": round(makespan * 1e3, 1), "ours_ms": round(ours * 1e3, 1),
-            "torch_ms": None if theirs is None else round(theirs * 1e3, 1),
-            "ours_over_torch": None if theirs is None else round(ours / theirs, 3),
-            "measured_bubble": round(measured, 3),
-            "planner_bubble": round(predicted, 3), "message_ms": round(transfer * 1e3, 2),
-            "planner_bubble_with_messages": round(with_messages, 3),
-            "replayed_each_action": round(each_action, 3), "closed_form_bubble": round(closed, 3)}
+        plot_timeline(Path(out) / f"pipeline_{schedule}_p{pp}_m{microbatches}.png", timed[-1],
+                      title=f"{schedule}, p={pp}, m={microbatches}: measured bubble "
+                            f"{each_step[-1]:.3f} (mean of {steps} steps {measured:.3f}), "
+                            f"planner {predicted:.3f} (closed form {closed:.3f})")
+    return {"bench": "pipeline", "schedule": schedule, "pp": pp, "microbatches": microbatches, "batch": batch,
+            "steps": steps, "ours_ms": round(ours * 1e3, 1),
+            "torch_ms": {name: round(t * 1e3, 1) for name, t in theirs.items()},
+            "ours_over_torch": {name: round(ours / t, 3) for name, t in theirs.items()},
+            "measured_bubble": round(measured, 4),
+            "measured_bubble_range": [round(min(each_step), 3), round(max(each_step), 3)],
+            "planner_bubble": round(predicted, 4), "message_ms": round(transfer * 1e3, 2),
+            "planner_bubble_with_messages": round(with_messages, 4),
+            "replayed_each_action": round(each_action, 4), "closed_form_bubble": round(closed, 3)}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8])
-    parser.add_argument("--batch", type=int, default=2048, help="rows per step (8192: a few hundred ms per "
-                        "micro-batch at m = 4, where compute dominates the messages)")
-    parser.add_argument("--out", type=Path, default=None, help="write the timeline PNGs here")
-    args = parser.parse_args()
-    if args.out:
-        args.out.mkdir(parents=True, exist_ok=True)
-    from torchdist_ext.testing import spawn_world
-
-    rows = []
-    with spawn_world(2, timeout=600.0) as world:
-        for m in args.microbatches:
-            for schedule in SCHEDULES:
-                rows.append(world.run(measure, schedule, m, args.batch, str(args.out) if args.out else None)[0])
-                print(json.dumps(rows[-1]), flush=True)
-    print()
-    print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'/ 1f1b':>7} {'torch ms':>9} {'ours/torch':>10} {'bubble':>7} "
-          f"{'planner':>8} {'relative':>9} {'message ms':>10} {'+ messages':>10} {'relative':>9} {'each action':>11} "
-          f"{'relative':>9} {'closed form':>11}")
+def print_table(rows: list[dict]) -> None:
+    print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'/ 1f1b':>7} {'ours / torch':>40} {'bubble':>7} "
+          f"{'range':>13} {'planner':>8} {'relative':>9} {'message ms':>10} {'+ messages':>10} {'relative':>9} "
+          f"{'each action':>11} {'relative':>9} {'closed form':>11}")
     for r in rows:
         base = next(b["ours_ms"] for b in rows if b["schedule"] == "1f1b" and b["microbatches"] == r["microbatches"])
         gap = (r["measured_bubble"] - r["planner_bubble"]) / r["planner_bubble"]
         gap_with = (r["measured_bubble"] - r["planner_bubble_with_messages"]) / r["planner_bubble_with_messages"]
         gap_each = (r["measured_bubble"] - r["replayed_each_action"]) / r["replayed_each_action"]
-        torch_ms = "-" if r["torch_ms"] is None else f"{r['torch_ms']:.1f}"
-        ratio = "-" if r["ours_over_torch"] is None else f"{r['ours_over_torch']:.3f}"
+        ratios = ", ".join(f"{ratio:.3f} ({name.removeprefix('Schedule')})"
+                           for name, ratio in r["ours_over_torch"].items()) or "-"
+        low, high = r["measured_bubble_range"]
         print(f"{r['schedule']:>17} {r['microbatches']:>3} {r['ours_ms']:8.1f} {r['ours_ms'] / base:7.3f} "
-              f"{torch_ms:>9} {ratio:>10} {r['measured_bubble']:7.3f} {r['planner_bubble']:8.3f} {gap:+9.1%} "
-              f"{r['message_ms']:10.2f} {r['planner_bubble_with_messages']:10.3f} {gap_with:+9.1%} "
-              f"{r['replayed_each_action']:11.3f} {gap_each:+9.1%} {r['closed_form_bubble']:11.3f}")
+              f"{ratios:>40} {r['measured_bubble']:7.3f} {f'{low:.3f}-{high:.3f}':>13} "
+              f"{r['planner_bubble']:8.3f} {gap:+9.1%} {r['message_ms']:10.2f} "
+              f"{r['planner_bubble_with_messages']:10.3f} {gap_with:+9.1%} {r['replayed_each_action']:11.3f} "
+              f"{gap_each:+9.1%} {r['closed_form_bubble']:11.3f}")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (one process each)")
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
+    parser.add_argument("--batch", type=int, default=2048, help="rows per step (8192 at --pp 2: a few hundred "
+                        "ms per micro-batch at m = 4, where compute dominates the messages)")
+    parser.add_argument("--steps", type=int, default=5, help="timed steps whose bubble is averaged")
+    parser.add_argument("--out", type=Path, default=None, help="write the timeline PNGs here")
+    args = parser.parse_args()
+    if args.pp < 2 or LAYERS % (2 * args.pp):
+        parser.error(f"--pp must be at least 2 and 2 pp must divide the {LAYERS} blocks, got {args.pp}")
+    if args.steps < 1:
+        parser.error(f"--steps must be at least 1, got {args.steps}")
+    if args.out:
+        args.out.mkdir(parents=True, exist_ok=True)
+    from torchdist_ext.testing import spawn_world
+
+    rows = []
+    with spawn_world(args.pp, timeout=900.0) as world:
+        for m in args.microbatches:
+            for schedule in SCHEDULES:
+                rows.append(world.run(measure, schedule, args.pp, m, args.batch, args.steps,
+                                      str(args.out) if args.out else None)[0])
+                print(json.dumps(rows[-1]), flush=True)
+    print()
+    print_table(rows)
 
 
 if __name__ == "__main__":

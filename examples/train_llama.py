@@ -52,6 +52,7 @@ presets when the GPU is one of them).
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from dataclasses import replace
@@ -382,22 +383,29 @@ def pipeline_stages(args, single: Llama, pp_rank: int) -> list[LlamaStage]:
             for s in stages_of_rank(args.schedule, args.pp, pp_rank, virtual_stages(args))}
 
 
-def report_bubble(args, pipe: Pipeline, rank: int) -> tuple[float, float]:
-    """Prints the last step's measured idle fraction per pipeline rank next to the planner's (for the measured
-    F / B / W times, and its closed form); writes the timeline PNG with --timeline. Returns (the planner's for
-    the measured times, the measured)."""
-    timelines = gather_timeline(pipe)
-    per_rank, overall = measured_idle_fractions(timelines)
-    predicted = predicted_idle_fraction(pipe, timelines)
+def report_bubble(args, pipe: Pipeline, timed: list[list[list]], rank: int) -> tuple[float, float]:
+    """Prints the measured idle fraction per pipeline rank, the mean over the steps of ``timed`` (each step's
+    ``gather_timeline``) after the first (which compiles and warms up; the first if it is the only one), next
+    to the planner's prediction for those steps' mean F / B / W times and its closed form (one step's bubble
+    varies with its actions' times, several steps' mean is steadier); writes the last step's timeline PNG with
+    --timeline. Returns (the planner's for the measured times, the measured)."""
+    steps = timed[1:] or timed
+    fractions = [measured_idle_fractions(timelines) for timelines in steps]
+    per_rank = [statistics.mean(f[0][r] for f in fractions) for r in range(pipe.pp)]
+    overall = statistics.mean(f[1] for f in fractions)
+    pooled = [[a for timelines in steps for a in timelines[r]] for r in range(pipe.pp)]  # each rank's actions
+    predicted = predicted_idle_fraction(pipe, pooled)
     closed = bubble_fraction(args.pp, microbatches(args), schedule=planner_name(args.schedule),
                              virtual_stages=virtual_stages(args))
     if rank == 0:
         print(f"pipeline {args.schedule}, pp={args.pp}, m={microbatches(args)}: measured bubble "
-              f"{overall:.3f} (per pp rank {', '.join(f'{f:.3f}' for f in per_rank)}), planner {predicted:.3f} "
-              f"for the measured F/B/W times (closed form {closed:.3f})", flush=True)
+              f"{overall:.3f} (per pp rank {', '.join(f'{f:.3f}' for f in per_rank)}; mean of {len(steps)} "
+              f"steps), planner {predicted:.3f} for the measured F/B/W times (closed form {closed:.3f})",
+              flush=True)
         if args.timeline is not None:
-            plot_timeline(args.timeline, timelines, title=f"{args.schedule}, pp={args.pp}, m={microbatches(args)}: "
-                          f"measured bubble {overall:.3f}, planner {predicted:.3f}")
+            _, last = measured_idle_fractions(timed[-1])
+            plot_timeline(args.timeline, timed[-1], title=f"{args.schedule}, pp={args.pp}, m={microbatches(args)}: "
+                          f"measured bubble {last:.3f} (this step; mean {overall:.3f}), planner {predicted:.3f}")
     return predicted, overall
 
 
@@ -502,7 +510,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
         positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")
-    losses = []
+    losses, timed = [], []  # timed: each step's pipeline timelines
     data = batches(windows, sampler)
     for step in range(first_step, args.steps):
         measuring = args.ledger and step == args.steps - 1
@@ -539,6 +547,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         global_loss /= fsdp_mesh.size()
         losses.append(global_loss.item())
         elapsed = time.perf_counter() - start  # .item() above waited for the step's work
+        if pipe is not None:
+            timed.append(gather_timeline(pipe))
         load = expert_load(model, fsdp_group) if args.experts else None
         if rank == 0:
             tokens_per_second = args.batch * args.seq / elapsed  # the whole world's: one global batch per step
@@ -549,7 +559,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             if load is not None:
                 line += f"  expert load max/mean {load:.2f}"
             print(line, flush=True)
-    bubbles = report_bubble(args, pipe, rank) if pipe is not None else None
+    bubbles = report_bubble(args, pipe, timed, rank) if timed else None
     if args.ledger and first_step < args.steps:
         measured = gather_measurements(measurement)
         if rank == 0:

@@ -83,3 +83,21 @@ def test_replayed_with_each_actions_own_time_a_gap_free_step_is_reproduced():
     assert measured == pytest.approx(1 - 10 / 16)
     assert predicted_idle_fraction(pipe, timelines, each_action=True) == pytest.approx(measured)
     assert predicted_idle_fraction(pipe, timelines) == pytest.approx(1 - 10 / 14)
+
+
+def test_several_steps_give_the_stages_mean_costs_over_all_of_them():
+    """The step above, then one with every action 1 long: stage 0's mean forward over both is 1.5. 1F1B
+    timed with it: rank 0 F0.0 [0, 1.5], F0.1 [1.5, 3], B0.0 [3.5, 4.5], B0.1 [5.5, 6.5]; rank 1 F1.0
+    [1.5, 2.5], B1.0 [2.5, 3.5], F1.1 [3.5, 4.5], B1.1 [4.5, 5.5]: idle 1 - 9 / 13. Each action's own time
+    needs one step's actions."""
+    first = [[TimedAction("F", 0, 0, 0.0, 3.0), TimedAction("F", 0, 1, 3.0, 4.0),
+              TimedAction("B", 0, 0, 5.0, 6.0), TimedAction("B", 0, 1, 7.0, 8.0)],
+             [TimedAction("F", 1, 0, 3.0, 4.0), TimedAction("B", 1, 0, 4.0, 5.0),
+              TimedAction("F", 1, 1, 5.0, 6.0), TimedAction("B", 1, 1, 6.0, 7.0)]]
+    second = [[a._replace(start=10.0 * i, end=10.0 * i + 1.0) for i, a in enumerate(t)] for t in first]
+    pooled = [first[rank] + second[rank] for rank in range(2)]
+    assert mean_costs(pooled, 2) == {"F": [1.5, 1.0], "B": [1.0, 1.0], "W": [0.0, 0.0]}
+    pipe = SimpleNamespace(pp=2, num_microbatches=2, schedule="1f1b", virtual_stages=1, num_stages=2)
+    assert predicted_idle_fraction(pipe, pooled) == pytest.approx(1 - 9 / 13)
+    with pytest.raises(ValueError, match="timelines must hold one step, got F of stage 0, micro-batch 0 twice"):
+        predicted_idle_fraction(pipe, pooled, each_action=True)

@@ -2,8 +2,10 @@
 next to the planner's prediction for the measured F / B / W times, and a PNG of the timeline.
 
     timelines = gather_timeline(pipe)                   # every rank: [[TimedAction, ...] per pipeline rank]
-    per_rank, overall = measured_idle_fractions(timelines)
+    per_rank, overall = measured_idle_fractions(timelines)   # of one step
     predicted = predicted_idle_fraction(pipe, timelines)   # the planner's schedule, timed with the mean costs
+    pooled = [[a for t in steps for a in t[rank]] for rank in range(pipe.pp)]  # each rank's actions of steps
+    predicted = predicted_idle_fraction(pipe, pooled)      # ... timed with their means over those steps
     plot_timeline("timeline.png", timelines, title=...)
 
 The idle fraction of a rank is ``1 - busy / makespan`` over the step (from the first action's start on any
@@ -40,7 +42,8 @@ def measured_idle_fractions(timelines: list[list[TimedAction]]) -> tuple[list[fl
 
 
 def mean_costs(timelines: list[list[TimedAction]], num_stages: int) -> dict[str, list[float]]:
-    """Each action kind's ("F", "B", "W") mean duration on each stage (0 where the kind did not run)."""
+    """Each action kind's ("F", "B", "W") mean duration on each stage (0 where the kind did not run), over
+    every action given: one step's, or several steps' (each rank's list holding all of them)."""
     costs = {}
     for kind in "FBW":
         costs[kind] = []
@@ -52,10 +55,15 @@ def mean_costs(timelines: list[list[TimedAction]], num_stages: int) -> dict[str,
 
 def action_costs(timelines: list[list[TimedAction]], num_stages: int, num_microbatches: int) -> dict[str, list[float]]:
     """Each action's own duration by kind ("F", "B", "W"), stage-major (``[stage * num_microbatches +
-    micro-batch]``; 0 where the kind did not run)."""
+    micro-batch]``; 0 where the kind did not run) in one step's timelines."""
     costs = {kind: [0.0] * (num_stages * num_microbatches) for kind in "FBW"}
+    seen = set()
     for timeline in timelines:
         for a in timeline:
+            if (a.kind, a.stage, a.microbatch) in seen:
+                raise ValueError(f"timelines must hold one step, got {a.kind} of stage {a.stage}, micro-batch "
+                                 f"{a.microbatch} twice (each action's own time is one step's)")
+            seen.add((a.kind, a.stage, a.microbatch))
             costs[a.kind][a.stage * num_microbatches + a.microbatch] = a.end - a.start
     return costs
 
@@ -63,8 +71,10 @@ def action_costs(timelines: list[list[TimedAction]], num_stages: int, num_microb
 def predicted_idle_fraction(pipe: Pipeline, timelines: list[list[TimedAction]], message_seconds: float = 0.0,
                             each_action: bool = False) -> float:
     """The planner's idle fraction for this schedule (``replay_schedule``: its order, each action as soon as
-    its rank is free and its input exists), timed with each stage's measured mean F / B / W costs, or with
-    ``each_action`` each action's own measured time (the B of an unsplit schedule, which computes W too,
+    its rank is free and its input exists), timed with each stage's measured mean F / B / W costs over the
+    actions in ``timelines`` (one step's, or several steps' with each rank's list holding all of them: the
+    mean over steps is steadier where action times vary), or with ``each_action`` each action's own measured
+    time in one step's ``timelines`` (the B of an unsplit schedule, which computes W too,
     counts as measured); each message between ranks takes ``message_seconds`` (0: free). With each action's
     own time, what the replay leaves out is the runtime's: its gaps between actions and message latency."""
     if each_action:
