@@ -53,12 +53,15 @@ def largest_relative_difference(output: str) -> float:
         ("--steps", "3", "--pp", "2", "--tp", "1", "--experts", "4", "--ep", "2", "--schedule", "zb-h1",
          "--microbatches", "4", "--capacity-factor", "1.0"),
         ("--steps", "2", "--pp", "2", "--schedule", "zb-h1", "--microbatches", "4", "--compile"),
+        ("--steps", "3", "--pp", "2", "--tp", "1", "--cp", "2", "--cp-method", "ring", "--schedule", "zb-h1",
+         "--microbatches", "4"),
         ("--steps", "3", "--grad-accum", "2", "--experts", "4", "--ep", "2"),
     ],
     ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled", "cp2-ring-tp2", "cp2-ulysses-tp2", "cp4-hybrid",
          "cp2-ring-tp2-compiled", "dp2-tp2-sp-ep2", "cp2-ulysses-tp2-ep2-capacity", "dp4-ep4-top1",
          "dp2-tp2-sp-ep2-compiled", "pp2-dp2-zb-v-recompute-selective",
          "pp2-tp2-sp-interleaved-recompute-full", "pp2-dp2-ep2-zb-h1-capacity", "pp2-tp2-sp-zb-h1-compiled",
+         "pp2-cp2-ring-zb-h1",
          "dp2-tp2-sp-ep2-grad-accum2"],
 )
 def test_matches_single_process(flags):
@@ -92,6 +95,16 @@ def test_fp8_matches_the_fp32_process_within_the_fp8_tolerance(flags, tmp_path):
 
 EIGHT_RANKS_FIVE_AXES = ("--pp", "2", "--schedule", "zb-h1", "--microbatches", "4", "--experts", "4", "--ep", "2",
                          "--recompute", "selective")  # dp2 x tp2 (SP) x pp2, ep2 carved out of dp
+
+
+def test_eight_ranks_of_pipeline_and_context_parallelism_match_one_process():
+    """pp2 x cp2 (Ulysses) x tp2 (SP), ep2 carved out of the cp ranks, zb-v: every stage's sequence shard
+    travels between the stages."""
+    output = run_main_job("--steps", "3", "--pp", "2", "--tp", "2", "--cp", "2", "--cp-method", "ulysses",
+                          "--schedule", "zb-v", "--microbatches", "4", "--experts", "4", "--ep", "2", processes=8)
+    assert "pp=2 (zb-v, 4 micro-batches) x dp=1 x cp=2 (ulysses" in output, output
+    assert "4 experts (top 2) over ep=2" in output, output
+    assert largest_relative_difference(output) < 1e-6  # measured 1.2e-7
 
 
 def ledger_rows(output: str) -> dict[str, tuple[float, float, float]]:
