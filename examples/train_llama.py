@@ -237,7 +237,8 @@ def planner_layout(args, dp: int) -> Layout:
     # The planner's ep ranks are data-parallel ranks; an ep that also spans cp ranks is checked by the caller.
     ep = args.ep if args.experts and dp % args.ep == 0 else 1
     m = microbatches(args) if args.pp > 1 else args.grad_accum
-    return Layout(tp=args.tp, pp=args.pp, dp=dp // ep, cp=args.cp, ep=ep, zero_stage=3,
+    _, ulysses = context_parallel_split(args)
+    return Layout(tp=args.tp, pp=args.pp, dp=dp // ep, cp=args.cp, ep=ep, cp_ulysses=ulysses, zero_stage=3,
                   sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                   recompute_experts=False, seq_len=args.seq,
                   micro_batch=args.batch // dp // m, num_microbatches=m,

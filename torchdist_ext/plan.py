@@ -1,7 +1,7 @@
 """The planner's command line.
 
     python -m torchdist_ext.plan --model llama3-70b --gpus 32 --gpu h100-80gb --seq 4096 --global-batch 32 \\
-        [--tp 8 --pp 1 --cp 1 --ep 1 --zero 3 --sp --recompute selective ...] [--json] [--plot FILE.png]
+        [--tp 8 --pp 1 --cp 1 --cp-ulysses 1 --ep 1 --zero 3 --sp --recompute selective ...] [--json] [--plot FILE.png]
     python -m torchdist_ext.plan lint train.py [--json]
 
 With any of --tp/--pp/--dp/--cp/--ep the layout is complete (unset axes are 1,
@@ -70,6 +70,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--global-batch", type=_count, default=None, help="sequences per step (default: 4 x dp)")
     for axis in ("tp", "pp", "dp", "cp", "ep"):
         parser.add_argument(f"--{axis}", type=_count, default=None)
+    parser.add_argument("--cp-ulysses", type=_count, default=1, metavar="U",
+                        help="Ulysses ranks within cp (1: ring attention; cp: Ulysses; between: hybrid)")
     parser.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
     parser.add_argument("--recompute", default="selective", choices=_planner.OPTIONS["recompute"])
@@ -93,7 +95,7 @@ def _layout(args, gpus: int) -> Layout:
     per_step = dp * sizes["ep"] * args.micro_batch
     if global_batch % per_step:
         raise ValueError(f"--global-batch {global_batch} must be divisible by dp x ep x micro-batch = {per_step}")
-    return Layout(**sizes, dp=dp, zero_stage=args.zero, sequence_parallel=args.sp, recompute=args.recompute,
+    return Layout(**sizes, dp=dp, cp_ulysses=args.cp_ulysses, zero_stage=args.zero, sequence_parallel=args.sp, recompute=args.recompute,
                   micro_batch=args.micro_batch, num_microbatches=global_batch // per_step, schedule=args.schedule,
                   virtual_stages=args.virtual_stages, seq_len=args.seq, precision=args.precision,
                   expert_imbalance=args.expert_imbalance)
@@ -101,6 +103,8 @@ def _layout(args, gpus: int) -> Layout:
 
 def _describe(layout: Layout) -> str:
     parts = [f"{axis}={getattr(layout, axis)}" for axis in ("tp", "pp", "dp", "cp", "ep") if getattr(layout, axis) > 1]
+    if layout.cp_ulysses > 1:
+        parts.append("ulysses" if layout.cp_ulysses == layout.cp else f"ulysses={layout.cp_ulysses}")
     parts.append(f"zero{layout.zero_stage}")
     if layout.sequence_parallel:
         parts.append("sp")

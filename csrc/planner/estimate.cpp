@@ -288,10 +288,22 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     add("tp", m * (layers_per_stage * per_layer + ends) * (t - 1) / t * activation, 0.0);
   }
   if (l.cp > 1) {
-    // Ring attention: K/V of the local sequence go around cp - 1 times forward; backward sends them
-    // again plus the dK/dV accumulators (cp hops). Hidden behind the attention compute.
-    const double kv = 2 * b * s_local * static_cast<double>(model.num_kv_heads) / t * model.head_dim() * element;
-    add("cp", m * layers_per_stage * kv * (3 * (c - 1) + 1), attention_seconds);
+    // cp / u ring ranks around Ulysses groups of u (either may be 1). In units of one head of the local
+    // sequence, [b, s/cp, head_dim]; kv heads of a tp rank fewer than u are replicated to one per Ulysses
+    // rank (ulysses_attention). Ulysses: q, k, v to head shards and the output back forward, their
+    // gradients backward, each rank keeping 1/u of each all-to-all: on the critical path. Ring: a rank's
+    // K/V (the local sequence's kv heads, whatever u) go around r - 1 times forward; backward sends them
+    // again plus the dK/dV accumulators (r hops): hidden behind the attention compute.
+    const double u = static_cast<double>(l.cp_ulysses), r = c / u;
+    const double heads = static_cast<double>(model.num_heads) / t;
+    double kv_heads = static_cast<double>(model.num_kv_heads) / t;
+    if (u > kv_heads) kv_heads = u;
+    const double head = b * s_local * model.head_dim() * element;
+    const double ulysses = u > 1 ? 2 * (2 * heads + 2 * kv_heads) * (u - 1) / u * head : 0;
+    const double ring = r > 1 ? 2 * kv_heads * head * (3 * (r - 1) + 1) : 0;
+    const double ring_seconds =
+        m * layers_per_stage * ring / link_bandwidth(cluster, axis_intra_domain(l, cluster, "cp"));
+    add("cp", m * layers_per_stage * (ring + ulysses), std::min(attention_seconds, ring_seconds));
   }
   if (l.ep > 1) {
     // MoE dispatch and combine, forward and backward: 4 all-to-alls per MoE layer (6 where full recompute

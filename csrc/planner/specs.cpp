@@ -151,6 +151,11 @@ void Layout::validate() const {
   require_positive("Layout.dp", dp);
   require_positive("Layout.cp", cp);
   require_positive("Layout.ep", ep);
+  require_positive("Layout.cp_ulysses", cp_ulysses);
+  if (cp % cp_ulysses) {
+    invalid("Layout.cp_ulysses=" + str(cp_ulysses) + " must divide Layout.cp=" + str(cp) +
+            " (the Ulysses ranks are a part of the cp ranks)");
+  }
   require_positive("Layout.micro_batch", micro_batch);
   require_positive("Layout.num_microbatches", num_microbatches);
   require_positive("Layout.virtual_stages", virtual_stages);
@@ -183,6 +188,19 @@ std::vector<std::string> Layout::problems_for(const ModelSpec& model, const Clus
   }
   if (model.num_experts % ep) {
     problems.push_back("Layout.ep=" + str(ep) + " must divide ModelSpec.num_experts=" + str(model.num_experts));
+  }
+  // Ulysses gives each of its ranks whole heads of the tp rank's: q heads split evenly, kv heads too or
+  // replicated to one per rank (ulysses_attention).
+  if (cp_ulysses > 1 && model.num_heads % tp == 0 && (model.num_heads / tp) % cp_ulysses) {
+    problems.push_back("Layout.cp_ulysses=" + str(cp_ulysses) +
+                       " must divide the heads of a tp rank, num_heads / tp = " + str(model.num_heads / tp));
+  }
+  if (cp_ulysses > 1 && model.num_kv_heads % tp == 0) {
+    const int64_t kv_heads = model.num_kv_heads / tp;
+    if (kv_heads % cp_ulysses && cp_ulysses % kv_heads) {
+      problems.push_back("Layout.cp_ulysses=" + str(cp_ulysses) + " must divide or be a multiple of the kv heads " +
+                         "of a tp rank, num_kv_heads / tp = " + str(kv_heads));
+    }
   }
   if (seq_len % cp) problems.push_back("Layout.cp=" + str(cp) + " must divide Layout.seq_len=" + str(seq_len));
   if (sequence_parallel && (seq_len / cp) % tp) {

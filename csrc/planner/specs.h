@@ -81,6 +81,10 @@ struct ClusterSpec {
 // dp x ep sequences of seq_len tokens (context parallelism splits each sequence).
 struct Layout {
   int64_t tp = 1, pp = 1, dp = 1, cp = 1, ep = 1;
+  // Ulysses ranks within cp (an all-to-all to head shards and back): 1 is ring attention over all cp ranks,
+  // cp Ulysses over all of them, and between the two cp / cp_ulysses ring ranks around Ulysses groups
+  // (hybrid_attention). It sets how cp communicates (estimate.cpp), not what a rank holds.
+  int64_t cp_ulysses = 1;
   int zero_stage = 0;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;

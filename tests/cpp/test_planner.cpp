@@ -594,3 +594,21 @@ TEST(Estimate, MoeTokensTravelOnceToEachRankHoldingOneOfTheirExperts) {
   // DeepSeek-V3's 256 experts, top-8, over 64 ranks: 63 (1 - C(252,8)/C(256,8)) = 7.556 ranks, not 7.875 copies.
   EXPECT_NEAR(expected_remote_ranks(256, 8, 64), 7.5558, 1e-4);
 }
+
+TEST(Estimate, ContextParallelBytesFollowTheAttention) {
+  // Llama-3 70B (64 heads, 8 kv heads, head_dim 128), tp = 8, cp = 8, s = 32768, b = 1, bf16: one head of
+  // the local sequence is 4096 x 128 x 2 bytes; per layer the ring sends its K/V (1 kv head of a tp rank)
+  // 3 (r - 1) + 1 times, Ulysses (u - 1) / u of q + out (8 heads) and k + v (1 kv head, replicated to one
+  // per Ulysses rank) both ways.
+  Layout l;
+  l.tp = 8, l.cp = 8, l.zero_stage = 3, l.sequence_parallel = true, l.seq_len = 32768;
+  const double head = 4096.0 * 128 * 2;
+  auto cp_bytes = [&](int64_t ulysses) {
+    Layout with = l;
+    with.cp_ulysses = ulysses;
+    return estimate(llama3_70b(), cluster_of(h100(), 64), with).comm.at("cp").bytes;
+  };
+  EXPECT_NEAR(cp_bytes(1), 80 * 2 * 1 * head * (3 * 7 + 1), 1);
+  EXPECT_NEAR(cp_bytes(8), 80 * 2 * (2 * 8 + 2 * 8) * 7 / 8.0 * head, 1);
+  EXPECT_NEAR(cp_bytes(2), 80 * (2 * (2 * 8 + 2 * 2) / 2.0 * head + 2 * 2 * head * (3 * 3 + 1)), 1);
+}

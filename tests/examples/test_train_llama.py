@@ -144,14 +144,22 @@ def test_eight_ranks_of_every_axis_match_one_process():
     assert 0 < rows["pipeline bubble"][1] < 1, output
 
 
-def test_ledger_counts_what_the_planner_predicts_for_context_parallelism():
-    """cp2 ring x tp2: the ring's K/V blocks, the tensor-parallel rings and FSDP2's traffic over dp x cp, each
-    equal to the planner's bytes for the layout (the few bytes of the norms' and the loss's small all-reduces
-    are all the difference)."""
-    output = run_main_job("--steps", "2", "--dp", "1", "--cp", "2", "--cp-method", "ring", "--ledger", check=False)
+@pytest.mark.parametrize("flags, processes", [
+    (("--dp", "1", "--cp", "2", "--cp-method", "ring"), 4),
+    (("--dp", "1", "--cp", "2", "--cp-method", "ulysses"), 4),
+    (("--tp", "1", "--cp", "4", "--cp-method", "hybrid", "--cp-ulysses", "2"), 4),
+    (("--cp", "4", "--cp-method", "ulysses"), 8),  # 2 kv heads of a tp rank, replicated to one per Ulysses rank
+], ids=["cp2-ring-tp2", "cp2-ulysses-tp2", "cp4-hybrid-ulysses2", "cp4-ulysses-tp2-kv-replicated"])
+def test_ledger_counts_what_the_planner_predicts_for_context_parallelism(flags, processes):
+    """The ring's K/V blocks, Ulysses' all-to-alls (hybrid: both), the tensor-parallel rings and FSDP2's
+    traffic over dp x cp, each equal to the planner's bytes for the layout (the few bytes of the norms' and
+    the loss's small all-reduces are all the difference)."""
+    output = run_main_job("--steps", "2", *flags, "--ledger", processes=processes, check=False)
     rows = ledger_rows(output)
     for axis in ("cp", "tp", "dp"):
-        assert 0.99 <= rows[f"{axis} bytes sent"][2] <= 1.01, output
+        if rows[f"{axis} bytes sent"][1]:
+            assert 0.99 <= rows[f"{axis} bytes sent"][2] <= 1.01, output
+    assert rows["cp bytes sent"][1] > 0, output
 
 
 def test_eight_ranks_of_every_axis_in_fp8_match_one_process_running_the_same_recipe():

@@ -34,6 +34,17 @@ def test_estimate_text_lists_each_pipeline_rank(capsys):
     assert ranks and sorted(map(float, ranks.groups()), reverse=True) == list(map(float, ranks.groups())), out
 
 
+def test_context_parallel_method_sets_what_cp_exposes(capsys):
+    """32k tokens on 8 H100s: the ring's K/V hide behind the attention, Ulysses' all-to-alls (here in the
+    hybrid, 2 inside a ring of 4) do not; the JSON layout carries cp_ulysses."""
+    common = ("--model", "llama3-8b", "--gpus", "8", "--seq", "32768", "--global-batch", "8", "--cp", "8", "--zero", "3")
+    assert re.search(r"cp +[\d.]+ GiB +[\d.]+ s +exposed +0\.000 s", run_cli(capsys, *common))
+    out = run_cli(capsys, *common, "--cp-ulysses", "2")
+    assert "layout cp=8 ulysses=2 zero3" in out
+    assert not re.search(r"cp +[\d.]+ GiB +[\d.]+ s +exposed +0\.000 s", out), out
+    assert json.loads(run_cli(capsys, *common, "--cp-ulysses", "8", "--json"))["layout"]["cp_ulysses"] == 8
+
+
 def test_estimate_json_round_trip(capsys):
     out = run_cli(capsys, "--model", "llama3-70b", "--gpus", "64", "--tp", "16", "--json")
     document = json.loads(out)
@@ -99,6 +110,7 @@ def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys, schedule):
         (["--gpus", "8", "--expert-imbalance", "0.5"], "argument --expert-imbalance: must be a finite number >= 1"),
         (["--gpus", "8", "--expert-imbalance", "nan"], "argument --expert-imbalance: must be a finite number >= 1"),
         (["--gpus", "8", "--tp", "8", "--expert-imbalance", "2"], "Layout.expert_imbalance must lie in [1, ep=1]"),
+        (["--gpus", "8", "--cp", "8", "--cp-ulysses", "3"], "Layout.cp_ulysses=3 must divide Layout.cp=8"),
     ],
 )
 def test_bad_arguments_end_with_one_line(capsys, argv, message):

@@ -249,6 +249,14 @@ def test_an_imbalanced_expert_rank_keeps_computes_and_sends_back_more_rows():
          r"tp x pp x dp x cp x ep = 8 x 1 x 4 x 1 x 1 = 32 must equal the cluster's 16 GPUs"),
         (lambda: estimate(ModelSpec.preset("llama3-8b"), ClusterSpec.preset("h100-80gb", 3), Layout(tp=3)),
          "Layout.tp=3 must divide ModelSpec.num_heads=32"),
+        (lambda: Layout(cp=4, cp_ulysses=3), "Layout.cp_ulysses=3 must divide Layout.cp=4"),
+        (lambda: Layout(cp_ulysses=0), "Layout.cp_ulysses must be positive, got 0"),
+        (lambda: estimate(ModelSpec(4, 96, 6, num_kv_heads=6, ffn_hidden=256), ClusterSpec.preset("h100-80gb", 4),
+                          Layout(cp=4, cp_ulysses=4, seq_len=128)),
+         "Layout.cp_ulysses=4 must divide the heads of a tp rank, num_heads / tp = 6"),
+        (lambda: estimate(ModelSpec(4, 96, 6, num_kv_heads=3, ffn_hidden=256), ClusterSpec.preset("h100-80gb", 2),
+                          Layout(cp=2, cp_ulysses=2, seq_len=128)),
+         "Layout.cp_ulysses=2 must divide or be a multiple of the kv heads of a tp rank, num_kv_heads / tp = 3"),
         (lambda: ModelSpec.preset("gpt-5"), "unknown model preset 'gpt-5'"),
         (lambda: ClusterSpec.preset("tpu-v5", 8), "unknown GPU preset 'tpu-v5'"),
         (lambda: ClusterSpec.preset("h100-80gb", 0), "GPU count must be positive"),
@@ -294,6 +302,39 @@ def test_tensor_parallel_bytes_count_every_ring():
     # KiB against bf16's 2560 for one block; tests/test_ledger.py counts the rings).
     fp8 = dataclasses.replace(layout, precision="fp8-mixed")
     assert small_estimate(fp8).comm["tp"].bytes == (4 * (3 + 3) + 3 + 2) * x / 4
+
+
+@pytest.mark.parametrize("cp, ulysses, tp, units", [
+    (2, 1, 2, 2 * 2 * (3 * 1 + 1)),            # ring: 2 kv heads of K/V, 3 (r - 1) + 1 = 4 hops
+    (4, 1, 1, 2 * 4 * (3 * 3 + 1)),            # ring of 4, 4 kv heads
+    (2, 2, 2, 2 * (2 * 4 + 2 * 2) * 1 / 2),    # Ulysses: q + out (4 heads), k + v (2), both ways, half of each
+    (4, 4, 2, 2 * (2 * 4 + 2 * 4) * 3 / 4),    # 2 kv heads replicated to one per Ulysses rank: 4
+    (8, 2, 1, 2 * (2 * 8 + 2 * 4) / 2 + 2 * 4 * (3 * 3 + 1)),  # hybrid: Ulysses of 2 inside a ring of 4
+])
+def test_context_parallel_bytes_follow_the_attention(cp, ulysses, tp, units):
+    """In units of one head of the local sequence, [b, s / cp, head_dim] (8 heads, 4 kv heads): the ring
+    sends its K/V r - 1 times forward, again backward with the dK/dV accumulators' r hops; Ulysses sends
+    (u - 1) / u of q, k, v and the output forward and of their gradients backward; hybrid both, the ring's
+    K/V of the local sequence's kv heads. The main job's ledger counts the same (tests/examples)."""
+    layout = Layout(tp=tp, cp=cp, cp_ulysses=ulysses, zero_stage=3, seq_len=128, micro_batch=2, precision="fp32")
+    head = 2 * 128 // cp * 16 * 4
+    assert small_estimate(layout).comm["cp"].bytes == pytest.approx(4 * units * head)
+
+
+def test_ulysses_all_to_alls_are_exposed_and_the_ring_hides_behind_attention():
+    """At 32k tokens on 8 H100s the ring's K/V hide behind the attention; Ulysses' all-to-alls never do, and
+    hybrid exposes its Ulysses part only."""
+    ring = Layout(cp=8, zero_stage=3, seq_len=32768, precision="fp32")
+    cluster = ClusterSpec.preset("h100-80gb", 8)
+    model = ModelSpec.preset("llama3-8b")
+    assert estimate(model, cluster, ring).comm["cp"].exposed_seconds == 0
+    ulysses = estimate(model, cluster, dataclasses.replace(ring, cp_ulysses=8)).comm["cp"]
+    assert ulysses.exposed_seconds == ulysses.seconds > 0
+    hybrid = estimate(model, cluster, dataclasses.replace(ring, cp_ulysses=2)).comm["cp"]
+    two = estimate(model, ClusterSpec.preset("h100-80gb", 2), dataclasses.replace(ring, cp=2, cp_ulysses=2))
+    # The hybrid's Ulysses part: (u - 1) / u of the same tensors as Ulysses over 2 ranks, at 8 ranks' s / cp.
+    assert hybrid.exposed_seconds == pytest.approx(two.comm["cp"].seconds / 4)
+    assert hybrid.exposed_seconds < hybrid.seconds
 
 
 @pytest.mark.parametrize("pp, schedule, virtual_stages, sends", [

@@ -180,7 +180,10 @@ class Layout:
     ``precision="fp8-mixed"``. ``expert_imbalance``: the busiest ep rank's routed (token, expert) rows over
     the mean, in [1, ep] (1: uniform routing; a capacity factor c bounds that rank's rows by c times the
     dropless mean): that many times the rows that rank's experts keep and compute, and what it sends
-    (csrc/planner/specs.h).
+    (csrc/planner/specs.h). ``cp_ulysses``: the Ulysses ranks within cp (1: ring attention over every cp
+    rank; cp: Ulysses over every one; between: ``hybrid_attention``'s cp / cp_ulysses ring ranks around
+    Ulysses groups), which sets how cp communicates: Ulysses' all-to-alls on the critical path, the ring's
+    K/V hidden behind the attention.
     """
 
     tp: int = 1
@@ -188,6 +191,7 @@ class Layout:
     dp: int = 1
     cp: int = 1
     ep: int = 1
+    cp_ulysses: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
     recompute: str = "none"
