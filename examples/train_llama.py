@@ -197,6 +197,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     refusals = layout_refusals(args, int(os.environ.get("WORLD_SIZE", "1")))
     if refusals:  # before any process group is built
         parser.error("this layout cannot run:\n  " + "\n  ".join(refusals))
+    dp, _, _ = data_and_context_split(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.ledger and args.experts and dp % args.ep:
+        parser.error(f"--ledger sets the run beside the planner, whose expert-parallel ranks are data-parallel "
+                     f"ranks: --ep {args.ep} must divide dp={dp} (here ep spans cp ranks, which the planner does "
+                     f"not model)")
     if args.check_tolerance is None:
         args.check_tolerance = CHECK_TOLERANCE[check_tolerance_key(args)]
     return args
@@ -234,7 +239,7 @@ def planner_layout(args, dp: int) -> Layout:
     """This run's layout as the planner sees it: FSDP2 is ZeRO-3 over dp x cp, its micro-batches those of the
     pipeline (or of --grad-accum), in the run's precision; recompute stops at the experts
     (``apply_recompute_and_compile``)."""
-    # The planner's ep ranks are data-parallel ranks; an ep that also spans cp ranks is checked by the caller.
+    # The planner's ep ranks are data-parallel ranks; --ledger refuses an ep that spans cp ranks (parse_args).
     ep = args.ep if args.experts and dp % args.ep == 0 else 1
     m = microbatches(args) if args.pp > 1 else args.grad_accum
     _, ulysses = context_parallel_split(args)

@@ -238,7 +238,11 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
     (("--tp", "3", "--dp", "1", "--pp", "1"), "--dp 1 x --cp 1 x --tp 3 x --pp 1 must equal the world size 4"),
     (("--grad-accum", "3"), "--batch 8 / dp=2 must be divisible by --grad-accum 3"),
     (("--grad-accum", "2", "--pp", "2"), "--grad-accum with --pp: the pipeline's --microbatches already accumulate"),
-], ids=["batch", "interleaved", "sequence-parallel", "experts", "world", "grad-accum", "grad-accum-pp"])
+    (("--dp", "1", "--cp", "2", "--experts", "4", "--ep", "2", "--ledger"),
+     "--ledger sets the run beside the planner, whose expert-parallel ranks are data-parallel ranks: --ep 2 must "
+     "divide dp=1 (here ep spans cp ranks, which the planner does not model)"),
+], ids=["batch", "interleaved", "sequence-parallel", "experts", "world", "grad-accum", "grad-accum-pp",
+        "ledger-ep-over-cp"])
 def test_a_layout_that_cannot_run_is_refused_before_any_process_group(flags, message):
     """Run without torchrun (WORLD_SIZE set, no rendezvous address): building a process group would fail
     differently; the refusal comes first, with the planner's finding code where the planner sees the problem."""
