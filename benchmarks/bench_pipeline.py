@@ -41,12 +41,13 @@ from torchdist_ext import _planner  # noqa: E402
 from torchdist_ext.pipeline import (  # noqa: E402
     SCHEDULES,
     Pipeline,
-    gather_timeline,
+    gather_timelines,
     measured_idle_fractions,
     num_stages,
     partition_layers,
     planner_name,
     plot_timeline,
+    pool_steps,
     predicted_idle_fraction,
     stages_of_rank,
 )
@@ -146,14 +147,14 @@ def measure(schedule: str, pp: int, microbatches: int, batch: int, steps: int, o
     ours = slowest_rank_seconds(lambda: pipe.step(inputs, targets))
     theirs = {name: torch_step_seconds(name, placement, pp, microbatches, batch)
               for name, placement in TORCH_SCHEDULES.get(schedule, [])}
-    timed = []
+    kept = []
     for _ in range(steps):
         torch.distributed.barrier()
         pipe.step(inputs, targets)
-        timed.append(gather_timeline(pipe))
+        kept.append(pipe.timeline)
+    timed = gather_timelines(pipe, kept)
     transfer = message_seconds(batch // microbatches, mesh.get_group())
-    # Each rank's actions over every timed step: the stages' mean costs over all of them.
-    pooled = [[a for timelines in timed for a in timelines[rank]] for rank in range(pp)]
+    pooled = pool_steps(timed)  # the stages' mean costs over every timed step
     each_step = [measured_idle_fractions(timelines)[1] for timelines in timed]
     measured = statistics.mean(each_step)
     predicted = predicted_idle_fraction(pipe, pooled)

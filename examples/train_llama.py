@@ -87,12 +87,13 @@ from torchdist_ext.parallel.recompute import RECOMPUTE_MODES  # noqa: E402
 from torchdist_ext.pipeline import (  # noqa: E402
     SCHEDULES,
     Pipeline,
-    gather_timeline,
+    gather_timelines,
     measured_idle_fractions,
     num_stages,
     partition_layers,
     planner_name,
     plot_timeline,
+    pool_steps,
     predicted_idle_fraction,
     stages_of_rank,
 )
@@ -389,18 +390,19 @@ def pipeline_stages(args, single: Llama, pp_rank: int) -> list[LlamaStage]:
             for s in stages_of_rank(args.schedule, args.pp, pp_rank, virtual_stages(args))}
 
 
-def report_bubble(args, pipe: Pipeline, timed: list[list[list]], rank: int) -> tuple[float, float]:
-    """Prints the measured idle fraction per pipeline rank, the mean over the steps of ``timed`` (each step's
-    ``gather_timeline``) after the first (which compiles and warms up; the first if it is the only one), next
-    to the planner's prediction for those steps' mean F / B / W times and its closed form (one step's bubble
-    varies with its actions' times, several steps' mean is steadier); writes the last step's timeline PNG with
-    --timeline. Returns (the planner's for the measured times, the measured)."""
+def report_bubble(args, pipe: Pipeline, kept: list[list], rank: int) -> tuple[float, float]:
+    """Prints the measured idle fraction per pipeline rank, the mean over the steps of ``kept`` (this rank's
+    ``pipe.timeline`` of each step, gathered here once) after the first (which compiles and warms up; the
+    first if it is the only one), next to the planner's prediction for those steps' mean F / B / W times and
+    its closed form (one step's bubble varies with its actions' times, several steps' mean is steadier);
+    writes the last step's timeline PNG with --timeline. Returns (the planner's for the measured times, the
+    measured)."""
+    timed = gather_timelines(pipe, kept)
     steps = timed[1:] or timed
     fractions = [measured_idle_fractions(timelines) for timelines in steps]
     per_rank = [statistics.mean(f[0][r] for f in fractions) for r in range(pipe.pp)]
     overall = statistics.mean(f[1] for f in fractions)
-    pooled = [[a for timelines in steps for a in timelines[r]] for r in range(pipe.pp)]  # each rank's actions
-    predicted = predicted_idle_fraction(pipe, pooled)
+    predicted = predicted_idle_fraction(pipe, pool_steps(steps))
     closed = bubble_fraction(args.pp, microbatches(args), schedule=planner_name(args.schedule),
                              virtual_stages=virtual_stages(args))
     if rank == 0:
@@ -516,7 +518,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
         positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")
-    losses, timed = [], []  # timed: each step's pipeline timelines
+    losses, kept = [], []  # kept: this rank's pipeline timeline of each step
     data = batches(windows, sampler)
     for step in range(first_step, args.steps):
         measuring = args.ledger and step == args.steps - 1
@@ -554,7 +556,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         losses.append(global_loss.item())
         elapsed = time.perf_counter() - start  # .item() above waited for the step's work
         if pipe is not None:
-            timed.append(gather_timeline(pipe))
+            kept.append(pipe.timeline)
         load = expert_load(model, fsdp_group) if args.experts else None
         if rank == 0:
             tokens_per_second = args.batch * args.seq / elapsed  # the whole world's: one global batch per step
@@ -565,7 +567,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             if load is not None:
                 line += f"  expert load max/mean {load:.2f}"
             print(line, flush=True)
-    bubbles = report_bubble(args, pipe, timed, rank) if timed else None
+    bubbles = report_bubble(args, pipe, kept, rank) if kept else None
     if args.ledger and first_step < args.steps:
         measured = gather_measurements(measurement)
         if rank == 0:

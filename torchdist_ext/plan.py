@@ -1,7 +1,8 @@
 """The planner's command line.
 
     python -m torchdist_ext.plan --model llama3-70b --gpus 32 --gpu h100-80gb --seq 4096 --global-batch 32 \\
-        [--tp 8 --pp 1 --cp 1 --cp-ulysses 1 --ep 1 --zero 3 --sp --recompute selective ...] [--json] [--plot FILE.png]
+        [--tp 8 --pp 1 --cp 1 --cp-ulysses 1 --ep 1 --zero 3 --sp --recompute selective ...] \\
+        [--json] [--plot FILE.png]
     python -m torchdist_ext.plan lint train.py [--json]
 
 With any of --tp/--pp/--dp/--cp/--ep the layout is complete (unset axes are 1,
@@ -95,8 +96,9 @@ def _layout(args, gpus: int) -> Layout:
     per_step = dp * sizes["ep"] * args.micro_batch
     if global_batch % per_step:
         raise ValueError(f"--global-batch {global_batch} must be divisible by dp x ep x micro-batch = {per_step}")
-    return Layout(**sizes, dp=dp, cp_ulysses=args.cp_ulysses, zero_stage=args.zero, sequence_parallel=args.sp, recompute=args.recompute,
-                  micro_batch=args.micro_batch, num_microbatches=global_batch // per_step, schedule=args.schedule,
+    return Layout(**sizes, dp=dp, cp_ulysses=args.cp_ulysses, zero_stage=args.zero, sequence_parallel=args.sp,
+                  recompute=args.recompute, micro_batch=args.micro_batch,
+                  num_microbatches=global_batch // per_step, schedule=args.schedule,
                   virtual_stages=args.virtual_stages, seq_len=args.seq, precision=args.precision,
                   expert_imbalance=args.expert_imbalance)
 

@@ -13,9 +13,11 @@ from torchdist_ext.pipeline import (
     TimedAction,
     action_costs,
     gather_timeline,
+    gather_timelines,
     mean_costs,
     measured_idle_fractions,
     plot_timeline,
+    pool_steps,
     predicted_idle_fraction,
 )
 from torchdist_ext.testing import cached_mesh
@@ -101,3 +103,24 @@ def test_several_steps_give_the_stages_mean_costs_over_all_of_them():
     assert predicted_idle_fraction(pipe, pooled) == pytest.approx(1 - 9 / 13)
     with pytest.raises(ValueError, match="timelines must hold one step, got F of stage 0, micro-batch 0 twice"):
         predicted_idle_fraction(pipe, pooled, each_action=True)
+
+
+def timelines_of_two_steps():
+    mesh = cached_mesh((2,), ("pp",))
+    stage = nn.Sequential(nn.Linear(16, 16), nn.Tanh())
+    pipe = Pipeline({mesh.get_local_rank(): stage}, pp_mesh=mesh, schedule="1f1b", num_microbatches=2,
+                    loss_fn=nn.functional.mse_loss)
+    kept = []
+    for _ in range(2):
+        pipe.step(torch.randn(4, 16), torch.randn(4, 16))
+        kept.append(pipe.timeline)
+    return kept, gather_timeline(pipe), gather_timelines(pipe, kept)
+
+
+def test_several_steps_gathered_at_once_are_each_ranks_timeline_of_each_step(world2):
+    outcomes = world2.run(timelines_of_two_steps)
+    kept = [outcome[0] for outcome in outcomes]
+    for _, last, steps in outcomes:
+        assert steps == [[kept[rank][step] for rank in range(2)] for step in range(2)]
+        assert steps[-1] == last
+        assert pool_steps(steps) == [kept[rank][0] + kept[rank][1] for rank in range(2)]

@@ -26,9 +26,11 @@ from torchdist_ext.pipeline.stages import partition_layers
 from torchdist_ext.pipeline.timeline import (
     action_costs,
     gather_timeline,
+    gather_timelines,
     mean_costs,
     measured_idle_fractions,
     plot_timeline,
+    pool_steps,
     predicted_idle_fraction,
 )
 
@@ -40,12 +42,14 @@ __all__ = [
     "action_costs",
     "enable_weight_grad_split",
     "gather_timeline",
+    "gather_timelines",
     "mean_costs",
     "measured_idle_fractions",
     "num_stages",
     "partition_layers",
     "planner_name",
     "plot_timeline",
+    "pool_steps",
     "predicted_idle_fraction",
     "rank_actions",
     "rank_of_stage",

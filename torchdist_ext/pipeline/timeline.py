@@ -4,8 +4,8 @@ next to the planner's prediction for the measured F / B / W times, and a PNG of 
     timelines = gather_timeline(pipe)                   # every rank: [[TimedAction, ...] per pipeline rank]
     per_rank, overall = measured_idle_fractions(timelines)   # of one step
     predicted = predicted_idle_fraction(pipe, timelines)   # the planner's schedule, timed with the mean costs
-    pooled = [[a for t in steps for a in t[rank]] for rank in range(pipe.pp)]  # each rank's actions of steps
-    predicted = predicted_idle_fraction(pipe, pooled)      # ... timed with their means over those steps
+    steps = gather_timelines(pipe, kept)                  # kept: this rank's pipe.timeline of each step
+    predicted = predicted_idle_fraction(pipe, pool_steps(steps))   # with the mean costs over those steps
     plot_timeline("timeline.png", timelines, title=...)
 
 The idle fraction of a rank is ``1 - busy / makespan`` over the step (from the first action's start on any
@@ -20,17 +20,30 @@ from torchdist_ext import _planner
 from torchdist_ext.pipeline.runtime import Pipeline, TimedAction
 from torchdist_ext.pipeline.schedule import planner_name
 
-__all__ = ["action_costs", "gather_timeline", "mean_costs", "measured_idle_fractions", "plot_timeline",
-           "predicted_idle_fraction"]
+__all__ = ["action_costs", "gather_timeline", "gather_timelines", "mean_costs", "measured_idle_fractions",
+           "plot_timeline", "pool_steps", "predicted_idle_fraction"]
 
 _PASS_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}  # the planner's plot colours
 
 
 def gather_timeline(pipe: Pipeline) -> list[list[TimedAction]]:
     """Every pipeline rank's timeline of the last step, on every rank (one all-gather of objects)."""
-    timelines: list = [None] * pipe.pp
-    dist.all_gather_object(timelines, [tuple(a) for a in pipe.timeline], group=pipe.group)
-    return [[TimedAction(*a) for a in timeline] for timeline in timelines]
+    return gather_timelines(pipe, [pipe.timeline])[0]
+
+
+def gather_timelines(pipe: Pipeline, kept: list[list[TimedAction]]) -> list[list[list[TimedAction]]]:
+    """Every pipeline rank's timelines of several steps, on every rank, in one all-gather of objects after
+    the steps (none between them): ``kept`` holds this rank's ``pipe.timeline`` of each step, the same steps
+    on every rank. Returns each step's ``[[TimedAction, ...] per pipeline rank]``."""
+    gathered: list = [None] * pipe.pp
+    dist.all_gather_object(gathered, [[tuple(a) for a in timeline] for timeline in kept], group=pipe.group)
+    return [[[TimedAction(*a) for a in ranks[step]] for ranks in gathered] for step in range(len(kept))]
+
+
+def pool_steps(steps: list[list[list[TimedAction]]]) -> list[list[TimedAction]]:
+    """Each rank's actions over several steps' timelines, one list per rank: ``mean_costs`` and
+    ``predicted_idle_fraction`` then take each stage's mean costs over all those steps."""
+    return [[a for timelines in steps for a in timelines[rank]] for rank in range(len(steps[0]))]
 
 
 def measured_idle_fractions(timelines: list[list[TimedAction]]) -> tuple[list[float], float]:
