@@ -66,21 +66,21 @@ def median_seconds(fn, repeats: int) -> float:
     return statistics.median(times)
 
 
-def chunk_positions(layout: str, n: int, rank: int, seq_local: int) -> list[tuple[int, int]]:
+def chunk_positions(order: str, n: int, rank: int, seq_local: int) -> list[tuple[int, int]]:
     """(start, length) in the full sequence of each contiguous piece this rank holds."""
-    if layout == "contiguous":
+    if order == "contiguous":
         return [(rank * seq_local, seq_local)]
     half = seq_local // 2
     order = zigzag_order(n)
     return [(order[2 * rank] * half, half), (order[2 * rank + 1] * half, half)]
 
 
-def causal_mask_for(layout: str, n: int, rank: int, seq_local: int, ids: torch.Tensor | None = None) -> torch.Tensor:
+def causal_mask_for(order: str, n: int, rank: int, seq_local: int, ids: torch.Tensor | None = None) -> torch.Tensor:
     """Boolean [seq_local, n * seq_local] mask of which full-sequence keys this rank's queries may see
     (with ``ids`` [seq] of the full sequence: only keys of the query's document)."""
-    q_pos = torch.cat([torch.arange(s, s + length) for s, length in chunk_positions(layout, n, rank, seq_local)])
+    q_pos = torch.cat([torch.arange(s, s + length) for s, length in chunk_positions(order, n, rank, seq_local)])
     k_pos = torch.cat([
-        torch.cat([torch.arange(s, s + length) for s, length in chunk_positions(layout, n, r, seq_local)])
+        torch.cat([torch.arange(s, s + length) for s, length in chunk_positions(order, n, r, seq_local)])
         for r in range(n)
     ])
     mask = q_pos[:, None] >= k_pos[None, :]
@@ -130,7 +130,7 @@ def allgather_kv_autograd(q, k, v, mask):
                                           enable_gqa=True)
 
 
-def ring_compute_only(q, k, v, layout):
+def ring_compute_only(q, k, v, order):
     """The ring's causal block plan on local data: the attention work of this rank without communication."""
     n, rank = dist.get_world_size(), dist.get_rank()
     seq, half = q.shape[2], q.shape[2] // 2
@@ -138,7 +138,7 @@ def ring_compute_only(q, k, v, layout):
         source = (rank - step) % n
         if source == rank:
             F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
-        elif layout == "contiguous":
+        elif order == "contiguous":
             if source < rank:
                 F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
         elif source < rank:
@@ -180,29 +180,29 @@ def run_case(seq_total: int, method: str, repeats: int, packed: bool = False) ->
             def fwd():
                 return None
     else:
-        layout = {"ring_contiguous": "contiguous", "ring_zigzag": "zigzag", "ulysses": "contiguous",
+        order = {"ring_contiguous": "contiguous", "ring_zigzag": "zigzag", "ulysses": "contiguous",
                   "hybrid": "zigzag", "allgather_kv": "zigzag"}[method]
         if method == "hybrid":
             cp = cached_mesh((n // 2, 2), ("ring", "ulysses"))
         else:
             cp = cached_mesh((n,), ("cp",))
-        q, k, v = (shard_sequence(t, cp_mesh=cp, dim=2, layout=layout).detach().requires_grad_(True) for t in full)
-        local_ids = shard_sequence(ids[None], cp_mesh=cp, dim=1, layout=layout) if packed else None
+        q, k, v = (shard_sequence(t, cp_mesh=cp, dim=2, order=order).detach().requires_grad_(True) for t in full)
+        local_ids = shard_sequence(ids[None], cp_mesh=cp, dim=1, order=order) if packed else None
         attention = {"ulysses": ulysses_attention, "hybrid": hybrid_attention}.get(method, ring_attention)
         if method != "allgather_kv":
             def fwd():
-                return attention(q, k, v, cp_mesh=cp, causal=True, layout=layout, document_ids=local_ids)
+                return attention(q, k, v, cp_mesh=cp, causal=True, order=order, document_ids=local_ids)
         else:
-            mask = causal_mask_for(layout, n, rank, q.shape[2], ids)
+            mask = causal_mask_for(order, n, rank, q.shape[2], ids)
             def fwd():
                 return allgather_kv_autograd(q, k, v, mask)
         if method.startswith("ring") and packed:
-            work = context_attention_work(ids[None], n, layout, True)
+            work = context_attention_work(ids[None], n, order, True)
             result.update(work_spread=float((work.sum(1).max() - work.sum(1).min()) / work.sum(1).max()),
                           skipped=float((work == 0).float().mean()))
         elif method.startswith("ring"):
             with torch.no_grad():
-                compute = median_seconds(lambda: ring_compute_only(q, k, v, layout), repeats)
+                compute = median_seconds(lambda: ring_compute_only(q, k, v, order), repeats)
                 comm = median_seconds(lambda: ring_comm_only(k, v), repeats)
             result.update(compute_s=compute, comm_s=comm)
 

@@ -6,7 +6,7 @@ cast_amax   ours: tdx::fp8_cast_amax (one read of x, one byte written per elemen
             ``amax = x.abs().amax(); where(x.isfinite(), (x.float() * scale).clamp(..), nan).to(e4m3)``;
             with the fraction of the copy bandwidth measured in the same run that ours reaches
             (counting one read of x and one write of the fp8 bytes); and tdx::fp8_cast_transpose_amax (both
-            layouts from one read) against our cast followed by a transposing copy of its bytes
+            orientations from one read) against our cast followed by a transposing copy of its bytes
 linear      forward + backward of Fp8Linear (delayed scaling, "hybrid") against nn.Linear in bf16 on
             the same shapes: on a CPU torch._scaled_mm has no fp8 hardware and may well be slower;
             the GPU figure is the one that matters. Also the signal-to-quantisation-noise ratio of the
@@ -69,7 +69,7 @@ def cast_rows(device: str, repeats: int) -> list[dict]:
                          "dtype": str(dtype).removeprefix("torch."), "ours_ms": round(ours * 1e3, 3),
                          "unfused_ms": round(unfused * 1e3, 3), "ours_over_unfused": round(ours / unfused, 3),
                          "bandwidth_fraction": round(moved / ours / bandwidth, 3)})
-            # Both layouts: the fused cast-transpose against our cast followed by a transposing copy.
+            # Both orientations: the fused cast-transpose against our cast followed by a transposing copy.
             both = median_seconds(lambda: fp8_cast_transpose_amax(x, scale, torch.float8_e4m3fn, 16), device, repeats)
             cast_then_copy = median_seconds(
                 lambda: fp8_cast_amax(x, scale, torch.float8_e4m3fn)[0].t().contiguous(), device, repeats)
@@ -186,7 +186,7 @@ def sp_ring_case(seq: int, hidden: int, ffn: int, repeats: int) -> dict[str, flo
     """Runs on every rank: this rank's median seconds of the fp8 rings and of their bulk compositions."""
     import torch.distributed as dist
 
-    from torchdist_ext.collectives import all_gather, reduce_scatter
+    from torchdist_ext._collectives import all_gather, reduce_scatter
     from torchdist_ext.ops import all_gather_scaled_mm, scaled_mm_reduce_scatter
 
     n, name = dist.get_world_size(), dist.group.WORLD.group_name

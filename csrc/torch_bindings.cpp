@@ -1,5 +1,7 @@
-// The index of every tdx op: one TORCH_LIBRARY with all schemas, grouped by
-// family. Each family's host code (csrc/ops/<family>.cpp) implements its ops
+// The index of every native tdx op: one TORCH_LIBRARY with all schemas, grouped
+// by family. One op is defined in Python instead: tdx::defer_weight_grad
+// (torchdist_ext/_weight_grad.py), the effectful op that queues a deferred
+// weight gradient under torch.compile; it calls back into Python objects. Each family's host code (csrc/ops/<family>.cpp) implements its ops
 // once for every device; fake impls and autograd are in
 // torchdist_ext/ops/<family>.py.
 //
@@ -57,16 +59,16 @@ TORCH_LIBRARY(tdx, m) {
 
   // ---- attention: context-parallel attention over a sequence-sharded ring ----
   // q [B, Hq, S_local, D], k/v [B, Hkv, S_local, D] (Hq % Hkv == 0), this rank's sequence
-  // shard in `layout` ('contiguous' or 'zigzag'). Returns out (like q) and the global
+  // shard in `order` ('contiguous' or 'zigzag'). Returns out (like q) and the global
   // log-sum-exp [B, Hq, S_local] (fp32; fp64 for fp64 inputs).
   // document_ids [B, S_local] (integer; optional): per-token documents of packed sequences, sharded like the
   // tokens; a token attends only to its own document, a negative id is padding (output and gradients 0).
   m.def(
       "ring_attention_fwd(Tensor q, Tensor k, Tensor v, str group_name, bool causal, float scale, "
-      "str layout, Tensor? document_ids=None) -> (Tensor out, Tensor lse)");
+      "str order, Tensor? document_ids=None) -> (Tensor out, Tensor lse)");
   m.def(
       "ring_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "str group_name, bool causal, float scale, str layout, Tensor? document_ids=None) "
+      "str group_name, bool causal, float scale, str order, Tensor? document_ids=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // The same masked attention on one rank's whole sequence, document_ids [B, S] (Ulysses' local attention).
   m.def(
@@ -77,16 +79,16 @@ TORCH_LIBRARY(tdx, m) {
       "Tensor document_ids, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // [ranks, ranks] int64 on the CPU: the attention scores ring rank r computes for the key block of rank s,
   // for the document ids [B, S] of the whole sequence in order (the per-rank work spread of a document mix).
-  m.def("context_attention_work(Tensor document_ids, int ranks, str layout, bool causal) -> Tensor");
+  m.def("context_attention_work(Tensor document_ids, int ranks, str order, bool causal) -> Tensor");
   // Merges a partial attention result into an accumulator by log-sum-exp, in place:
   // out [..., rows, D] and lse [..., rows] (fp32, fp64 for fp64 blocks); block_out any float dtype.
   m.def("lse_merge_(Tensor(a!) out, Tensor(b!) lse, Tensor block_out, Tensor block_lse) -> ()");
 
   // ---- all_to_all: Ulysses sequence <-> head re-sharding ----
-  // [B, H, S/N, D] (this rank's sequence shard in `layout`: 'contiguous' or 'zigzag') ->
+  // [B, H, S/N, D] (this rank's sequence shard in `order`: 'contiguous' or 'zigzag') ->
   // [B, H/N, S, D] (a head shard of the whole sequence, in order), and back.
-  m.def("all_to_all_seq_to_heads(Tensor x, str group_name, str layout) -> Tensor");
-  m.def("all_to_all_heads_to_seq(Tensor x, str group_name, str layout) -> Tensor");
+  m.def("all_to_all_seq_to_heads(Tensor x, str group_name, str order) -> Tensor");
+  m.def("all_to_all_heads_to_seq(Tensor x, str group_name, str order) -> Tensor");
 
   // ---- moe: expert-parallel token exchange and expert-major permutation ----
   // x [T, D] tokens, expert_ids [T, k] int64 (global expert, -1: dropped), weights [T, k] (fp32; fp64 for fp64 x)
@@ -132,7 +134,7 @@ TORCH_LIBRARY(tdx, m) {
   // where x * scale overflows fp32), inf and NaN become NaN, rounding to nearest even; amax = max |x| (fp32, 0-d; NaN if x holds a NaN, inf if
   // it holds an inf). scale: fp32 with one element, on x's device. One read of x. Not differentiable.
   m.def("fp8_cast_amax(Tensor x, Tensor scale, ScalarType fp8_dtype) -> (Tensor x_fp8, Tensor amax)");
-  // The same cast of a matrix x [rows, cols] in both layouts, from one read: x_fp8 [rows, cols] and
+  // The same cast of a matrix x [rows, cols] in both orientations, from one read: x_fp8 [rows, cols] and
   // x_fp8_t [cols, ceil(rows / row_multiple) * row_multiple] = x_fp8.T with zero bytes in the padding
   // columns (the operands torch._scaled_mm takes column-major, and the weight gradient's, whose
   // contraction over the rows needs multiples of 16 on a GPU). Not differentiable.

@@ -371,7 +371,7 @@ def context_parallel_plan(args, mesh):
         cp_mesh, attention = mesh["ulysses"], ulysses_attention
     else:
         cp_mesh, attention = mesh["ring", "ulysses"], hybrid_attention
-    return partial(attention, cp_mesh=cp_mesh, causal=True, layout="zigzag"), cp_mesh
+    return partial(attention, cp_mesh=cp_mesh, causal=True, order="zigzag"), cp_mesh
 
 
 def microbatches(args) -> int:
@@ -517,7 +517,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     routing = RoutingLoad([m for part in parts for m in part.modules() if isinstance(m, MoE)])
     positions = torch.arange(args.seq, device=device)
     if cp_mesh is not None:
-        positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, layout="zigzag")
+        positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, order="zigzag")
     losses, kept = [], []  # kept: this rank's pipeline timeline of each step
     data = batches(windows, sampler)
     for step in range(first_step, args.steps):
@@ -529,7 +529,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         start = time.perf_counter()
         tokens, target = (t.to(device) for t in next(data))
         if cp_mesh is not None:
-            tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, layout="zigzag") for t in (tokens, target))
+            tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, order="zigzag") for t in (tokens, target))
         if pipe is None:
             loss = accumulate_gradients(model, tokens, target, positions, args.grad_accum)
         else:

@@ -1,4 +1,4 @@
-"""The weight-gradient split (torchdist_ext.weight_grad): B now and W later leave exactly the gradients
+"""The weight-gradient split (torchdist_ext._weight_grad): B now and W later leave exactly the gradients
 of the unsplit backward, for SplitLinear and for our column / row linears with and without sequence
 parallelism on 2 ranks (with the vocab-parallel embedding and RMSNorm, and in fp8), over several micro-batches
 whose W steps run after all their B steps; compiled with fullgraph=True, the split equals the eager one."""
@@ -10,7 +10,7 @@ from torch.distributed.tensor import DTensor
 
 from torchdist_ext.fp8 import DelayedScaling, convert_to_fp8
 from torchdist_ext.parallel import ColumnParallelLinear, RMSNorm, RowParallelLinear, VocabParallelEmbedding
-from torchdist_ext.weight_grad import SplitLinear, WeightGradStore
+from torchdist_ext._weight_grad import SplitLinear, WeightGradStore
 from torchdist_ext.testing import cached_mesh
 
 

@@ -10,10 +10,13 @@ Public API:
     torchdist_ext.testing       persistent CPU worlds for multi-rank tests
     torchdist_ext.planner       the memory / bubble / communication cost model
     torchdist_ext.cpu_isa       which instruction set the CPU kernels run in
-    clip_grad_norm_(model_parts, max_norm, *, norm_type=2.0, pp_mesh=None)
-                                clips by the whole model's gradient norm (see grad_norm.py)
-    set_index_checks(enabled), index_checks_enabled()
-                                whether ops raise on out-of-range indices (see index_checks.py)
+    torchdist_ext.pipeline      pipeline schedules (zero-bubble W/B split) and their runtime
+    torchdist_ext.fp8           fp8 recipes, Fp8Linear, convert_to_fp8
+    clip_grad_norm_             clips by the whole model's gradient norm
+    set_index_checks, index_checks_enabled
+                                whether ops raise on out-of-range indices
+
+Signatures and details: docs/api.md.
 """
 
 import torch  # noqa: F401  (loads libtorch before the extension)
@@ -29,7 +32,7 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
 
 from torchdist_ext import ops  # noqa: E402,F401  (registers fake impls and autograd)
 from torchdist_ext.grad_norm import clip_grad_norm_  # noqa: E402
-from torchdist_ext.index_checks import index_checks_enabled, set_index_checks  # noqa: E402
+from torchdist_ext._index_checks import index_checks_enabled, set_index_checks  # noqa: E402
 
 __version__ = "0.1.0"
 __all__ = ["clip_grad_norm_", "index_checks_enabled", "ops", "set_index_checks", "__version__"]

@@ -36,7 +36,7 @@ from torch import Tensor, nn
 from torch._library.effects import EffectType
 from torch.distributed.tensor import DTensor
 
-from torchdist_ext import collectives, ops
+from torchdist_ext import _collectives as collectives, ops
 
 __all__ = ["SplitLinear", "SplitsWeightGrad", "WeightGradStore", "deferred_weight_grad", "give_weight_grad_slot",
            "split_embedding", "split_linear", "split_scale"]

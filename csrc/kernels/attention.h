@@ -1,5 +1,5 @@
 #pragma once
-// Attention's partial-result merge: the kernel table and argument layout shared
+// Attention's partial-result merge: the kernel table and argument shape shared
 // by the host (csrc/ops/attention.cpp), the CPU kernels (kernels/cpu/attention.cpp)
 // and the CUDA kernels (kernels/cuda/attention.cu).
 //
@@ -21,7 +21,7 @@ namespace tdx::kernels {
 // out + g * out_group_stride + i * dim (rows are dense within a group), its lse at
 // lse + g * lse_group_stride + i; the block is laid out the same way with its
 // own group strides. A launch's work items are groups.
-struct MergeLayout {
+struct MergeShape {
   ElementType block_type;  // of block_out; out, lse and block_lse are its accumulator type
   int64_t groups;
   int64_t rows;
@@ -36,7 +36,7 @@ struct MergeLayout {
 // lse = -inf (nothing merged yet) takes the block as is; a block row with
 // lse = -inf (no visible keys) leaves the accumulator unchanged.
 struct LseMergeArgs {
-  MergeLayout layout;
+  MergeShape shape;
   void* out;
   void* lse;
   const void* block_out;

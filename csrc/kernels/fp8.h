@@ -1,5 +1,5 @@
 #pragma once
-// FP8 casting: the kernel table and argument layouts shared by the host
+// FP8 casting: the kernel table and argument structs shared by the host
 // (csrc/ops/fp8.cpp), the CPU kernels (kernels/cpu/fp8.cpp) and the CUDA kernels
 // (kernels/cuda/fp8.cu), and the one float -> fp8 conversion both devices use.
 //
@@ -94,12 +94,12 @@ struct CastAmaxArgs {
   float* partial_amax;   // [ceil(count / chunk)]
 };
 
-// The cast of a matrix in both layouts, for the fp8 GEMMs' operands (torch._scaled_mm takes its second
+// The cast of a matrix in both orientations, for the fp8 GEMMs' operands (torch._scaled_mm takes its second
 // operand column-major): x [rows, cols] row-major -> out [rows, cols] as cast_amax writes it, and
 // out_t [cols, ld_t] with out_t[c * ld_t + r] = out[r * cols + c] (ld_t >= rows; columns r >= rows of
 // out_t are not written), partial_amax[item] = max |x| over the item's tile (NaN if one is NaN). Work
 // items: tiles of kFp8Tile x kFp8Tile elements, row-major over the tile grid (ceil(cols / kFp8Tile) per
-// tile row). One read of x, both layouts written from it.
+// tile row). One read of x, both orientations written from it.
 constexpr int64_t kFp8Tile = 32;
 
 struct CastTransposeAmaxArgs {

@@ -1,16 +1,16 @@
 // Ulysses re-sharding, host side for every device: one all-to-all trades a
 // sequence shard for a head shard (and back). The head/sequence re-layout, and
-// the zigzag layout's chunk order (ops/sequence_layout.h), are the pack into the
+// the zigzag chunk order (ops/sequence_order.h), are the pack into the
 // per-destination send buffer and the unpack from the receive buffer: one copy
 // each way, no other full copies. The head shard holds the sequence in order,
-// whatever the layout.
+// whatever the cp order.
 
 #include <ATen/ATen.h>
 
 #include "comm/all_to_all.h"
 #include "comm/group.h"
 #include "ops/device.h"
-#include "ops/sequence_layout.h"
+#include "ops/sequence_order.h"
 
 namespace tdx::ops {
 namespace {
@@ -22,23 +22,23 @@ void check_4d(const char* op, const at::Tensor& x) {
   TORCH_CHECK(x.dim() == 4, op, ": x must be [batch, heads, seq, head_dim], got ", x.sizes());
 }
 
-// x [B, H, S/N, D], rank r holding its `layout` shard of the sequence -> [B, H/N, S, D], rank r holding
+// x [B, H, S/N, D], rank r holding its `order` shard of the sequence -> [B, H/N, S, D], rank r holding
 // heads block r of the whole sequence, in order.
-at::Tensor all_to_all_seq_to_heads(const at::Tensor& x, c10::string_view group_name, c10::string_view layout_name) {
+at::Tensor all_to_all_seq_to_heads(const at::Tensor& x, c10::string_view group_name, c10::string_view order_name) {
   check_4d(kSeqToHeads, x);
-  const auto layout = parse_sequence_layout(kSeqToHeads, layout_name);
+  const auto order = parse_sequence_order(kSeqToHeads, order_name);
   auto group = comm::group_by_name(group_name);
   const int64_t n = group->getSize();
   const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), dim = x.size(3);
   TORCH_CHECK(heads % n == 0, kSeqToHeads, ": heads (", heads, ") must be divisible by the group size ", n);
   TORCH_CHECK(
-      layout == SequenceLayout::kContiguous || seq % 2 == 0, kSeqToHeads,
-      ": the zigzag layout needs an even local sequence (two chunks per rank), got ", seq);
+      order == SequenceOrder::kContiguous || seq % 2 == 0, kSeqToHeads,
+      ": the zigzag order needs an even local sequence (two chunks per rank), got ", seq);
   // pack: [N (destination = head block), B, H/N, S/N, D]
   const auto send = x.reshape({batch, n, heads / n, seq, dim}).permute({1, 0, 2, 3, 4}).contiguous();
   // [N (source = sequence shard), B, H/N, S/N, D]
   const auto received = comm::all_to_all_equal_blocks(*group, kSeqToHeads, "head blocks", send);
-  if (layout == SequenceLayout::kContiguous) {
+  if (order == SequenceOrder::kContiguous) {
     // unpack: [B, H/N, N, S/N, D] -> [B, H/N, S, D]
     return received.permute({1, 2, 0, 3, 4}).reshape({batch, heads / n, n * seq, dim}).contiguous();
   }
@@ -50,20 +50,20 @@ at::Tensor all_to_all_seq_to_heads(const at::Tensor& x, c10::string_view group_n
   return out.view({batch, heads / n, n * seq, dim});
 }
 
-// x [B, H/N, S, D] (the whole sequence in order) -> [B, H, S/N, D] in `layout`: the inverse.
-at::Tensor all_to_all_heads_to_seq(const at::Tensor& x, c10::string_view group_name, c10::string_view layout_name) {
+// x [B, H/N, S, D] (the whole sequence in order) -> [B, H, S/N, D] in `order`: the inverse.
+at::Tensor all_to_all_heads_to_seq(const at::Tensor& x, c10::string_view group_name, c10::string_view order_name) {
   check_4d(kHeadsToSeq, x);
-  const auto layout = parse_sequence_layout(kHeadsToSeq, layout_name);
+  const auto order = parse_sequence_order(kHeadsToSeq, order_name);
   auto group = comm::group_by_name(group_name);
   const int64_t n = group->getSize();
   const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), dim = x.size(3);
-  const int64_t parts = layout == SequenceLayout::kZigzag ? 2 * n : n;
+  const int64_t parts = order == SequenceOrder::kZigzag ? 2 * n : n;
   TORCH_CHECK(
       seq % parts == 0, kHeadsToSeq, ": seq (", seq, ") must be divisible by ", parts, " (the group size ", n,
-      layout == SequenceLayout::kZigzag ? ", times 2 for the zigzag layout)" : ")");
+      order == SequenceOrder::kZigzag ? ", times 2 for the zigzag order)" : ")");
   // pack: [N (destination = sequence shard), B, H/N, S/N, D]
   at::Tensor send;
-  if (layout == SequenceLayout::kContiguous) {
+  if (order == SequenceOrder::kContiguous) {
     send = x.reshape({batch, heads, n, seq / n, dim}).permute({2, 0, 1, 3, 4}).contiguous();
   } else {
     // zigzag: destination j gets chunks j and 2N-1-j of 2N.

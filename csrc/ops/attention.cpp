@@ -8,7 +8,7 @@
 // (comm::RingReduceScatter): a rank adds its contribution to a block's running
 // sum while the next one is in flight; one last hop returns each sum to its owner.
 //
-// The sequence is sharded in either layout of ops/sequence_layout.h. Each block
+// The sequence is sharded in either order of ops/sequence_order.h. Each block
 // is attended as the tasks of ops/attention_plan.h: fully masked causal blocks
 // are skipped and only the diagonal block uses the causal kernel. With
 // document_ids (packed sequences, padding) every rank all-gathers the ring's
@@ -28,7 +28,7 @@
 #include "kernels/attention.h"
 #include "ops/attention_plan.h"
 #include "ops/device.h"
-#include "ops/sequence_layout.h"
+#include "ops/sequence_order.h"
 
 namespace tdx::ops {
 namespace {
@@ -39,9 +39,9 @@ constexpr const char* kMerge = "lse_merge_";
 constexpr const char* kDocumentForward = "document_attention_fwd";
 constexpr const char* kDocumentBackward = "document_attention_bwd";
 
-using Layout = SequenceLayout;
+using Order = SequenceOrder;
 
-void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Layout layout) {
+void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, Order order) {
   TORCH_CHECK(
       q.dim() == 4 && k.dim() == 4 && v.dim() == 4, op, ": q, k, v must be [batch, heads, seq, head_dim], got ",
       q.sizes(), ", ", k.sizes(), ", ", v.sizes());
@@ -59,7 +59,7 @@ void check_qkv(const char* op, const at::Tensor& q, const at::Tensor& k, const a
   TORCH_CHECK(q.device() == k.device() && q.device() == v.device(), op, ": q, k, v must be on one device");
   element_type(op, q.scalar_type());
   TORCH_CHECK(
-      layout == Layout::kContiguous || q.size(2) % 2 == 0, op, ": the zigzag layout needs an even local ",
+      order == Order::kContiguous || q.size(2) % 2 == 0, op, ": the zigzag order needs an even local ",
       "sequence (two chunks per rank), got ", q.size(2));
 }
 
@@ -161,10 +161,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> block_backward(
 
 // ---- the merge ----
 
-// The lse_merge_ operands as a kernels::MergeLayout: out [..., rows, dim] and lse [..., rows] in the
+// The lse_merge_ operands as a kernels::MergeShape: out [..., rows, dim] and lse [..., rows] in the
 // accumulation dtype with dense rows and leading dims that collapse into one stride (a slice of rows
 // of a contiguous tensor); block_out / block_lse contiguous, of the same shapes.
-kernels::MergeLayout merge_layout(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_out,
+kernels::MergeShape merge_shape(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_out,
                                   const at::Tensor& block_lse) {
   TORCH_CHECK(out.dim() >= 2, kMerge, ": out must be [..., rows, dim], got ", out.sizes());
   TORCH_CHECK(
@@ -207,11 +207,11 @@ kernels::MergeLayout merge_layout(const at::Tensor& out, const at::Tensor& lse, 
 
 void lse_merge_(const at::Tensor& out, const at::Tensor& lse, const at::Tensor& block_out,
                 const at::Tensor& block_lse) {
-  const auto layout = merge_layout(out, lse, block_out, block_lse);
-  const kernels::LseMergeArgs args{layout, out.data_ptr(), lse.data_ptr(), block_out.data_ptr(),
+  const auto shape = merge_shape(out, lse, block_out, block_lse);
+  const kernels::LseMergeArgs args{shape, out.data_ptr(), lse.data_ptr(), block_out.data_ptr(),
                                    block_lse.data_ptr()};
-  launch(kernels_for<kernels::AttentionKernels>(kMerge, out.device()).lse_merge, args, out.device(), layout.groups,
-         16384 / std::max<int64_t>(1, layout.rows * layout.dim));
+  launch(kernels_for<kernels::AttentionKernels>(kMerge, out.device()).lse_merge, args, out.device(), shape.groups,
+         16384 / std::max<int64_t>(1, shape.rows * shape.dim));
 }
 
 // ---- tasks: block attention over row rectangles (ops/attention_plan.h) ----
@@ -278,9 +278,9 @@ void check_ids_given_everywhere(comm::Ring& ring, const char* op, bool given) {
 }
 
 // The tasks of the key block of ring rank `source`, cut by documents when `ids` (gathered) is defined.
-std::vector<AttentionTask> ring_block_tasks(const comm::Ring& ring, int source, bool causal, Layout layout,
+std::vector<AttentionTask> ring_block_tasks(const comm::Ring& ring, int source, bool causal, Order order,
                                             int64_t seq, const at::Tensor& ids) {
-  auto tasks = plan_ring_block(causal, layout == Layout::kZigzag, ring.rank(), source, seq);
+  auto tasks = plan_ring_block(causal, order == Order::kZigzag, ring.rank(), source, seq);
   if (!ids.defined()) return tasks;
   return split_by_document(tasks, ids[ring.rank()].const_data_ptr<int64_t>(), ids[source].const_data_ptr<int64_t>(),
                            ids.size(1), seq);
@@ -290,10 +290,10 @@ std::vector<AttentionTask> ring_block_tasks(const comm::Ring& ring, int source, 
 
 std::tuple<at::Tensor, at::Tensor> ring_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       c10::string_view group_name, bool causal, double scale,
-                                                      c10::string_view layout_name,
+                                                      c10::string_view order_name,
                                                       const std::optional<at::Tensor>& document_ids) {
-  const Layout layout = parse_sequence_layout(kForward, layout_name);
-  check_qkv(kForward, q, k, v, layout);
+  const Order order = parse_sequence_order(kForward, order_name);
+  check_qkv(kForward, q, k, v, order);
   if (document_ids) check_document_ids(kForward, *document_ids, q);
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
@@ -304,7 +304,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_fwd(const at::Tensor& q, const
   check_ids_given_everywhere(ring, kForward, document_ids.has_value());
   const auto ids = document_ids ? gather_ring_document_ids(ring, kForward, *document_ids) : at::Tensor();
   comm::for_each_ring_block(ring, kForward, "k/v block", at::stack({k, v}), [&](const at::Tensor& kv, int source) {
-    for (const auto& task : ring_block_tasks(ring, source, causal, layout, seq, ids)) {
+    for (const auto& task : ring_block_tasks(ring, source, causal, order, seq, ids)) {
       attend(task, q, kv[0], kv[1], out, lse, scale);
     }
   });
@@ -323,10 +323,10 @@ void check_backward_operands(const char* op, const at::Tensor& grad_out, const a
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, c10::string_view group_name, bool causal, double scale, c10::string_view layout_name,
+    const at::Tensor& lse, c10::string_view group_name, bool causal, double scale, c10::string_view order_name,
     const std::optional<at::Tensor>& document_ids) {
-  const Layout layout = parse_sequence_layout(kBackward, layout_name);
-  check_qkv(kBackward, q, k, v, layout);
+  const Order order = parse_sequence_order(kBackward, order_name);
+  check_qkv(kBackward, q, k, v, order);
   check_backward_operands(kBackward, grad_out, q, out, lse);
   if (document_ids) check_document_ids(kBackward, *document_ids, q);
   if (q.numel() == 0) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
@@ -342,7 +342,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
   comm::for_each_ring_block(ring, kBackward, "k/v block", kv_local, [&](const at::Tensor& kv, int source) {
     const auto& partial = dkv.contribution();
     partial.zero_();
-    for (const auto& task : ring_block_tasks(ring, source, causal, layout, seq, ids)) {
+    for (const auto& task : ring_block_tasks(ring, source, causal, order, seq, ids)) {
       attend_backward(task, grad_out, q, kv[0], kv[1], out, lse, dq, partial[0], partial[1], scale);
     }
     dkv.pass();
@@ -365,7 +365,7 @@ std::vector<AttentionTask> document_tasks(const at::Tensor& document_ids, bool c
 std::tuple<at::Tensor, at::Tensor> document_attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, const at::Tensor& document_ids,
                                                           bool causal, double scale) {
-  check_qkv(kDocumentForward, q, k, v, Layout::kContiguous);
+  check_qkv(kDocumentForward, q, k, v, Order::kContiguous);
   check_document_ids(kDocumentForward, document_ids, q);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto out = at::zeros(q.sizes(), acc_options);
@@ -378,7 +378,7 @@ std::tuple<at::Tensor, at::Tensor> document_attention_fwd(const at::Tensor& q, c
 std::tuple<at::Tensor, at::Tensor, at::Tensor> document_attention_bwd(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, const at::Tensor& document_ids, bool causal, double scale) {
-  check_qkv(kDocumentBackward, q, k, v, Layout::kContiguous);
+  check_qkv(kDocumentBackward, q, k, v, Order::kContiguous);
   check_backward_operands(kDocumentBackward, grad_out, q, out, lse);
   check_document_ids(kDocumentBackward, document_ids, q);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
@@ -395,22 +395,22 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> document_attention_bwd(
 
 // ---- the work report ----
 
-at::Tensor context_attention_work(const at::Tensor& document_ids, int64_t ranks, c10::string_view layout_name,
+at::Tensor context_attention_work(const at::Tensor& document_ids, int64_t ranks, c10::string_view order_name,
                                   bool causal) {
   constexpr const char* op = "context_attention_work";
-  const Layout layout = parse_sequence_layout(op, layout_name);
+  const Order order = parse_sequence_order(op, order_name);
   TORCH_CHECK_TYPE(
       at::isIntegralType(document_ids.scalar_type(), /*includeBool=*/false), op,
       ": document_ids must be an integer tensor, got ", document_ids.scalar_type());
   TORCH_CHECK_VALUE(document_ids.dim() == 2, op, ": document_ids must be [batch, seq], got ", document_ids.sizes());
   TORCH_CHECK_VALUE(ranks > 0, op, ": ranks must be positive, got ", ranks);
-  const int64_t parts = layout == Layout::kZigzag ? 2 * ranks : ranks;
+  const int64_t parts = order == Order::kZigzag ? 2 * ranks : ranks;
   TORCH_CHECK_VALUE(
       document_ids.size(1) % parts == 0, op, ": the sequence (", document_ids.size(1), ") must split into ", parts,
-      " equal chunks for the ", std::string(layout_name), " layout over ", ranks, " ranks");
+      " equal chunks for the ", std::string(order_name), " order over ", ranks, " ranks");
   const auto ids = document_ids.to(at::kCPU, at::kLong).contiguous();
   const auto work = ring_attention_work(ids.const_data_ptr<int64_t>(), ids.size(0), ids.size(1),
-                                        static_cast<int>(ranks), layout == Layout::kZigzag, causal);
+                                        static_cast<int>(ranks), order == Order::kZigzag, causal);
   return at::tensor(work, at::kLong).view({ranks, ranks});
 }
 

@@ -1,6 +1,6 @@
 #pragma once
 // Which query rows attend to which key rows in one block of context-parallel
-// attention: the causal structure of the sequence layout (ops/sequence_layout.h),
+// attention: the causal structure of the sequence order (ops/sequence_order.h),
 // refined by per-token document ids for packed sequences. Torch-free: the ops
 // (ops/attention.cpp) run the tasks; GoogleTest checks the plans
 // (tests/cpp/test_attention_plan.cpp).

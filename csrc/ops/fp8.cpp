@@ -69,7 +69,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_cast_transpose_amax(const at:
   const auto input = x.contiguous();
   const auto scale_value = scale.contiguous();
   auto out = at::empty({rows, cols}, x.options().dtype(fp8_dtype));
-  // The padding rows of the transposed layout (columns of out_t past rows) are zero bytes: +0 in both formats.
+  // The padding rows of the transposed copy (columns of out_t past rows) are zero bytes: +0 in both formats.
   auto out_t = ld_t == rows ? at::empty({cols, ld_t}, x.options().dtype(fp8_dtype))
                             : at::zeros({cols, ld_t}, x.options().dtype(at::kByte)).view(fp8_dtype);
   const int64_t items = ((rows + kernels::kFp8Tile - 1) / kernels::kFp8Tile) *

@@ -12,12 +12,12 @@
 
 namespace tdx::ops {
 
-enum class SequenceLayout { kContiguous, kZigzag };
+enum class SequenceOrder { kContiguous, kZigzag };
 
-inline SequenceLayout parse_sequence_layout(const char* op, c10::string_view name) {
-  if (name == "contiguous") return SequenceLayout::kContiguous;
-  if (name == "zigzag") return SequenceLayout::kZigzag;
-  TORCH_CHECK_VALUE(false, op, ": layout must be 'contiguous' or 'zigzag', got '", std::string(name), "'");
+inline SequenceOrder parse_sequence_order(const char* op, c10::string_view name) {
+  if (name == "contiguous") return SequenceOrder::kContiguous;
+  if (name == "zigzag") return SequenceOrder::kZigzag;
+  TORCH_CHECK_VALUE(false, op, ": order must be 'contiguous' or 'zigzag', got '", std::string(name), "'");
 }
 
 }  // namespace tdx::ops

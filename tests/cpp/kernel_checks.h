@@ -272,8 +272,8 @@ void check_lse_merges(const kernels::AttentionKernels& table, ElementType block_
     for (size_t i = 0; i < block_lse.size(); ++i) {
       block_lse[i] = (i + block) % 3 == 0 ? -INFINITY : static_cast<Acc>(lse_values[i]);
     }
-    const kernels::MergeLayout layout{block_type, groups, rows, dim, out_stride, lse_stride, out_stride, lse_stride};
-    table.lse_merge({layout, out.data(), lse.data(), block_out.data(), block_lse.data()},
+    const kernels::MergeShape shape{block_type, groups, rows, dim, out_stride, lse_stride, out_stride, lse_stride};
+    table.lse_merge({shape, out.data(), lse.data(), block_out.data(), block_lse.data()},
                     kernels::Launch{0, groups, nullptr});
     for (int64_t g = 0; g < groups; ++g) {
       for (int64_t i = 0; i < rows; ++i) {

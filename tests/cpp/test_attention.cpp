@@ -18,7 +18,7 @@ using tdx::kernels::BFloat16;
 using tdx::kernels::ElementType;
 using tdx::kernels::Launch;
 using tdx::kernels::LseMergeArgs;
-using tdx::kernels::MergeLayout;
+using tdx::kernels::MergeShape;
 
 namespace {
 
@@ -38,9 +38,9 @@ void attend(const std::vector<double>& scores, const std::vector<std::vector<dou
 
 class LseMerge : public tdx::test::CpuIsaTest {
  protected:
-  void merge(const MergeLayout& layout, void* out, void* lse, const void* block_out, const void* block_lse) const {
-    AttentionKernels::cpu(isa()).lse_merge(LseMergeArgs{layout, out, lse, block_out, block_lse},
-                                          Launch{0, layout.groups, nullptr});
+  void merge(const MergeShape& shape, void* out, void* lse, const void* block_out, const void* block_lse) const {
+    AttentionKernels::cpu(isa()).lse_merge(LseMergeArgs{shape, out, lse, block_out, block_lse},
+                                          Launch{0, shape.groups, nullptr});
   }
 };
 TDX_INSTANTIATE_FOR_EVERY_CPU_ISA(LseMerge);

@@ -1,5 +1,5 @@
 // The block plans of context-parallel attention (csrc/ops/attention_plan.h)
-// against brute force: for every layout, rank pair and document mix, the tasks
+// against brute force: for every order, rank pair and document mix, the tasks
 // cover each visible (query, key) pair exactly once and nothing else.
 
 #include <gtest/gtest.h>

@@ -241,9 +241,9 @@ def refuses(case: str):
                                             num_attention_heads=4, num_key_value_heads=2, sliding_window=8)
         parallelize_hf_model(transformers.MistralForCausalLM(config), tp_mesh=cached_mesh((n,), ("tp",)),
                              sequence_parallel=True)
-    elif case == "layout_mismatch":
+    elif case == "order_mismatch":
         cp_mesh = cached_mesh((n,), ("cp",))
-        parallelize_hf_model(model, cp_mesh=cp_mesh, cp_layout="contiguous")
+        parallelize_hf_model(model, cp_mesh=cp_mesh, cp_order="contiguous")
         model(**shard_hf_batch(batches()["plain"], cp_mesh=cp_mesh))
     elif case == "batch_shape":
         shard_hf_batch({"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "attention_mask": torch.ones(1, SEQ)},
@@ -271,8 +271,8 @@ REFUSALS = [
     ("output_attentions", ValueError, "output_attentions=True is not supported"),
     ("gemma", ValueError, r"config.model_type='gemma' is not one parallelize_hf_model knows"),
     ("sliding_window", ValueError, r"sliding-window attention \(layers \[0, 1\], window 8\) is not supported"),
-    ("layout_mismatch", ValueError, r"sharded with shard_hf_batch\(layout='zigzag'\) but the model was parallelised "
-     r"with cp_layout='contiguous'"),
+    ("order_mismatch", ValueError, r"sharded with shard_hf_batch\(order='zigzag'\) but the model was parallelised "
+     r"with cp_order='contiguous'"),
     ("batch_shape", ValueError, r"batch\['attention_mask'\] has shape \(1, 16\); it must be \[batch, seq\] = \[2, 16\]"),
     ("twice", ValueError, "this model was already parallelised by parallelize_hf_model"),
     ("generate", ValueError, "generate is not supported on a tensor- or context-parallel parallelize_hf_model model"),

@@ -1,4 +1,4 @@
-"""tdx::all_to_all_seq_to_heads / heads_to_seq: values in both layouts, gradients, opcheck, compile, bad input."""
+"""tdx::all_to_all_seq_to_heads / heads_to_seq: values in both orders, gradients, opcheck, compile, bad input."""
 
 import pytest
 import torch
@@ -19,54 +19,54 @@ def full(seed=0, heads=4, seq=None, dtype=torch.float32, grad=False):
     return torch.randn(2, heads, seq, 5, generator=gen, dtype=torch.float64).to(dtype).requires_grad_(grad)
 
 
-def sequence_shard(x, layout):
-    """Rank r's shard of the sequence (dim 2) of x in `layout`."""
+def sequence_shard(x, order):
+    """Rank r's shard of the sequence (dim 2) of x in `order`."""
     n, r = dist.get_world_size(), dist.get_rank()
-    if layout == "contiguous":
+    if order == "contiguous":
         return x.chunk(n, dim=2)[r].contiguous()
     chunks = x.chunk(2 * n, dim=2)
     return torch.cat([chunks[r], chunks[2 * n - 1 - r]], dim=2)
 
 
-def check_values_and_round_trip(layout):
+def check_values_and_round_trip(order):
     n, r = dist.get_world_size(), dist.get_rank()
     name = mesh().get_group().group_name
     x = full(heads=2 * n, seq=6 * n)
-    seq_shard = sequence_shard(x, layout)
-    heads_shard = all_to_all_seq_to_heads(seq_shard, name, layout)
+    seq_shard = sequence_shard(x, order)
+    heads_shard = all_to_all_seq_to_heads(seq_shard, name, order)
     assert torch.equal(heads_shard, x.chunk(n, dim=1)[r])  # rank r: head block r, whole sequence in order
-    assert torch.equal(all_to_all_heads_to_seq(heads_shard, name, layout), seq_shard)
+    assert torch.equal(all_to_all_heads_to_seq(heads_shard, name, order), seq_shard)
     return True
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_values_and_round_trip(world, layout, request):
-    assert all(request.getfixturevalue(world).run(check_values_and_round_trip, layout))
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
+def test_values_and_round_trip(world, order, request):
+    assert all(request.getfixturevalue(world).run(check_values_and_round_trip, order))
 
 
-def replicated_seq_to_heads(x, layout):
+def replicated_seq_to_heads(x, order):
     m = mesh()
-    heads = all_to_all_seq_to_heads(shard_replicated(x, mesh=m, dim=2), m.get_group().group_name, layout)
+    heads = all_to_all_seq_to_heads(shard_replicated(x, mesh=m, dim=2), m.get_group().group_name, order)
     return gather_replicated(heads, mesh=m, dim=1)
 
 
-def replicated_heads_to_seq(x, layout):
+def replicated_heads_to_seq(x, order):
     m = mesh()
-    sequence = all_to_all_heads_to_seq(shard_replicated(x, mesh=m, dim=1), m.get_group().group_name, layout)
+    sequence = all_to_all_heads_to_seq(shard_replicated(x, mesh=m, dim=1), m.get_group().group_name, order)
     return gather_replicated(sequence, mesh=m, dim=2)
 
 
 def run_gradcheck_and_opcheck():
     x = full(seq=4 * dist.get_world_size(), dtype=torch.float64, grad=True)
     name = mesh().get_group().group_name
-    for layout in ("contiguous", "zigzag"):
-        assert torch.autograd.gradcheck(replicated_seq_to_heads, (x, layout))
-        assert torch.autograd.gradcheck(replicated_heads_to_seq, (x, layout))
+    for order in ("contiguous", "zigzag"):
+        assert torch.autograd.gradcheck(replicated_seq_to_heads, (x, order))
+        assert torch.autograd.gradcheck(replicated_heads_to_seq, (x, order))
         for grad in (False, True):
             local = full(seq=4, grad=grad)
-            torch.library.opcheck(torch.ops.tdx.all_to_all_seq_to_heads, (local, name, layout))
-            torch.library.opcheck(torch.ops.tdx.all_to_all_heads_to_seq, (full(heads=2, seq=8, grad=grad), name, layout))
+            torch.library.opcheck(torch.ops.tdx.all_to_all_seq_to_heads, (local, name, order))
+            torch.library.opcheck(torch.ops.tdx.all_to_all_heads_to_seq, (full(heads=2, seq=8, grad=grad), name, order))
     return True
 
 
@@ -114,7 +114,7 @@ def not_4d():
     all_to_all_seq_to_heads(torch.zeros(4, 3, 5), mesh().get_group().group_name, "contiguous")
 
 
-def bad_layout():
+def bad_order():
     all_to_all_seq_to_heads(full(heads=2, seq=4), mesh().get_group().group_name, "striped")
 
 
@@ -124,9 +124,9 @@ def bad_layout():
         (heads_not_divisible, RuntimeError, r"heads \(3\) must be divisible by the group size 2"),
         (sequence_not_divisible, RuntimeError, r"seq \(3\) must be divisible by 2 \(the group size 2\)"),
         (zigzag_sequence_not_divisible, RuntimeError, r"seq \(6\) must be divisible by 4 \(the group size 2, times 2"),
-        (odd_zigzag_shard, RuntimeError, "the zigzag layout needs an even local sequence"),
+        (odd_zigzag_shard, RuntimeError, "the zigzag order needs an even local sequence"),
         (not_4d, RuntimeError, r"x must be \[batch, heads, seq, head_dim\]"),
-        (bad_layout, ValueError, "layout must be 'contiguous' or 'zigzag', got 'striped'"),
+        (bad_order, ValueError, "order must be 'contiguous' or 'zigzag', got 'striped'"),
     ],
 )
 def test_bad_input(world2, fn, error, message):

@@ -1,6 +1,6 @@
 """tdx::ring_attention_fwd / _bwd and tdx::lse_merge_: opcheck, float64 gradcheck, compile, bad input.
 
-(Forward and gradients against SDPA for every layout and head count: tests/parallel/test_context_parallel.py.)
+(Forward and gradients against SDPA for every order and head count: tests/parallel/test_context_parallel.py.)
 """
 
 import math
@@ -84,46 +84,46 @@ def context_mesh(method):
     return cp_mesh()
 
 
-def local_attention(method, cp, layout, causal):
+def local_attention(method, cp, order, causal):
     """Attention of this rank's shards of q, k, v over `cp` = context_mesh(method) (what a model calls)."""
 
     def run(q, k, v):
         if method == "ring":
-            return parallel_ring_attention(q, k, v, cp_mesh=cp, causal=causal, layout=layout)
+            return parallel_ring_attention(q, k, v, cp_mesh=cp, causal=causal, order=order)
         if method == "ulysses":
-            return ulysses_attention(q, k, v, cp_mesh=cp, causal=causal, layout=layout)
-        return hybrid_attention(q, k, v, cp_mesh=cp, causal=causal, layout=layout)
+            return ulysses_attention(q, k, v, cp_mesh=cp, causal=causal, order=order)
+        return hybrid_attention(q, k, v, cp_mesh=cp, causal=causal, order=order)
 
     return run
 
 
-def sharded_attention(method, layout, causal):
+def sharded_attention(method, order, causal):
     """A replicated function of replicated q, k, v (for gradcheck and compile); meshes are built outside it."""
     cp = context_mesh(method)
-    attention = local_attention(method, cp, layout, causal)
+    attention = local_attention(method, cp, order, causal)
 
     def run(q, k, v):
-        local = [shard_sequence(t, cp_mesh=cp, dim=2, layout=layout) for t in (q, k, v)]
-        return unshard_sequence(attention(*local), cp_mesh=cp, dim=2, layout=layout)
+        local = [shard_sequence(t, cp_mesh=cp, dim=2, order=order) for t in (q, k, v)]
+        return unshard_sequence(attention(*local), cp_mesh=cp, dim=2, order=order)
 
     return run
 
 
-def run_gradcheck(method, layout, q_heads, kv_heads):
+def run_gradcheck(method, order, q_heads, kv_heads):
     seq = 2 * dist.get_world_size()
     q = draw(1, 1, q_heads, seq, 4, dtype=torch.float64, grad=True)
     k = draw(2, 1, kv_heads, seq, 4, dtype=torch.float64, grad=True)
     v = draw(3, 1, kv_heads, seq, 4, dtype=torch.float64, grad=True)
     for causal in (False, True):
-        assert torch.autograd.gradcheck(sharded_attention(method, layout, causal), (q, k, v))
+        assert torch.autograd.gradcheck(sharded_attention(method, order, causal), (q, k, v))
     return True
 
 
 @pytest.mark.parametrize(
-    "method, layout", [("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous"), ("ulysses", "zigzag")]
+    "method, order", [("ring", "zigzag"), ("ring", "contiguous"), ("ulysses", "contiguous"), ("ulysses", "zigzag")]
 )
-def test_gradcheck_fp64(world2, method, layout):
-    assert all(world2.run(run_gradcheck, method, layout, 4, 2))
+def test_gradcheck_fp64(world2, method, order):
+    assert all(world2.run(run_gradcheck, method, order, 4, 2))
 
 
 def test_gradcheck_fp64_hybrid(world4):
@@ -136,8 +136,8 @@ def run_opcheck():
         q = draw(1, 2, 4, 6, 8, grad=requires_grad)
         k = draw(2, 2, 2, 6, 8, grad=requires_grad)
         v = draw(3, 2, 2, 6, 8, grad=requires_grad)
-        for causal, layout in ((True, "zigzag"), (False, "contiguous")):
-            torch.library.opcheck(torch.ops.tdx.ring_attention_fwd, (q, k, v, name, causal, 0.3, layout))
+        for causal, order in ((True, "zigzag"), (False, "contiguous")):
+            torch.library.opcheck(torch.ops.tdx.ring_attention_fwd, (q, k, v, name, causal, 0.3, order))
     out, lse = ring_attention_fwd(q.detach(), k.detach(), v.detach(), name, True, 0.3, "zigzag")
     torch.library.opcheck(
         torch.ops.tdx.ring_attention_bwd,
@@ -155,12 +155,12 @@ def run_compiled(method, dynamic):
     and unsharding included. Dynamic: the attention of local shards, as a model compiles it, at two
     sequence lengths on one graph (no recompile)."""
     torch._dynamo.reset()
-    layout = "contiguous" if method == "ulysses" else "zigzag"
+    order = "contiguous" if method == "ulysses" else "zigzag"
     cp = context_mesh(method)
-    fn = local_attention(method, cp, layout, True) if dynamic else sharded_attention(method, layout, True)
+    fn = local_attention(method, cp, order, True) if dynamic else sharded_attention(method, order, True)
 
     def shard(t):
-        return (shard_sequence(t, cp_mesh=cp, dim=2, layout=layout) if dynamic else t).requires_grad_(True)
+        return (shard_sequence(t, cp_mesh=cp, dim=2, order=order) if dynamic else t).requires_grad_(True)
 
     compiled_fn = torch.compile(fn, fullgraph=True, dynamic=dynamic)
     # Local lengths never equal a head count or head_dim, which would share their symbol.
@@ -221,13 +221,13 @@ def wrong_mesh():
     parallel_ring_attention(draw(0, 1, 2, 4, 4), draw(1, 1, 2, 4, 4), draw(2, 1, 2, 4, 4), cp_mesh=mesh)
 
 
-def bad_layout():
+def bad_order():
     parallel_ring_attention(draw(0, 1, 2, 4, 4), draw(1, 1, 2, 4, 4), draw(2, 1, 2, 4, 4), cp_mesh=cp_mesh(),
-                            layout="striped")
+                            order="striped")
 
 
 def sequence_not_divisible():
-    shard_sequence(draw(0, 1, 2, 6, 4), cp_mesh=cp_mesh(), dim=2, layout="zigzag")
+    shard_sequence(draw(0, 1, 2, 6, 4), cp_mesh=cp_mesh(), dim=2, order="zigzag")
 
 
 CASES = [
@@ -238,7 +238,7 @@ CASES = [
     (not_4d, ValueError, r"q has shape \(2, 4, 4\); it must be \[batch, heads, seq_local, head_dim\]"),
     (ulysses_heads_not_divisible, ValueError, r"q heads \(3\) must be divisible by the size of cp_mesh \(2\)"),
     (wrong_mesh, ValueError, r"ring_attention takes a 1-D cp_mesh; a 2-D \[ring, ulysses\] mesh is for hybrid_attention"),
-    (bad_layout, ValueError, "layout must be one of .* got 'striped'"),
+    (bad_order, ValueError, "order must be one of .* got 'striped'"),
     (sequence_not_divisible, ValueError, r"x.size\(2\)=6 must be divisible by 4 to shard it with the zigzag"),
 ]
 

@@ -167,26 +167,26 @@ def test_document_attention_on_cuda(cuda_world, dtype, ring):
     assert cuda_world.run(check_document_attention_on_cuda, dtype, ring) == [True]
 
 
-def check_ulysses_all_to_all(layout):
-    """One rank: the NCCL all-to-all and the fused re-layout are the identity (in either layout: one rank's
+def check_ulysses_all_to_all(order):
+    """One rank: the NCCL all-to-all and the fused re-layout are the identity (in either order: one rank's
     zigzag chunks 0 and 1 are the sequence in order), each the other's gradient."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(2, 8, 16, 32, generator=gen).cuda().requires_grad_(True)
-    heads = all_to_all_seq_to_heads(x, group_name(), layout)
+    heads = all_to_all_seq_to_heads(x, group_name(), order)
     torch.testing.assert_close(heads, x, atol=0, rtol=0)
-    back = all_to_all_heads_to_seq(heads, group_name(), layout)
+    back = all_to_all_heads_to_seq(heads, group_name(), order)
     torch.testing.assert_close(back, x, atol=0, rtol=0)
     grad = torch.randn_like(x)
     back.backward(grad)
     torch.testing.assert_close(x.grad, grad, atol=0, rtol=0)
     for op in (torch.ops.tdx.all_to_all_seq_to_heads, torch.ops.tdx.all_to_all_heads_to_seq):
-        torch.library.opcheck(op, (x.detach().requires_grad_(True), group_name(), layout))
+        torch.library.opcheck(op, (x.detach().requires_grad_(True), group_name(), order))
     return True
 
 
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
-def test_ulysses_all_to_all(cuda_world, layout):
-    assert cuda_world.run(check_ulysses_all_to_all, layout) == [True]
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
+def test_ulysses_all_to_all(cuda_world, order):
+    assert cuda_world.run(check_ulysses_all_to_all, order) == [True]
 
 
 def check_moe_exchange_and_permutation():

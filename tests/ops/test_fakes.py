@@ -36,7 +36,7 @@ def ring_heads_do_not_divide():
                                     "zigzag")
 
 
-def ring_bad_layout():
+def ring_bad_order():
     return tdx.ring_attention_fwd, (randn(1, 2, 4, 8), randn(1, 2, 4, 8), randn(1, 2, 4, 8), group(), False, 0.5,
                                     "striped")
 
@@ -139,12 +139,12 @@ CASES = [
     (ring_q_not_4d, RuntimeError, r"q, k, v must be \[batch, heads, seq, head_dim\]"),
     (ring_kv_length_mismatch, RuntimeError, "must agree in batch, local sequence and head_dim"),
     (ring_heads_do_not_divide, RuntimeError, r"q heads \(3\) must be a positive multiple of kv heads \(2\)"),
-    (ring_bad_layout, ValueError, "layout must be 'contiguous' or 'zigzag'"),
+    (ring_bad_order, ValueError, "order must be 'contiguous' or 'zigzag'"),
     (ring_document_ids_float, TypeError, "document_ids must be an integer tensor"),
     (ring_document_ids_shape, RuntimeError, r"document_ids \[1, 6\] must be \[batch, seq_local\] = \[1, 4\]"),
     (document_attention_ids_shape, RuntimeError, r"document_ids \[1, 4\] must be \[batch, seq_local\] = \[2, 4\]"),
     (document_attention_bwd_lse_shape, RuntimeError, r"lse .* must be \[batch, q heads, seq\]"),
-    (ring_odd_zigzag, RuntimeError, "the zigzag layout needs an even local sequence"),
+    (ring_odd_zigzag, RuntimeError, "the zigzag order needs an even local sequence"),
     (ring_bwd_lse_shape, RuntimeError, r"must be \[batch, q heads, seq\]"),
     (merge_block_shape, RuntimeError, "block_out .* and block_lse .* must match out"),
     (merge_accumulator_dtype, TypeError, "out, lse and block_lse must be"),
@@ -159,7 +159,7 @@ CASES = [
     (cross_entropy_shard_outside, RuntimeError, r"must lie inside \[0, vocab_size=16\)"),
     (cross_entropy_bwd_lse_dtype, TypeError, "lse must be"),
     (ulysses_heads_do_not_divide, RuntimeError, r"heads \(3\) must be divisible by the group size 2"),
-    (ulysses_odd_zigzag, RuntimeError, "the zigzag layout needs an even local sequence"),
+    (ulysses_odd_zigzag, RuntimeError, "the zigzag order needs an even local sequence"),
     (ulysses_sequence_does_not_divide, RuntimeError, r"seq \(6\) must be divisible by 4"),
 ]
 

@@ -83,7 +83,7 @@ def test_bad_input(args, error, message):
 
 @pytest.mark.parametrize("shape, row_multiple", [((37, 70), 1), ((37, 70), 16), ((64, 32), 16), ((1, 1), 1),
                                                  ((0, 8), 16)], ids=["partial-tiles", "padded", "even", "one", "empty"])
-def test_cast_transpose_gives_both_layouts_of_the_cast(cpu_isa, shape, row_multiple):
+def test_cast_transpose_gives_both_orientations_of_the_cast(cpu_isa, shape, row_multiple):
     x = torch.randn(shape) * 100
     for fp8_dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
         x_fp8, x_fp8_t, amax = fp8_cast_transpose_amax(x, torch.tensor([0.5]), fp8_dtype, row_multiple)

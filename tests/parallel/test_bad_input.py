@@ -156,7 +156,7 @@ CASES = [
     (integer_dtype_linear, TypeError, "dtype must be a floating-point dtype .* got torch.int64"),
     (embedding_id_out_of_range, ValueError,
      r"input ids must lie in \[0, num_embeddings=32\); input \(flattened\)\[1\] = 32"),
-    (unshard_odd_zigzag, ValueError, r"x_local.size\(1\)=3 must be divisible by 2: with the zigzag layout"),
+    (unshard_odd_zigzag, ValueError, r"x_local.size\(1\)=3 must be divisible by 2: with the zigzag order"),
     (unshard_a_list, TypeError, "x_local must be a torch.Tensor, got list"),
     (attention_without_heads, ValueError, "it needs at least one head and head_dim >= 1"),
     (hybrid_on_a_1d_mesh, ValueError, r"hybrid_attention takes a 2-D cp_mesh \[ring, ulysses\]"),

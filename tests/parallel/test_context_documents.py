@@ -75,7 +75,7 @@ def cp_mesh_of(method):
     return cached_mesh((n,), ("cp",))
 
 
-def check_documents(method, causal, layout):
+def check_documents(method, causal, order):
     cp_mesh = cp_mesh_of(method)
     seq = 8 * dist.get_world_size()
     gen = torch.Generator().manual_seed(0)
@@ -84,11 +84,11 @@ def check_documents(method, causal, layout):
     for mix, ids in document_mixes(seq).items():
         expected, expected_grads = reference(q, k, v, upstream, ids, causal)
         inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
-        local = [shard_sequence(t, cp_mesh=cp_mesh, dim=2, layout=layout) for t in inputs]
-        local_ids = shard_sequence(ids, cp_mesh=cp_mesh, dim=1, layout=layout)
-        out_local = ATTENTIONS[method](*local, cp_mesh=cp_mesh, causal=causal, layout=layout,
+        local = [shard_sequence(t, cp_mesh=cp_mesh, dim=2, order=order) for t in inputs]
+        local_ids = shard_sequence(ids, cp_mesh=cp_mesh, dim=1, order=order)
+        out_local = ATTENTIONS[method](*local, cp_mesh=cp_mesh, causal=causal, order=order,
                                        document_ids=local_ids)
-        actual = unshard_sequence(out_local, cp_mesh=cp_mesh, dim=2, layout=layout)
+        actual = unshard_sequence(out_local, cp_mesh=cp_mesh, dim=2, order=order)
         actual.backward(upstream)
         assert_close_to_scale(actual, expected, torch.float32, f"{mix}: out")
         pad = ids < 0
@@ -100,21 +100,21 @@ def check_documents(method, causal, layout):
 
 
 CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
-LAYOUTS = ["contiguous", "zigzag"]
+ORDERS = ["contiguous", "zigzag"]
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("order", ORDERS)
 @pytest.mark.parametrize("method", ["ring", "ulysses"])
-def test_documents_match_masked_sdpa(world, method, causal, layout, request):
-    assert all(request.getfixturevalue(world).run(check_documents, method, causal, layout))
+def test_documents_match_masked_sdpa(world, method, causal, order, request):
+    assert all(request.getfixturevalue(world).run(check_documents, method, causal, order))
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("layout", LAYOUTS)
-def test_hybrid_documents_match_masked_sdpa(world4, causal, layout):
-    assert all(world4.run(check_documents, "hybrid", causal, layout))
+@pytest.mark.parametrize("order", ORDERS)
+def test_hybrid_documents_match_masked_sdpa(world4, causal, order):
+    assert all(world4.run(check_documents, "hybrid", causal, order))
 
 
 def check_one_document_is_plain_attention(method):
@@ -174,8 +174,8 @@ def run_opcheck():
     q, k, v = (torch.randn(2, heads, 6, HEAD_DIM, generator=gen).requires_grad_(True)
                for heads in (Q_HEADS, KV_HEADS, KV_HEADS))
     ids = torch.tensor([[0, 0, 1, 1, 1, -1], [-1, 2, 2, 3, 3, 3]])
-    for causal, layout in ((True, "zigzag"), (False, "contiguous")):
-        torch.library.opcheck(torch.ops.tdx.ring_attention_fwd, (q, k, v, name, causal, 0.3, layout, ids))
+    for causal, order in ((True, "zigzag"), (False, "contiguous")):
+        torch.library.opcheck(torch.ops.tdx.ring_attention_fwd, (q, k, v, name, causal, 0.3, order, ids))
         torch.library.opcheck(torch.ops.tdx.document_attention_fwd, (q, k, v, ids, causal, 0.3))
     out, lse = ops.ring_attention_fwd(q.detach(), k.detach(), v.detach(), name, True, 0.3, "zigzag", ids)
     assert torch.isinf(lse[0, :, 5]).all() and (out[0, :, 5] == 0).all()  # a padding row

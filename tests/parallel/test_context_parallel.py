@@ -39,7 +39,7 @@ def full_inputs(q_heads, kv_heads, seq, dtype, seed=0):
 
 
 def parallel_setup(method):
-    """(cp_mesh for shard_sequence, attention callable taking q, k, v, causal, layout)."""
+    """(cp_mesh for shard_sequence, attention callable taking q, k, v, causal, order)."""
     n = dist.get_world_size()
     if method == "hybrid":
         mesh = cached_mesh((2, n // 2), ("ring", "ulysses"))
@@ -47,10 +47,10 @@ def parallel_setup(method):
     else:
         mesh = cached_mesh((n,), ("cp",))
         attention = ring_attention if method == "ring" else ulysses_attention
-    return mesh, lambda q, k, v, causal, layout: attention(q, k, v, cp_mesh=mesh, causal=causal, layout=layout)
+    return mesh, lambda q, k, v, causal, order: attention(q, k, v, cp_mesh=mesh, causal=causal, order=order)
 
 
-def check_against_sdpa(method, causal, layout, heads, dtype):
+def check_against_sdpa(method, causal, order, heads, dtype):
     q_heads, kv_heads = HEADS[heads]
     seq = 8 * dist.get_world_size()
     q, k, v, upstream = full_inputs(q_heads, kv_heads, seq, dtype)
@@ -61,10 +61,10 @@ def check_against_sdpa(method, causal, layout, heads, dtype):
 
     cp_mesh, attend = parallel_setup(method)
     inputs = [t.clone().requires_grad_(True) for t in (q, k, v)]
-    local = [shard_sequence(t, cp_mesh=cp_mesh, dim=2, layout=layout) for t in inputs]
-    out_local = attend(*local, causal, layout)
+    local = [shard_sequence(t, cp_mesh=cp_mesh, dim=2, order=order) for t in inputs]
+    out_local = attend(*local, causal, order)
     assert out_local.shape == local[0].shape and out_local.dtype == dtype
-    actual = unshard_sequence(out_local, cp_mesh=cp_mesh, dim=2, layout=layout)
+    actual = unshard_sequence(out_local, cp_mesh=cp_mesh, dim=2, order=order)
     actual.backward(upstream)
 
     assert_close_to_scale(actual, expected, dtype, "out")
@@ -78,24 +78,24 @@ CAUSAL = [pytest.param(False, id="full"), pytest.param(True, id="causal")]
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("heads", list(HEADS))
-def test_ring_attention_fp32(world, causal, layout, heads, request):
-    assert all(request.getfixturevalue(world).run(check_against_sdpa, "ring", causal, layout, heads, torch.float32))
+def test_ring_attention_fp32(world, causal, order, heads, request):
+    assert all(request.getfixturevalue(world).run(check_against_sdpa, "ring", causal, order, heads, torch.float32))
 
 
 @pytest.mark.parametrize("world", ["world2", "world4"])
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("heads", list(HEADS))
-def test_ulysses_attention_fp32(world, causal, layout, heads, request):
+def test_ulysses_attention_fp32(world, causal, order, heads, request):
     assert all(
-        request.getfixturevalue(world).run(check_against_sdpa, "ulysses", causal, layout, heads, torch.float32)
+        request.getfixturevalue(world).run(check_against_sdpa, "ulysses", causal, order, heads, torch.float32)
     )
 
 
 def check_default_layouts_agree():
-    """shard_sequence and every attention with their default layouts (zigzag) match SDPA."""
+    """shard_sequence and every attention with their default orders (zigzag) match SDPA."""
     q, k, v, _ = full_inputs(4, 2, 8 * dist.get_world_size(), torch.float32)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     for method in ("ring", "ulysses", "hybrid"):
@@ -112,10 +112,10 @@ def test_default_layouts_agree(world4):
 
 
 @pytest.mark.parametrize("causal", CAUSAL)
-@pytest.mark.parametrize("layout", ["contiguous", "zigzag"])
+@pytest.mark.parametrize("order", ["contiguous", "zigzag"])
 @pytest.mark.parametrize("heads", list(HEADS))
-def test_hybrid_attention_2x2_fp32(world4, causal, layout, heads):
-    assert all(world4.run(check_against_sdpa, "hybrid", causal, layout, heads, torch.float32))
+def test_hybrid_attention_2x2_fp32(world4, causal, order, heads):
+    assert all(world4.run(check_against_sdpa, "hybrid", causal, order, heads, torch.float32))
 
 
 @pytest.mark.parametrize("method", ["ring", "ulysses", "hybrid"])
@@ -152,11 +152,11 @@ def check_fsdp_dp2_cp2(method, mixed_precision):
 
     mesh = cached_mesh((2, 2), ("dp", "cp"))
     cp = mesh["cp"]
-    layout = "zigzag"
+    order = "zigzag"
     torch.manual_seed(0)
     reference = torch.nn.Sequential(AttentionBlock(), AttentionBlock())
     attention = ring_attention if method == "ring" else ulysses_attention
-    attend = lambda q, k, v: attention(q, k, v, cp_mesh=cp, causal=True, layout=layout)  # noqa: E731
+    attend = lambda q, k, v: attention(q, k, v, cp_mesh=cp, causal=True, order=order)  # noqa: E731
     torch.manual_seed(0)
     parallel = torch.nn.Sequential(AttentionBlock(attend=attend), AttentionBlock(attend=attend))
     parallel.load_state_dict(reference.state_dict())
@@ -172,7 +172,7 @@ def check_fsdp_dp2_cp2(method, mixed_precision):
     expected = reference(x)
     expected_loss = (expected.sin() * expected).mean()
     expected_loss.backward()
-    x_local = shard_sequence(x.chunk(2)[mesh["dp"].get_local_rank()], cp_mesh=cp, dim=1, layout=layout)
+    x_local = shard_sequence(x.chunk(2)[mesh["dp"].get_local_rank()], cp_mesh=cp, dim=1, order=order)
     y = parallel(x_local)
     loss = (y.sin() * y).mean()
     loss.backward()

@@ -84,7 +84,7 @@ def test_mlp_bf16(world2, sequence_parallel):
 
 
 # Megatron's [seq, batch, hidden], a negative seq_dim, flattened tokens, and an extra leading dim.
-SEQUENCE_LAYOUTS = {
+SEQUENCE_SHAPES = {
     "SBH-dim0": ((SEQ, BATCH, HIDDEN), 0),
     "BSH-dim-2": ((BATCH, SEQ, HIDDEN), -2),
     "SH-dim0": ((SEQ, HIDDEN), 0),
@@ -92,9 +92,9 @@ SEQUENCE_LAYOUTS = {
 }
 
 
-@pytest.mark.parametrize("layout", list(SEQUENCE_LAYOUTS))
-def test_mlp_sequence_dim_layouts(world2, layout):
-    shape, seq_dim = SEQUENCE_LAYOUTS[layout]
+@pytest.mark.parametrize("shape_name", list(SEQUENCE_SHAPES))
+def test_mlp_sequence_dim_shapes(world2, shape_name):
+    shape, seq_dim = SEQUENCE_SHAPES[shape_name]
     assert all(world2.run(check_mlp, True, True, torch.float32, shape, seq_dim))
 
 

@@ -67,7 +67,7 @@ def test_the_model_finds_what_just_in_time_posting_does_wrong():
 
 def posts_the_plan(schedule: str, num_microbatches: int) -> bool:
     """Two steps with dist.isend / dist.irecv recorded: the messages go out in the order of the plan with
-    headers (each right before its data), then of the one without (the layouts are known), and both compute."""
+    headers (each right before its data), then of the one without (the shapes are known), and both compute."""
     mesh = cached_mesh((dist.get_world_size(),), ("pp",))
     pp, rank = mesh.size(), mesh.get_local_rank()
     torch.manual_seed(0)
@@ -86,7 +86,7 @@ def posts_the_plan(schedule: str, num_microbatches: int) -> bool:
 
     dist.isend, dist.irecv = recording(isend, True), recording(irecv, False)
     try:
-        for headers in (True, False):  # the first step sends the headers; the second knows the layouts
+        for headers in (True, False):  # the first step sends the headers; the second knows the shapes
             posted.clear()
             loss = pipe.step(torch.randn(2 * num_microbatches, 8), torch.randn(2 * num_microbatches, 8))
             expected = []

@@ -1,7 +1,7 @@
 """``Fp8Linear``: ``nn.Linear`` whose three GEMMs run in fp8 (``torch._scaled_mm``).
 
 Forward: the input and the weight are cast to e4m3 (``tdx::fp8_cast_amax``: one read each, their amaxes
-recorded; ``tdx::fp8_cast_transpose_amax`` also writes the transposed layout the backward's GEMMs take, from
+recorded; ``tdx::fp8_cast_transpose_amax`` also writes the transposed copy the backward's GEMMs take, from
 the same read), ``y = (x_fp8 @ w_fp8.T) / (scale_x * scale_w) + bias`` in the input's dtype. Backward: the output
 gradient is cast to e5m2 (``"hybrid"``) or e4m3, then ``grad_x = g_fp8 @ w_fp8`` and
 ``grad_w = g_fp8.T @ x_fp8``, each in fp8 with the product of the inverse scales; the bias gradient is the
@@ -22,7 +22,7 @@ from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.ops import all_gather_scaled_mm, fp8_cast_amax, fp8_cast_transpose_amax, scaled_mm_reduce_scatter
-from torchdist_ext.weight_grad import SplitsWeightGrad, deferred_weight_grad
+from torchdist_ext._weight_grad import SplitsWeightGrad, deferred_weight_grad
 
 __all__ = ["Fp8Linear", "fp8_all_gather_linear", "fp8_linear", "fp8_linear_reduce_scatter", "gathers_fp8"]
 
@@ -32,11 +32,11 @@ _INPUT, _WEIGHT, _GRAD = range(3)
 def _cast(x: Tensor, role: int, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Tensor,
           recipe: Recipe) -> tuple[Tensor, Tensor]:
     """(x_fp8, 1 / scale as a 1-element fp32 tensor): the cast of one tensor role under the recipe."""
-    x_fp8, _, inverse = _cast_both_layouts(x, role, fp8_dtype, scale, amax_history, recipe, None)
+    x_fp8, _, inverse = _cast_both_orientations(x, role, fp8_dtype, scale, amax_history, recipe, None)
     return x_fp8, inverse
 
 
-def _cast_both_layouts(x: Tensor, role: int, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Tensor,
+def _cast_both_orientations(x: Tensor, role: int, fp8_dtype: torch.dtype, scale: Tensor, amax_history: Tensor,
                        recipe: Recipe, row_multiple: int | None) -> tuple[Tensor, Tensor | None, Tensor]:
     """(x_fp8, x_fp8_t, 1 / scale): the cast of one tensor role under the recipe and, for a 2-D x with
     ``row_multiple``, its transpose with the rows padded to that multiple (``tdx::fp8_cast_transpose_amax``:
@@ -76,12 +76,12 @@ def _rows_padded_to_16(x_fp8: Tensor) -> Tensor:
 
 def _weight_operand(weight: Tensor, scale: Tensor, amax_history: Tensor,
                     recipe: Recipe) -> tuple[Tensor, Tensor | None, Tensor]:
-    """(w_fp8 [out, in], its transposed layout or None, 1 / scale): the weight cast to e4m3 with the transposed
-    layout the input gradient's GEMM takes. A weight that FSDP2 gathered in fp8 (``GatheredFp8Weight``) is used
+    """(w_fp8 [out, in], its transposed copy or None, 1 / scale): the weight cast to e4m3 with the transposed
+    copy the input gradient's GEMM takes. A weight that FSDP2 gathered in fp8 (``GatheredFp8Weight``) is used
     as gathered: it was cast, and its amax recorded, before the all-gather."""
     if isinstance(weight, GatheredFp8Weight):
         return weight._data, None, weight._inverse_scale
-    return _cast_both_layouts(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe, 1)
+    return _cast_both_orientations(weight, _WEIGHT, torch.float8_e4m3fn, scale, amax_history, recipe, 1)
 
 
 def _save_for_backward(ctx, x_column_major: Tensor, x_inverse: Tensor, w_fp8: Tensor, w_fp8_t: Tensor | None,
@@ -89,7 +89,7 @@ def _save_for_backward(ctx, x_column_major: Tensor, x_inverse: Tensor, w_fp8: Te
                        recipe: Recipe, out_dtype: torch.dtype) -> None:
     """What the backward's GEMMs need, on ctx: ``x_column_major [rows_16, in]`` (the weight gradient's second
     operand) and the weight's ``[out, in]`` column-major operand of the input gradient, from the cast's
-    transposed layout where there is one; a weight gathered by FSDP2 is saved as it is (its storage is
+    transposed copy where there is one; a weight gathered by FSDP2 is saved as it is (its storage is
     refilled before the backward) and copied there."""
     ctx.w_is_column_major = w_fp8_t is not None
     w_saved = w_fp8_t.t() if w_fp8_t is not None else w_fp8
@@ -105,7 +105,7 @@ def _forward_gemm(ctx, x_fp8: Tensor, x_fp8_t: Tensor | None, x_inverse: Tensor,
                   bias: Tensor | None, scale: Tensor, amax_history: Tensor, recipe: Recipe,
                   out_dtype: torch.dtype) -> Tensor:
     """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx
-    (``x_fp8_t``: the input's transposed layout with its rows padded to 16, or None)."""
+    (``x_fp8_t``: the input's transposed copy with its rows padded to 16, or None)."""
     w_fp8, w_fp8_t, w_inverse = _weight_operand(weight, scale, amax_history, recipe)
     out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=out_dtype)
     if bias is not None:
@@ -126,7 +126,7 @@ def _saved_operands(ctx) -> tuple[Tensor, Tensor, Tensor, Tensor, Tensor]:
 def _weight_grad(ctx, g_fp8_t: Tensor, g_inverse: Tensor, x_column_major: Tensor, x_inverse: Tensor,
                  like: Tensor) -> Tensor:
     """``g_fp8_t [out, rows_16] @ x [rows_16, in]`` in fp8, or in split mode the deferred W that adds it to
-    the parameter's gradient (``torchdist_ext.weight_grad``); ``like``: a tensor of the weight's shape."""
+    the parameter's gradient (``torchdist_ext._weight_grad``); ``like``: a tensor of the weight's shape."""
     def weight_grad():
         return torch._scaled_mm(g_fp8_t, x_column_major, scale_a=g_inverse, scale_b=x_inverse, out_dtype=ctx.w_dtype)
 
@@ -144,7 +144,7 @@ def _backward_gemms(ctx, grad_out: Tensor, input_grad_gemm=None) -> tuple[Tensor
     x_column_major, w_column_major, x_inverse, w_inverse, scale = _saved_operands(ctx)
     g = grad_out.reshape(-1, grad_out.shape[-1])
     # One read of the gradient for both GEMMs: g_fp8 [rows, out] and g_fp8_t [out, rows_16].
-    g_fp8, g_fp8_t, g_inverse = _cast_both_layouts(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history,
+    g_fp8, g_fp8_t, g_inverse = _cast_both_orientations(g, _GRAD, ctx.recipe.grad_dtype, scale, ctx.amax_history,
                                                    ctx.recipe, 16)
     grad_x = grad_w = grad_bias = None
     if ctx.needs_input_grad[0]:
@@ -163,7 +163,7 @@ def _backward_gemms(ctx, grad_out: Tensor, input_grad_gemm=None) -> tuple[Tensor
 class _Fp8LinearFunction(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, scale, amax_history, recipe, owner):
-        x_fp8, x_fp8_t, x_inverse = _cast_both_layouts(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn,
+        x_fp8, x_fp8_t, x_inverse = _cast_both_orientations(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn,
                                                        scale, amax_history, recipe, 16)
         out = _forward_gemm(ctx, x_fp8, x_fp8_t, x_inverse, weight, bias, scale, amax_history, recipe, x.dtype)
         ctx.param = owner[0]
@@ -215,7 +215,7 @@ class _Fp8LinearReduceScatterFunction(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, x, weight, scale, amax_history, recipe, group_name, dim, owner):
-        x_fp8, x_fp8_t, x_inverse = _cast_both_layouts(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn,
+        x_fp8, x_fp8_t, x_inverse = _cast_both_orientations(x.reshape(-1, x.shape[-1]), _INPUT, torch.float8_e4m3fn,
                                                        scale, amax_history, recipe, 16)
         w_fp8, w_fp8_t, w_inverse = _weight_operand(weight, scale, amax_history, recipe)
         out = scaled_mm_reduce_scatter(x_fp8.view(x.shape), w_fp8.t(), x_inverse, w_inverse, x.dtype, group_name,
@@ -280,7 +280,7 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, am
                recipe: Recipe, split_param: nn.Parameter | None = None) -> Tensor:
     """``F.linear(x, weight, bias)`` with fp8 GEMMs (see the module docstring); ``x [..., in]``,
     ``weight [out, in]`` (plain tensors: the local shard under tensor parallelism). ``split_param``: the
-    weight's Parameter in split mode (``torchdist_ext.weight_grad``: the weight-gradient GEMM runs
+    weight's Parameter in split mode (``torchdist_ext._weight_grad``: the weight-gradient GEMM runs
     in W), or None."""
     _check_split_is_eager(split_param)
     return _Fp8LinearFunction.apply(x, weight, bias, scale, amax_history, recipe, (split_param,))

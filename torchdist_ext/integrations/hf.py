@@ -31,7 +31,7 @@
 Refused with a clear error instead of ignored: model types other than ``MODEL_TYPES`` (e.g. Gemma,
 whose norms scale by 1 + weight), 4-D attention masks, attention dropout > 0, ``output_attentions``,
 sliding-window or soft-capped attention, KV caches, CP batches that did not come from
-``shard_hf_batch`` or were cut in another layout.
+``shard_hf_batch`` or were cut in another order.
 
 ``transformers`` is imported only to register the attention function.
 """
@@ -60,7 +60,7 @@ from torchdist_ext.parallel import (
 )
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.regions import reduce_from_region
-from torchdist_ext.parallel.sequence_sharding import check_layout, context_parallel_groups
+from torchdist_ext.parallel.sequence_sharding import check_order, context_parallel_groups
 
 __all__ = ["ATTENTION_NAME", "CP_METHODS", "MODEL_TYPES", "document_ids_from", "parallelize_hf_model",
            "shard_hf_batch"]
@@ -81,7 +81,7 @@ def document_ids_from(position_ids: Tensor, attention_mask: Tensor | None, batch
     return ids if attention_mask is None else ids.masked_fill(attention_mask == 0, -1)
 
 
-def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag") -> dict:
+def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, order: str = "zigzag") -> dict:
     """This rank's part of the batch a user would pass to the single-process model.
 
     ``batch``: ``input_ids`` ``[batch, seq]``, optional ``labels`` (unshifted, HF's convention, -100
@@ -89,8 +89,8 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag") 
     ``position_ids`` (global), ``document_ids`` (padding and packed documents; None when every row is
     one document without padding), and with labels ``labels`` / ``shift_labels`` (shifted over the
     whole sequence before sharding) and ``num_items_in_batch`` (the global count of target tokens):
-    all sharded along the sequence like ``shard_sequence(x, cp_mesh=cp_mesh, dim=1, layout=layout)``;
-    and ``cp_layout``, which the model checks against its own.
+    all sharded along the sequence like ``shard_sequence(x, cp_mesh=cp_mesh, dim=1, order=order)``;
+    and ``cp_order``, which the model checks against its own.
     """
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping of tensors (a dict, a tokenizer's BatchEncoding), got "
@@ -99,7 +99,7 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag") 
     if unknown:
         raise ValueError(f"batch has keys {unknown} that shard_hf_batch does not know how to shard; it takes "
                          f"{list(_BATCH_KEYS)}")
-    check_layout(layout)
+    check_order(order)
     input_ids = batch.get("input_ids")
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"batch['input_ids'] must be a tensor, got {type(input_ids).__name__}")
@@ -122,7 +122,7 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag") 
     position_ids = position_ids.expand(size, -1)
 
     def shard(x: Tensor) -> Tensor:
-        return shard_sequence(x.contiguous(), cp_mesh=cp_mesh, dim=1, layout=layout)
+        return shard_sequence(x.contiguous(), cp_mesh=cp_mesh, dim=1, order=order)
 
     document_ids = document_ids_from(position_ids, batch.get("attention_mask"), size)
     local = {
@@ -130,7 +130,7 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, layout: str = "zigzag") 
         "position_ids": shard(position_ids),
         # One document per row and no padding: plain causal attention, one block call over the batch.
         "document_ids": None if bool((document_ids == 0).all()) else shard(document_ids),
-        "cp_layout": layout,
+        "cp_order": order,
     }
     labels = batch.get("labels")
     if labels is not None:
@@ -164,8 +164,8 @@ def _attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, att
     scale = query.shape[-1] ** -0.5 if scaling is None else scaling
     context = getattr(module, "_tdx_context_parallel", None)
     if context is not None:
-        cp_mesh, method, layout = context
-        out = CP_METHODS[method](query, key, value, cp_mesh=cp_mesh, causal=True, scale=scale, layout=layout,
+        cp_mesh, method, order = context
+        out = CP_METHODS[method](query, key, value, cp_mesh=cp_mesh, causal=True, scale=scale, order=order,
                                  document_ids=document_ids)
     elif document_ids is not None:
         out, _ = ops.document_attention_fwd(query, key, value, document_ids, True, scale)
@@ -183,7 +183,7 @@ def _register_attention() -> None:
 
 # ---- the model's inputs ----
 
-def _inputs_hook(cp_mesh: DeviceMesh | None, cp_layout: str):
+def _inputs_hook(cp_mesh: DeviceMesh | None, cp_order: str):
     """A forward pre-hook of the decoder (``model.model``): global positions, document ids, no HF mask."""
 
     def hook(decoder: nn.Module, args: tuple, kwargs: dict):
@@ -195,17 +195,17 @@ def _inputs_hook(cp_mesh: DeviceMesh | None, cp_layout: str):
         mask = kwargs.get("attention_mask")
         if mask is not None and mask.dim() != 2:
             raise ValueError(f"attention_mask must be the 2-D [batch, seq] padding mask, got shape {tuple(mask.shape)}")
-        layout = kwargs.pop("cp_layout", None)
+        order = kwargs.pop("cp_order", None)
         reference = kwargs.get("input_ids")
         if reference is None:
             reference = kwargs.get("inputs_embeds")
         if cp_mesh is not None:
-            if layout is None or kwargs.get("position_ids") is None:
+            if order is None or kwargs.get("position_ids") is None:
                 raise ValueError("under context parallelism the model takes this rank's part of the batch from "
-                                 "shard_hf_batch(batch, cp_mesh=...) (its global position_ids and cp_layout)")
-            if layout != cp_layout:
-                raise ValueError(f"the batch was sharded with shard_hf_batch(layout={layout!r}) but the model was "
-                                 f"parallelised with cp_layout={cp_layout!r}; use the same layout")
+                                 "shard_hf_batch(batch, cp_mesh=...) (its global position_ids and cp_order)")
+            if order != cp_order:
+                raise ValueError(f"the batch was sharded with shard_hf_batch(order={order!r}) but the model was "
+                                 f"parallelised with cp_order={cp_order!r}; use the same order")
             if mask is not None:
                 raise ValueError("under context parallelism pass the attention_mask to shard_hf_batch, which turns "
                                  "it into document_ids, not to the model")
@@ -378,12 +378,12 @@ def _convert_layers(decoder: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
 
 def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None, dp_mesh: DeviceMesh | None = None,
                          cp_mesh: DeviceMesh | None = None, sequence_parallel: bool = False,
-                         cp_method: str = "ring", cp_layout: str = "zigzag") -> nn.Module:
+                         cp_method: str = "ring", cp_order: str = "zigzag") -> nn.Module:
     """Parallelises a Hugging Face Llama-family causal LM in place (see the module docstring); returns it.
 
     ``tp_mesh`` (1-D): tensor parallelism, with ``sequence_parallel``. ``cp_mesh``: context parallelism
     by ``cp_method`` "ring" or "ulysses" (1-D mesh) or "hybrid" (2-D ``[ring, ulysses]``), the sequence
-    cut in ``cp_layout``; feed it ``shard_hf_batch(batch, cp_mesh=cp_mesh, layout=cp_layout)``.
+    cut in ``cp_order``; feed it ``shard_hf_batch(batch, cp_mesh=cp_mesh, order=cp_order)``.
     ``dp_mesh`` (1-D): data parallelism, FSDP2 over ``dp_mesh`` x ``cp_mesh``. All meshes are slices of
     one ``init_device_mesh`` mesh; every rank passes the same model (same weights).
     """
@@ -398,7 +398,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
             raise TypeError(f"{name} must be a DeviceMesh or None, got {type(mesh).__name__}")
     if cp_method not in CP_METHODS:
         raise ValueError(f"cp_method must be one of {sorted(CP_METHODS)}, got {cp_method!r}")
-    check_layout(cp_layout)
+    check_order(cp_order)
     if sequence_parallel and tp_mesh is None:
         raise ValueError("sequence_parallel=True needs a tp_mesh")
     cp_groups = []
@@ -423,12 +423,12 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         if tied:  # one parameter, vocab rows sharded alike in both layers
             model.lm_head.weight = decoder.embed_tokens.weight
 
-    context = None if cp_mesh is None else (cp_mesh, cp_method, cp_layout)
+    context = None if cp_mesh is None else (cp_mesh, cp_method, cp_order)
     for layer in decoder.layers:
         layer.self_attn._tdx_context_parallel = context
     _register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
-    decoder.register_forward_pre_hook(_inputs_hook(cp_mesh, cp_layout), with_kwargs=True)
+    decoder.register_forward_pre_hook(_inputs_hook(cp_mesh, cp_order), with_kwargs=True)
     model.loss_function = ParallelCausalLMLoss(tp, tp_mesh, cp_groups)
 
     model._tdx_parallelized = True

@@ -1,7 +1,7 @@
 """Ring attention over a sequence-sharded group (``tdx::ring_attention_fwd`` family), and document attention.
 
 Tensors are in the SDPA layout ``[batch, heads, seq_local, head_dim]``: this
-rank's shard of the sequence in ``layout`` ("contiguous": rank r holds chunk r
+rank's shard of the sequence in ``order`` ("contiguous": rank r holds chunk r
 of N; "zigzag": chunks r and 2N-1-r of 2N). ``k``/``v`` may have fewer heads
 than ``q`` (a divisor). Key/value blocks travel the ring at kv heads while the
 current block is computed; partial results merge by log-sum-exp
@@ -22,11 +22,11 @@ from torch import Tensor
 __all__ = ["context_attention_work", "document_attention_fwd", "lse_merge_", "ring_attention_fwd"]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
-_LAYOUTS = ("contiguous", "zigzag")
+_ORDERS = ("contiguous", "zigzag")
 
 
 def ring_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, layout: str,
+    q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, order: str,
     document_ids: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)``: attention of this rank's queries over the whole sequence.
@@ -34,7 +34,7 @@ def ring_attention_fwd(
     ``out`` is laid out like ``q``; ``lse`` is ``[batch, q_heads, seq_local]`` (fp32,
     fp64 for fp64 inputs; -inf on padding rows) and carries no gradient.
     """
-    return torch.ops.tdx.ring_attention_fwd(q, k, v, group_name, causal, scale, layout, document_ids)
+    return torch.ops.tdx.ring_attention_fwd(q, k, v, group_name, causal, scale, order, document_ids)
 
 
 def document_attention_fwd(
@@ -45,13 +45,13 @@ def document_attention_fwd(
     return torch.ops.tdx.document_attention_fwd(q, k, v, document_ids, causal, scale)
 
 
-def context_attention_work(document_ids: Tensor, ranks: int, layout: str, causal: bool) -> Tensor:
+def context_attention_work(document_ids: Tensor, ranks: int, order: str, causal: bool) -> Tensor:
     """``[ranks, ranks]`` int64 (CPU): the attention scores (query, key pairs over the batch, per head) that
     ring rank r computes for the key block of rank s, for ``document_ids`` ``[batch, seq]`` of the whole
     sequence in order. Row sums are the per-rank work; zeros are skipped blocks."""
     if isinstance(ranks, bool) or not isinstance(ranks, int):
         raise TypeError(f"ranks must be an int, got {type(ranks).__name__}")
-    return torch.ops.tdx.context_attention_work(document_ids, ranks, layout, causal)
+    return torch.ops.tdx.context_attention_work(document_ids, ranks, order, causal)
 
 
 def lse_merge_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -68,9 +68,9 @@ def _accumulation_dtype(t: Tensor) -> torch.dtype:
     return torch.float64 if t.dtype == torch.float64 else torch.float32
 
 
-def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
+def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, order: str) -> None:
     """The C++ op's checks, for the fake (meta) implementations."""
-    torch._check_value(layout in _LAYOUTS, lambda: f"{op}: layout must be 'contiguous' or 'zigzag', got {layout!r}")
+    torch._check_value(order in _ORDERS, lambda: f"{op}: order must be 'contiguous' or 'zigzag', got {order!r}")
     torch._check(
         q.dim() == 4 and k.dim() == 4 and v.dim() == 4,
         lambda: f"{op}: q, k, v must be [batch, heads, seq, head_dim], got {tuple(q.shape)}, {tuple(k.shape)}, "
@@ -94,8 +94,8 @@ def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, layout: str) -> None:
         q.dtype in _FLOAT_DTYPES, lambda: f"{op}: expected float32, float64, bfloat16 or float16, got {q.dtype}"
     )
     torch._check(
-        layout == "contiguous" or q.shape[2] % 2 == 0,
-        lambda: f"{op}: the zigzag layout needs an even local sequence (two chunks per rank), got {q.shape[2]}",
+        order == "contiguous" or q.shape[2] % 2 == 0,
+        lambda: f"{op}: the zigzag order needs an even local sequence (two chunks per rank), got {q.shape[2]}",
     )
     torch._check_type(
         q.device.type != "cuda" or q.dtype != torch.float64,
@@ -125,8 +125,8 @@ def _forward_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.library.register_fake("tdx::ring_attention_fwd")
-def _(q, k, v, group_name, causal, scale, layout, document_ids=None):
-    _check_qkv("ring_attention_fwd", q, k, v, layout)
+def _(q, k, v, group_name, causal, scale, order, document_ids=None):
+    _check_qkv("ring_attention_fwd", q, k, v, order)
     _check_document_ids("ring_attention_fwd", document_ids, q)
     return _forward_outputs(q)
 
@@ -138,8 +138,8 @@ def _(q, k, v, document_ids, causal, scale):
     return _forward_outputs(q)
 
 
-def _check_backward(op, grad_out, q, k, v, out, lse, layout, document_ids):
-    _check_qkv(op, q, k, v, layout)
+def _check_backward(op, grad_out, q, k, v, out, lse, order, document_ids):
+    _check_qkv(op, q, k, v, order)
     _check_document_ids(op, document_ids, q)
     torch._check(
         grad_out.shape == q.shape and out.shape == q.shape,
@@ -153,8 +153,8 @@ def _check_backward(op, grad_out, q, k, v, out, lse, layout, document_ids):
 
 
 @torch.library.register_fake("tdx::ring_attention_bwd")
-def _(grad_out, q, k, v, out, lse, group_name, causal, scale, layout, document_ids=None):
-    return _check_backward("ring_attention_bwd", grad_out, q, k, v, out, lse, layout, document_ids)
+def _(grad_out, q, k, v, out, lse, group_name, causal, scale, order, document_ids=None):
+    return _check_backward("ring_attention_bwd", grad_out, q, k, v, out, lse, order, document_ids)
 
 
 @torch.library.register_fake("tdx::document_attention_bwd")
@@ -163,7 +163,7 @@ def _(grad_out, q, k, v, out, lse, document_ids, causal, scale):
 
 
 @torch.library.register_fake("tdx::context_attention_work")
-def _(document_ids, ranks, layout, causal):
+def _(document_ids, ranks, order, causal):
     raise ValueError("context_attention_work reads the ids' values on the host: it cannot run on meta or fake "
                      "tensors (call it outside torch.compile)")
 
@@ -212,10 +212,10 @@ def _(out, lse, block_out, block_lse):
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, group_name, causal, scale, layout, *document_ids = inputs
+    q, k, v, group_name, causal, scale, order, *document_ids = inputs
     out, lse = output
     ctx.save_for_backward(q, k, v, out, lse, *document_ids)
-    ctx.args = (group_name, causal, scale, layout)
+    ctx.args = (group_name, causal, scale, order)
     ctx.mark_non_differentiable(lse)
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import Tensor
 from torch.distributed.distributed_c10d import _get_group_size_by_name
 
-from torchdist_ext.collectives import reduce_scatter
+from torchdist_ext._collectives import reduce_scatter
 
 __all__ = [
     "all_gather_matmul",

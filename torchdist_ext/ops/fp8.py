@@ -1,7 +1,7 @@
 """FP8 scaled casts (``tdx::fp8_cast_amax``), the building block of the fp8 linears.
 
     fp8_cast_amax             x (fp32 / bf16 / fp16) and a scale -> (cast(x * scale) in e4m3 or e5m2, max |x|)
-    fp8_cast_transpose_amax   the same cast of a matrix in both layouts (the GEMMs' column-major operands)
+    fp8_cast_transpose_amax   the same cast of a matrix in both orientations (the GEMMs' column-major operands)
 
 One read of x: the cast and the amax that delayed scaling records come out of the
 same pass (the unfused torch expression reads x twice and writes the scaled copy).
@@ -32,7 +32,7 @@ def fp8_cast_transpose_amax(x: Tensor, scale: Tensor, fp8_dtype: torch.dtype,
     """``(x_fp8, x_fp8_t, amax)`` of a matrix ``x [rows, cols]`` from one read: ``x_fp8`` as
     ``fp8_cast_amax`` gives it, ``x_fp8_t [cols, ceil(rows / row_multiple) * row_multiple]`` its transpose
     with zero bytes in the padding columns (``x_fp8_t.t()`` is ``x_fp8``, rows padded, column-major: the
-    layout ``torch._scaled_mm`` takes as its second operand)."""
+    operand form ``torch._scaled_mm`` takes as its second operand)."""
     return torch.ops.tdx.fp8_cast_transpose_amax(x, scale, fp8_dtype, row_multiple)
 
 

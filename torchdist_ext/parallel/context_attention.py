@@ -2,25 +2,25 @@
 
 Attention tensors are ``[batch, heads, seq_local, head_dim]`` (the SDPA layout),
 this rank's shard of the sequence, made by ``shard_sequence`` with the same
-``cp_mesh`` and ``layout``; ``k``/``v`` may have fewer heads than ``q``
+``cp_mesh`` and ``order``; ``k``/``v`` may have fewer heads than ``q``
 (GQA / MQA, ``q_heads % kv_heads == 0``). The output is laid out like ``q``.
-For every layout, unsharding the output of the sharded computation equals
+For every order, unsharding the output of the sharded computation equals
 ``F.scaled_dot_product_attention`` on the full sequence, forward and gradients.
 
     ring_attention     K/V blocks circulate the ring of the 1-D ``cp_mesh`` (at kv heads), overlapped
                        with the block attention; any head count.
     ulysses_attention  one all-to-all over the 1-D ``cp_mesh`` makes each rank hold H/N heads of the
-                       whole sequence (in order, whatever the layout), local attention, one all-to-all
+                       whole sequence (in sequence order, whatever the cp order), local attention, one all-to-all
                        back; q heads divisible by N.
     hybrid_attention   a 2-D ``cp_mesh`` ``[ring, ulysses]``: Ulysses over dim 1 inside, ring over dim 0
                        outside.
 
-``layout`` ("zigzag", the default, or "contiguous") is how ``shard_sequence`` cut
+``order`` ("zigzag", the default, or "contiguous") is how ``shard_sequence`` cut
 the sequence over the ring (or Ulysses) ranks; zigzag balances causal work.
 
 Packed sequences: ``document_ids`` ``[batch, seq_local]`` (integers) are the
 per-token documents of this rank's shard, cut by ``shard_sequence`` exactly like
-the tokens (same ``cp_mesh``, ``layout``, ``dim=1``). A token attends only to
+the tokens (same ``cp_mesh``, ``order``, ``dim=1``). A token attends only to
 tokens of its own document (and, with ``causal``, only to earlier ones); a
 negative id marks padding, whose output and gradients are exactly 0. The ring
 skips blocks that no document spans (``ops.context_attention_work`` reports the
@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchdist_ext import ops
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.regions import gather_from_region
-from torchdist_ext.parallel.sequence_sharding import check_layout, context_parallel_groups, unshard_sequence
+from torchdist_ext.parallel.sequence_sharding import check_order, context_parallel_groups, unshard_sequence
 
 __all__ = ["hybrid_attention", "ring_attention", "ulysses_attention"]
 
@@ -81,10 +81,10 @@ def _check_document_ids(document_ids: Tensor | None, q: Tensor) -> None:
         raise ValueError(f"document_ids is on {document_ids.device}; it must be on q's device {q.device}")
 
 
-def _check_zigzag(q: Tensor, layout: str) -> None:
-    if layout == "zigzag" and q.shape[2] % 2:
+def _check_zigzag(q: Tensor, order: str) -> None:
+    if order == "zigzag" and q.shape[2] % 2:
         raise ValueError(
-            f"the zigzag layout gives every rank two equal chunks, so the local sequence must be even, "
+            f"the zigzag order gives every rank two equal chunks, so the local sequence must be even, "
             f"got q.shape[2]={q.shape[2]}"
         )
 
@@ -100,9 +100,9 @@ def _one_dim(cp_mesh: DeviceMesh, function: str) -> MeshGroup:
     return ring
 
 
-def _ring(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, causal: bool, scale: float, layout: str,
+def _ring(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, causal: bool, scale: float, order: str,
           document_ids: Tensor | None) -> Tensor:
-    out, _ = ops.ring_attention_fwd(q, k, v, group.name, bool(causal), scale, layout, document_ids)
+    out, _ = ops.ring_attention_fwd(q, k, v, group.name, bool(causal), scale, order, document_ids)
     return out
 
 
@@ -142,55 +142,55 @@ def _kv_for_ulysses(k: Tensor, v: Tensor, q_heads: int, group: MeshGroup, arg: s
     return k.repeat_interleave(copies, dim=1), v.repeat_interleave(copies, dim=1)
 
 
-def _ulysses(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, arg: str, layout: str, attend) -> Tensor:
+def _ulysses(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, arg: str, order: str, attend) -> Tensor:
     k, v = _kv_for_ulysses(k, v, q.shape[1], group, arg)
-    to_heads = [ops.all_to_all_seq_to_heads(t, group.name, layout) for t in (q, k, v)]
-    return ops.all_to_all_heads_to_seq(attend(*to_heads), group.name, layout)
+    to_heads = [ops.all_to_all_seq_to_heads(t, group.name, order) for t in (q, k, v)]
+    return ops.all_to_all_heads_to_seq(attend(*to_heads), group.name, order)
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                   scale: float | None = None, layout: str = "zigzag", document_ids: Tensor | None = None) -> Tensor:
+                   scale: float | None = None, order: str = "zigzag", document_ids: Tensor | None = None) -> Tensor:
     """Attention of this rank's sequence shard over the whole sequence, K/V passed around the 1-D ``cp_mesh``."""
     _check_qkv(q, k, v)
-    check_layout(layout)
+    check_order(order)
     _check_document_ids(document_ids, q)
     group = _one_dim(cp_mesh, "ring_attention")
-    _check_zigzag(q, layout)
-    return _ring(q, k, v, group, causal, _scale(q, scale), layout, document_ids)
+    _check_zigzag(q, order)
+    return _ring(q, k, v, group, causal, _scale(q, scale), order, document_ids)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                      scale: float | None = None, layout: str = "zigzag",
+                      scale: float | None = None, order: str = "zigzag",
                       document_ids: Tensor | None = None) -> Tensor:
     """Attention via one all-to-all to head shards over the 1-D ``cp_mesh`` and one back.
 
-    The all-to-all puts the gathered sequence in order whatever ``layout`` cut it, so causal
+    The all-to-all puts the gathered sequence in order whatever ``order`` cut it, so causal
     attention is plain causal SDPA on every rank; with ``document_ids`` the ids are all-gathered
     (in order) and each rank attends document by document.
     """
     _check_qkv(q, k, v)
-    check_layout(layout)
+    check_order(order)
     _check_document_ids(document_ids, q)
     group = _one_dim(cp_mesh, "ulysses_attention")
-    _check_zigzag(q, layout)
+    _check_zigzag(q, order)
     if document_ids is None:
         attend = _local_sdpa(causal, _scale(q, scale))
     else:
-        attend = _local_documents(unshard_sequence(document_ids, cp_mesh=cp_mesh, dim=1, layout=layout), causal,
+        attend = _local_documents(unshard_sequence(document_ids, cp_mesh=cp_mesh, dim=1, order=order), causal,
                                   _scale(q, scale))
-    return _ulysses(q, k, v, group, "cp_mesh", layout, attend)
+    return _ulysses(q, k, v, group, "cp_mesh", order, attend)
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                     scale: float | None = None, layout: str = "zigzag",
+                     scale: float | None = None, order: str = "zigzag",
                      document_ids: Tensor | None = None) -> Tensor:
     """Ulysses over dim 1 of the 2-D ``cp_mesh`` ``[ring, ulysses]`` around ring attention over dim 0.
 
-    ``layout`` cuts the sequence over the ring ranks; each ring shard is split contiguously over the
+    ``order`` cuts the sequence over the ring ranks; each ring shard is split contiguously over the
     Ulysses ranks (``shard_sequence`` with the same 2-D ``cp_mesh`` does both).
     """
     _check_qkv(q, k, v)
-    check_layout(layout)
+    check_order(order)
     _check_document_ids(document_ids, q)
     ring, ulysses = context_parallel_groups(cp_mesh)
     if ulysses is None:
@@ -203,7 +203,7 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, ca
     ring_ids = None if document_ids is None else gather_from_region(document_ids, ulysses, 1)
 
     def ring_over_heads(q_h: Tensor, k_h: Tensor, v_h: Tensor) -> Tensor:
-        _check_zigzag(q_h, layout)
-        return _ring(q_h, k_h, v_h, ring, causal, scale, layout, ring_ids)
+        _check_zigzag(q_h, order)
+        return _ring(q_h, k_h, v_h, ring, causal, scale, order, ring_ids)
 
     return _ulysses(q, k, v, ulysses, "cp_mesh dim 1 (ulysses)", "contiguous", ring_over_heads)

@@ -6,12 +6,12 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
-from torchdist_ext.index_checks import index_checks_enabled
+from torchdist_ext._index_checks import index_checks_enabled
 from torchdist_ext.parallel.input_checks import check_divisible, check_floating_dtype, sequence_dim
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import reduce_from_region, reduce_scatter_to_sequence_region
-from torchdist_ext.weight_grad import SplitsWeightGrad, split_embedding
+from torchdist_ext._weight_grad import SplitsWeightGrad, split_embedding
 
 __all__ = ["VocabParallelEmbedding"]
 

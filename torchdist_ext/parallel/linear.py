@@ -51,7 +51,7 @@ from torchdist_ext.parallel.regions import (
     reduce_scatter_to_sequence_region,
     scatter_to_region,
 )
-from torchdist_ext.weight_grad import SplitsWeightGrad, split_linear
+from torchdist_ext._weight_grad import SplitsWeightGrad, split_linear
 
 __all__ = ["ColumnParallelLinear", "RowParallelLinear"]
 
@@ -72,7 +72,7 @@ def _linear_init(out_features: int, in_features: int, bias: bool, device, dtype)
 class _ParallelLinear(SplitsWeightGrad, Fp8State, nn.Module):
     """Shared parameter handling (full tensors in, DTensor parameters out) and the local GEMM, in the
     parameters' dtype or, once ``enable_fp8`` ran, in fp8. ``split_weight_grad = True`` (set by a
-    zero-bubble pipeline) splits the weight gradient off the backward (``torchdist_ext.weight_grad``;
+    zero-bubble pipeline) splits the weight gradient off the backward (``torchdist_ext._weight_grad``;
     in fp8 too)."""
 
     weight_placement: Shard

@@ -46,7 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from torchdist_ext import ops
-from torchdist_ext.index_checks import index_checks_enabled
+from torchdist_ext._index_checks import index_checks_enabled
 from torchdist_ext.parallel.input_checks import check_features, check_floating_dtype, check_floating_input
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter

@@ -12,7 +12,7 @@ from torchdist_ext.parallel.input_checks import check_features, check_floating_d
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
 from torchdist_ext.parallel.regions import copy_to_region
-from torchdist_ext.weight_grad import SplitsWeightGrad, split_scale
+from torchdist_ext._weight_grad import SplitsWeightGrad, split_scale
 
 __all__ = ["RMSNorm"]
 

@@ -19,7 +19,7 @@ so gradients of any order flow through. Blocks follow ``torch.chunk`` order.
 import torch
 from torch import Tensor
 
-from torchdist_ext import collectives
+from torchdist_ext import _collectives as collectives
 from torchdist_ext.parallel.mesh_group import MeshGroup
 
 __all__ = [

@@ -1,15 +1,15 @@
 """Sharding a sequence over a context-parallel mesh, and back.
 
-    layout="contiguous"  rank r holds block r of N equal blocks.
-    layout="zigzag"      the sequence is cut into 2N chunks; rank r holds chunks r and 2N-1-r (in that
+    order="contiguous"  rank r holds block r of N equal blocks.
+    order="zigzag"      the sequence is cut into 2N chunks; rank r holds chunks r and 2N-1-r (in that
                          order), so causal attention costs every rank the same.
 
 ``cp_mesh`` is the context-parallel mesh the attention runs on: 1-D for
 ``ring_attention`` and ``ulysses_attention``; 2-D ``[ring, ulysses]`` for
 ``hybrid_attention``, where the sequence is sharded over the ring ranks with
-``layout`` first and each ring rank's shard is then split into contiguous
+``order`` first and each ring rank's shard is then split into contiguous
 blocks over the Ulysses ranks (so the Ulysses all-to-all reassembles exactly the
-ring rank's shard). Pass the same ``cp_mesh`` and ``layout`` to the attention.
+ring rank's shard). Pass the same ``cp_mesh`` and ``order`` to the attention.
 
 ``shard_sequence`` treats ``x`` as replicated (the same on every rank): each
 rank keeps its part, and the gradient of ``x`` is gathered from all ranks.
@@ -27,14 +27,14 @@ from torch.distributed.device_mesh import DeviceMesh
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.regions import gather_from_region, scatter_to_region
 
-__all__ = ["LAYOUTS", "check_layout", "context_parallel_groups", "shard_sequence", "unshard_sequence"]
+__all__ = ["ORDERS", "check_order", "context_parallel_groups", "shard_sequence", "unshard_sequence"]
 
-LAYOUTS = ("contiguous", "zigzag")
+ORDERS = ("contiguous", "zigzag")
 
 
-def check_layout(layout: str) -> None:
-    if layout not in LAYOUTS:
-        raise ValueError(f"layout must be one of {LAYOUTS}, got {layout!r}")
+def check_order(order: str) -> None:
+    if order not in ORDERS:
+        raise ValueError(f"order must be one of {ORDERS}, got {order!r}")
 
 
 def context_parallel_groups(cp_mesh: DeviceMesh) -> tuple[MeshGroup, MeshGroup | None]:
@@ -57,47 +57,47 @@ def _reorder_chunks(x: Tensor, dim: int, order: list[int]) -> Tensor:
     return torch.cat([chunks[i] for i in order], dim=dim)
 
 
-def shard_sequence(x: Tensor, *, cp_mesh: DeviceMesh, dim: int, layout: str = "zigzag") -> Tensor:
+def shard_sequence(x: Tensor, *, cp_mesh: DeviceMesh, dim: int, order: str = "zigzag") -> Tensor:
     """This rank's part of the sequence dim ``dim`` of the replicated ``x``."""
-    check_layout(layout)
+    check_order(order)
     ring, ulysses = context_parallel_groups(cp_mesh)
     dim = _check_sequence(x, dim, "x")
-    parts = _parts(ring, ulysses, layout)
+    parts = _parts(ring, ulysses, order)
     if x.shape[dim] % parts:
         raise ValueError(
-            f"x.size({dim})={x.shape[dim]} must be divisible by {parts} to shard it with the {layout} layout "
+            f"x.size({dim})={x.shape[dim]} must be divisible by {parts} to shard it with the {order} order "
             f"over this mesh"
         )
-    if layout == "zigzag":
+    if order == "zigzag":
         x = _reorder_chunks(x, dim, zigzag_order(ring.size))
     x = scatter_to_region(x, ring, dim)
     return scatter_to_region(x, ulysses, dim) if ulysses is not None else x
 
 
-def unshard_sequence(x_local: Tensor, *, cp_mesh: DeviceMesh, dim: int, layout: str = "zigzag") -> Tensor:
+def unshard_sequence(x_local: Tensor, *, cp_mesh: DeviceMesh, dim: int, order: str = "zigzag") -> Tensor:
     """The full sequence, on every rank, from each rank's part (the inverse of ``shard_sequence``)."""
-    check_layout(layout)
+    check_order(order)
     ring, ulysses = context_parallel_groups(cp_mesh)
     dim = _check_sequence(x_local, dim, "x_local")
-    local_parts = _parts(ring, ulysses, layout) // (ring.size * (ulysses.size if ulysses else 1))
+    local_parts = _parts(ring, ulysses, order) // (ring.size * (ulysses.size if ulysses else 1))
     if x_local.shape[dim] % local_parts:
         raise ValueError(
-            f"x_local.size({dim})={x_local.shape[dim]} must be divisible by {local_parts}: with the {layout} "
-            f"layout over this mesh, every rank holds {local_parts} equal chunks"
+            f"x_local.size({dim})={x_local.shape[dim]} must be divisible by {local_parts}: with the {order} "
+            f"order over this mesh, every rank holds {local_parts} equal chunks"
         )
     x = gather_from_region(x_local, ulysses, dim) if ulysses is not None else x_local
     x = gather_from_region(x, ring, dim)
-    if layout == "zigzag":
+    if order == "zigzag":
         order = zigzag_order(ring.size)
         inverse = sorted(range(len(order)), key=order.__getitem__)
         x = _reorder_chunks(x, dim, inverse)
     return x
 
 
-def _parts(ring: MeshGroup, ulysses: MeshGroup | None, layout: str) -> int:
-    """The number of equal pieces the full sequence is cut into: the ring layout needs N (or 2N) chunks,
+def _parts(ring: MeshGroup, ulysses: MeshGroup | None, order: str) -> int:
+    """The number of equal pieces the full sequence is cut into: the ring order needs N (or 2N) chunks,
     and each ring shard must split evenly over the Ulysses ranks."""
-    ring_chunks = ring.size * (2 if layout == "zigzag" else 1)
+    ring_chunks = ring.size * (2 if order == "zigzag" else 1)
     return math.lcm(ring_chunks, ring.size * (ulysses.size if ulysses else 1))
 
 

@@ -28,7 +28,7 @@ forward hook, a module attribute, an op of the stage that saved it as an input) 
 the send: compute from it inside the stage. Between stages on the same rank (zb-v's turn) they are handed
 over in memory.
 
-Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext.weight_grad``): B
+Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext._weight_grad``): B
 computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
 the last step's actions with their wall-clock start and end on this rank (on CUDA, from events on the
 stream, so the GPU's times, not the host's; an action ends once the messages it made are posted, as gloo
@@ -64,7 +64,7 @@ from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchdist_ext import cpu_memory
 from torchdist_ext.pipeline.messages import BACKWARD, FORWARD, PostedOp, message_plan
-from torchdist_ext.weight_grad import SplitLinear, WeightGradStore, give_weight_grad_slot
+from torchdist_ext._weight_grad import SplitLinear, WeightGradStore, give_weight_grad_slot
 from torchdist_ext.pipeline.schedule import (
     Action,
     every_rank_actions,
@@ -214,8 +214,8 @@ class Pipeline:
             for op in message_plan(schedule, self.pp, num_microbatches, virtual_stages, headers)[self.rank]:
                 posts.setdefault(op.boundary, []).append(op)
         self.fixed_shapes = fixed_shapes
-        self._layouts: dict = {}  # (direction, stage) -> (shape, dtype) of the messages this rank receives
-        self._sent_layouts: dict = {}  # and of those it sends
+        self._received_meta: dict = {}  # (direction, stage) -> (shape, dtype) of the messages this rank receives
+        self._sent_meta: dict = {}  # and of those it sends
         # The position of each stage's last gradient action (B, or W under a split): its FSDP2 reduction.
         self._last_grad_action = {a.stage: i for i, a in enumerate(self.actions) if a.kind in "BW"}
 
@@ -237,7 +237,7 @@ class Pipeline:
             raise ValueError(f"a pipeline stage's output must have at most {_MAX_DIMS} dims and a dtype in "
                              f"{_DTYPES}, got shape {tuple(tensor.shape)} and {tensor.dtype}")
         layout = (list(tensor.shape), tensor.dtype)
-        expected = self._sent_layouts.setdefault((direction, to_stage), layout)
+        expected = self._sent_meta.setdefault((direction, to_stage), layout)
         if layout != expected:  # only the first message of each kind (of the first step) carries a header
             what = "activation" if direction == FORWARD else "gradient"
             every = "every micro-batch and, with fixed_shapes=True, every step" if self.fixed_shapes else \
@@ -270,8 +270,8 @@ class Pipeline:
                 waiting_from = clock.now() if waiting_from is None else waiting_from
                 dist.irecv(header, group=self.group, group_src=m.src, tag=tag).wait()
                 dims, dtype, *shape = header.tolist()
-                self._layouts[kind] = (shape[:dims], _DTYPES[dtype])
-            shape, dtype = self._layouts[kind]
+                self._received_meta[kind] = (shape[:dims], _DTYPES[dtype])
+            shape, dtype = self._received_meta[kind]
             data = torch.empty(shape, dtype=dtype, device=self.device)
             self._inbox[key] = (m.src, dist.irecv(data, group=self.group, group_src=m.src, tag=tag + 1), data)
         return waiting_from
@@ -354,9 +354,9 @@ class Pipeline:
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
         self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
         self._sends, self._losses = [], []
-        self._headers = not (self.fixed_shapes and self.timeline)  # a step ran: the receivers know the layouts
+        self._headers = not (self.fixed_shapes and self.timeline)  # a step ran: the receivers know the shapes
         if self._headers:
-            self._layouts, self._sent_layouts = {}, {}
+            self._received_meta, self._sent_meta = {}, {}
         self.weight_grads.clear()
         try:
             return self._run_actions()

@@ -13,13 +13,13 @@ namespace {
 
 // One thread block per query row of groups [group_begin, ...); threads stride over the features.
 template <typename T, typename Acc>
-__global__ void merge_kernel(MergeLayout layout, Acc* __restrict__ out, Acc* __restrict__ lse,
+__global__ void merge_kernel(MergeShape shape, Acc* __restrict__ out, Acc* __restrict__ lse,
                              const T* __restrict__ block_out, const Acc* __restrict__ block_lse,
                              int64_t group_begin) {
-  const int64_t g = group_begin + blockIdx.x / layout.rows;
-  const int64_t i = blockIdx.x % layout.rows;
-  Acc* acc_lse = lse + g * layout.lse_group_stride + i;
-  const Acc b = block_lse[g * layout.block_lse_group_stride + i];
+  const int64_t g = group_begin + blockIdx.x / shape.rows;
+  const int64_t i = blockIdx.x % shape.rows;
+  Acc* acc_lse = lse + g * shape.lse_group_stride + i;
+  const Acc b = block_lse[g * shape.block_lse_group_stride + i];
   if (b == -INFINITY) return;
   const Acc a = *acc_lse;
   const Acc max = a > b ? a : b;
@@ -28,9 +28,9 @@ __global__ void merge_kernel(MergeLayout layout, Acc* __restrict__ out, Acc* __r
   const Acc total = weight_a + weight_b;
   const Acc scale_a = weight_a / total;
   const Acc scale_b = weight_b / total;
-  Acc* acc_row = out + g * layout.out_group_stride + i * layout.dim;
-  const T* block_row = block_out + g * layout.block_out_group_stride + i * layout.dim;
-  for (int64_t d = threadIdx.x; d < layout.dim; d += blockDim.x) {
+  Acc* acc_row = out + g * shape.out_group_stride + i * shape.dim;
+  const T* block_row = block_out + g * shape.block_out_group_stride + i * shape.dim;
+  for (int64_t d = threadIdx.x; d < shape.dim; d += blockDim.x) {
     acc_row[d] = scale_a * acc_row[d] + scale_b * static_cast<Acc>(load(block_row[d]));
   }
   __syncthreads();  // every thread has read *acc_lse
@@ -38,16 +38,16 @@ __global__ void merge_kernel(MergeLayout layout, Acc* __restrict__ out, Acc* __r
 }
 
 void lse_merge(const LseMergeArgs& args, const Launch& launch) {
-  const MergeLayout& layout = args.layout;
-  const int64_t blocks = (launch.end - launch.begin) * layout.rows;
+  const MergeShape& shape = args.shape;
+  const int64_t blocks = (launch.end - launch.begin) * shape.rows;
   if (blocks == 0) return;
   // Whole warps, at least one (a row without features still merges its lse).
-  const int threads = layout.dim >= 256 ? 256 : std::max(32, static_cast<int>((layout.dim + 31) / 32 * 32));
-  visit_element_type(layout.block_type, [&](auto* tag) {
+  const int threads = shape.dim >= 256 ? 256 : std::max(32, static_cast<int>((shape.dim + 31) / 32 * 32));
+  visit_element_type(shape.block_type, [&](auto* tag) {
     using T = std::remove_pointer_t<decltype(tag)>;
     using Acc = accumulator_t<T>;
     TDX_LAUNCH(blocks, threads, static_cast<cudaStream_t>(launch.stream), merge_kernel<T, Acc>)(
-        layout, static_cast<Acc*>(args.out), static_cast<Acc*>(args.lse), static_cast<const T*>(args.block_out),
+        shape, static_cast<Acc*>(args.out), static_cast<Acc*>(args.lse), static_cast<const T*>(args.block_out),
         static_cast<const Acc*>(args.block_lse), launch.begin);
   });
   check_launch("lse_merge");
