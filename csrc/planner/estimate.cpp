@@ -39,6 +39,36 @@ int64_t axis_size(const Layout& l, const std::string& axis) {
   return l.pp;
 }
 
+// Layers of a pipeline stage: ceil(L / pp) at most (Llama 3 405B: 126 layers on 16 stages).
+double layers_per_stage(const ModelSpec& model, const Layout& l) {
+  return static_cast<double>((model.num_layers + l.pp - 1) / l.pp);
+}
+
+// The chunks (stages) each pipeline rank holds; 1 without pp.
+long rank_chunks(const Layout& l) { return l.pp > 1 ? chunks_per_rank(l.schedule, l.virtual_stages) : 1; }
+
+// Which ends of the model pipeline rank r holds: the first stage (the input embedding) and the last (the final
+// norm and the LM head); without pp both. ZB-V's V puts both on rank 0.
+bool holds_stage(const Layout& l, long rank, long stage) {
+  if (l.pp == 1) return true;
+  for (long chunk = 0; chunk < rank_chunks(l); ++chunk) {
+    if (stage_of(rank, chunk, l.pp, l.schedule) == stage) return true;
+  }
+  return false;
+}
+bool holds_first(const Layout& l, long rank) { return holds_stage(l, rank, 0); }
+bool holds_last(const Layout& l, long rank) { return holds_stage(l, rank, l.pp * rank_chunks(l) - 1); }
+
+// One micro-batch's activation [b, s/cp, h], bytes.
+double microbatch_activation_bytes(const ModelSpec& model, const Layout& l) {
+  const double c = static_cast<double>(l.cp), b = static_cast<double>(l.micro_batch);
+  const double h = static_cast<double>(model.hidden), s = static_cast<double>(l.seq_len), s_local = s / c;
+  return b * s_local * h * element_bytes(l.precision);
+}
+
+// Whether full recomputation reruns the MoE layers' experts too.
+bool experts_recomputed(const Layout& l) { return l.recompute == Recompute::kFull && l.recompute_experts; }
+
 }  // namespace
 
 double expected_remote_ranks(int64_t num_experts, int64_t top_k, int64_t ep) {
@@ -66,48 +96,32 @@ double gpu_hours(double flops, const ClusterSpec& cluster, double mfu) {
   return flops / (cluster.min_bf16_flops() * mfu) / 3600.0;
 }
 
-Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layout& l) {
-  l.validate_for(model, cluster);
-  const ParamCount params = count_params(model);
-  Estimate e;
-  const double t = static_cast<double>(l.tp), c = static_cast<double>(l.cp);
-  const double m = static_cast<double>(l.num_microbatches), b = static_cast<double>(l.micro_batch);
-  const double h = static_cast<double>(model.hidden), layers = static_cast<double>(model.num_layers);
-  const double s = static_cast<double>(l.seq_len), s_local = s / c;
-  // Stages get ceil(L / pp) layers at most (Llama 3 405B: 126 layers on 16 stages).
-  const double layers_per_stage = static_cast<double>((model.num_layers + l.pp - 1) / l.pp);
-
-  // Which ends of the model pipeline rank r holds: the first stage (the input embedding) and the last (the final
-  // norm and the LM head); without pp both. ZB-V's V puts both on rank 0.
-  const long chunks = l.pp > 1 ? chunks_per_rank(l.schedule, l.virtual_stages) : 1;
-  auto holds_stage = [&](long rank, long stage) {
-    if (l.pp == 1) return true;
-    for (long chunk = 0; chunk < chunks; ++chunk) {
-      if (stage_of(rank, chunk, l.pp, l.schedule) == stage) return true;
-    }
-    return false;
-  };
-  auto holds_first = [&](long rank) { return holds_stage(rank, 0); };
-  auto holds_last = [&](long rank) { return holds_stage(rank, l.pp * chunks - 1); };
-
+RankParams rank_params(const ModelSpec& model, const Layout& l) {
   // Parameters of pipeline rank r: its share of the layers, split over tp (experts over ep instead: they are
   // not tensor-parallel; every tp rank of an ep rank holds the same experts, as torchdist_ext's MoE), and
   // the ends it holds, split over tp (the embedding and head are vocab-parallel).
+  const ParamCount params = count_params(model);
+  const double t = static_cast<double>(l.tp), layers = static_cast<double>(model.num_layers);
+  const double h = static_cast<double>(model.hidden), stage_layers = layers_per_stage(model, l);
   const double layer_params_total = params.total - params.embedding;
   const double input_embedding = h * static_cast<double>(model.vocab_size);
   const double head_and_norm = params.embedding - input_embedding;
-  const double expert_per_stage = params.expert / layers * layers_per_stage / static_cast<double>(l.ep);
-  const double dense_layers_per_stage = (layer_params_total - params.expert) / layers * layers_per_stage / t;
-  auto ends_of = [&](long rank) {
-    return ((holds_first(rank) ? input_embedding : 0) + (holds_last(rank) ? head_and_norm : 0)) / t;
-  };
-  // The communication below prices the rank holding the most parameters.
-  long busiest = 0;
-  for (long rank = 1; rank < l.pp; ++rank) busiest = ends_of(rank) > ends_of(busiest) ? rank : busiest;
-  const double ends_per_stage = ends_of(busiest);
-  const double dense_per_stage = dense_layers_per_stage + ends_per_stage;
-  e.params_per_gpu = dense_per_stage + expert_per_stage;
+  RankParams held;
+  held.experts = params.expert / layers * stage_layers / static_cast<double>(l.ep);
+  held.dense_layers = (layer_params_total - params.expert) / layers * stage_layers / t;
+  for (long rank = 0; rank < l.pp; ++rank) {
+    held.ends.push_back(((holds_first(l, rank) ? input_embedding : 0) + (holds_last(l, rank) ? head_and_norm : 0)) / t);
+  }
+  // The communication prices the rank holding the most parameters.
+  for (long rank = 1; rank < l.pp; ++rank) {
+    held.busiest = held.ends.at(static_cast<size_t>(rank)) > held.ends.at(static_cast<size_t>(held.busiest))
+                       ? rank
+                       : held.busiest;
+  }
+  return held;
+}
 
+RankActivations rank_activations(const ModelSpec& model, const Layout& l) {
   // Activations: what one layer stores (the mean over dense and MoE layers) on the local sequence s / cp,
   // times the stage's layers and the micro-batches in flight. With pp each rank holds its own count: its
   // peak in the order of passes that runs (pipeline.h; 1F1B's rank r holds min(p - r, m)). The end of the
@@ -115,6 +129,9 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // micro-batch's forward to its backward, which every schedule but GPipe runs right after it there. The
   // zero-bubble schedules also hold their deferred weight gradients' inputs, the embedding's and the head's
   // (its [T, V/t] output gradient) with their stages': each rank's peak in the simulated order, by bytes.
+  const double m = static_cast<double>(l.num_microbatches), layers = static_cast<double>(model.num_layers);
+  const double stage_layers = layers_per_stage(model, l);
+  const long chunks = rank_chunks(l);
   const double moe_layers = static_cast<double>(model.num_moe_layers());
   auto mean_over_layers = [&](double (*bytes)(const ModelSpec&, const Layout&, bool)) {
     return ((layers - moe_layers) * bytes(model, l, false) + moe_layers * bytes(model, l, true)) / layers;
@@ -138,9 +155,9 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // On the last stage the head's own backward runs first, on top of its forward's bytes.
   const double head_backward = head_backward_bytes(model, l);
   const double last_stage_backward = std::max(head_backward, layer_backward - head_forward);
-  std::vector<double> activations, backwards;
+  RankActivations held;
   if (l.defers_weight_grads()) {
-    const double chunk_layers = layers_per_stage / static_cast<double>(chunks);
+    const double chunk_layers = stage_layers / static_cast<double>(chunks);
     const double weight_inputs = mean_over_layers(layer_weight_grad_input_bytes);
     std::vector<StageBytes> stages(static_cast<size_t>(l.pp * chunks),
                                    {per_layer * chunk_layers, weight_inputs * chunk_layers});
@@ -149,7 +166,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     const double head_weight_input = head_weight_grad_input_bytes(model, l);
     stages.back().weight_input += head_weight_input;
     const auto timeline = simulate_schedule(l.pp, l.num_microbatches, l.schedule);
-    activations = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
+    held.activations = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
     // In split mode each layer's backward queues its W input as it releases its forward's bytes (and the head
     // its own before the layers), so the chunk's bottom layer runs its backward on top of the others' W inputs
     // where those outweigh their forwards.
@@ -159,21 +176,24 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
         std::max(head_backward, head_weight_input - head_forward + queued_above + layer_backward);
     const auto peaks = peak_held_bytes_per_rank(timeline, l.pp, l.schedule, stages);
     for (long rank = 0; rank < l.pp; ++rank) {
-      backwards.push_back(peaks.at(static_cast<size_t>(rank)) - activations.at(static_cast<size_t>(rank)));
+      held.backward.push_back(peaks.at(static_cast<size_t>(rank)) - held.activations.at(static_cast<size_t>(rank)));
     }
   } else {
     // The held peak comes right before the first B of these schedules (the warm-up's forwards end there).
-    std::vector<double> held{in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages)};
-    if (l.pp > 1) held = held_activations_per_rank(l.pp, l.num_microbatches, l.schedule, l.virtual_stages, 0.0);
+    std::vector<double> units{in_flight_microbatches(l.pp, l.num_microbatches, l.schedule, l.virtual_stages)};
+    if (l.pp > 1) units = held_activations_per_rank(l.pp, l.num_microbatches, l.schedule, l.virtual_stages, 0.0);
     const double head_held = l.schedule == Schedule::kGPipe && l.pp > 1 ? m : 1;
     for (long rank = 0; rank < l.pp; ++rank) {
-      const double units = held.at(static_cast<size_t>(rank)) / static_cast<double>(chunks);
-      activations.push_back(per_layer * layers_per_stage * units +
-                            (holds_last(rank) ? head_forward * head_held : 0));
-      backwards.push_back(holds_last(rank) ? last_stage_backward : layer_backward);
+      const double microbatches = units.at(static_cast<size_t>(rank)) / static_cast<double>(chunks);
+      held.activations.push_back(per_layer * stage_layers * microbatches +
+                                 (holds_last(l, rank) ? head_forward * head_held : 0));
+      held.backward.push_back(holds_last(l, rank) ? last_stage_backward : layer_backward);
     }
   }
+  return held;
+}
 
+std::vector<RankMemory> rank_memory(const ModelSpec& model, const Layout& l) {
   // Model states: dense parameters are replicated over dp x cp x ep ranks, expert parameters over dp x cp:
   // ZeRO shards them, and their gradients are reduced, over those (context-parallel ranks hold the same
   // parameters). ZeRO-3 also holds unsharded parameters (bf16, fp32 in fp32 training), counted as buffers:
@@ -183,29 +203,209 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   // as Megatron-LM's fp32 main_grad). Those are the gradients at the step's peak: the sharded ones exist only
   // from that reduce-scatter to the optimizer's zero_grad, when no activations are held. The buffers also
   // hold the framework reserve.
+  const ParamCount params = count_params(model);
+  const RankParams held = rank_params(model, l);
+  const RankActivations activations = rank_activations(model, l);
+  const double t = static_cast<double>(l.tp), layers = static_cast<double>(model.num_layers);
   const int64_t dense_replicas = l.dp * l.cp * l.ep, expert_replicas = l.dp * l.cp;
   const double element = element_bytes(l.precision);
-  const double layer_params_gpu = (layer_params_total / layers) / t;
+  const double layer_params_gpu = ((params.total - params.embedding) / layers) / t;
   const bool unsharded_through_step = l.zero_stage == 3 && l.pp > 1;
+  std::vector<RankMemory> ranks;
   for (long rank = 0; rank < l.pp; ++rank) {
-    const double dense = dense_layers_per_stage + ends_of(rank);
+    const double dense = held.dense(rank);
     const auto dense_states = model_state_bytes(dense, l.zero_stage, dense_replicas, l.precision);
     ModelStateBytes expert_states;
-    if (expert_per_stage > 0) {
-      expert_states = model_state_bytes(expert_per_stage, l.zero_stage, expert_replicas, l.precision);
-    }
+    if (held.experts > 0) expert_states = model_state_bytes(held.experts, l.zero_stage, expert_replicas, l.precision);
     RankMemory memory;
     memory.params = dense_states.params + expert_states.params;
-    memory.grads = unsharded_through_step ? 4 * (dense + expert_per_stage) : dense_states.grads + expert_states.grads;
+    memory.grads = unsharded_through_step ? 4 * (dense + held.experts) : dense_states.grads + expert_states.grads;
     memory.optimizer = dense_states.optimizer + expert_states.optimizer;
-    memory.activations = activations.at(static_cast<size_t>(rank));
-    memory.backward = backwards.at(static_cast<size_t>(rank));
-    const double unsharded = unsharded_through_step ? element * (dense + expert_per_stage)
+    memory.activations = activations.activations.at(static_cast<size_t>(rank));
+    memory.backward = activations.backward.at(static_cast<size_t>(rank));
+    const double unsharded = unsharded_through_step ? element * (dense + held.experts)
                                                     : 2 * element * layer_params_gpu;
     memory.buffers = (l.zero_stage == 3 ? unsharded : 0) + kFrameworkReserveBytes;
-    e.pipeline_ranks.push_back(memory);
-    if (memory.total() > e.pipeline_ranks.at(static_cast<size_t>(e.fullest_pipeline_rank)).total()) {
-      e.fullest_pipeline_rank = rank;
+    ranks.push_back(memory);
+  }
+  return ranks;
+}
+
+StepFlops step_flops(const ModelSpec& model, const Layout& l) {
+  // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
+  // half of the score matrix, forward + backward). Recomputation adds forward work: full the blocks' whole
+  // forward (2 N per token, N the blocks' active parameters: not the embedding, head and final norm outside
+  // the checkpointed blocks, nor the MoE layers' routers and experts where recompute does not reach them)
+  // and the attention's (a third of it); selective keeps the GEMMs' and the attention's outputs and reruns
+  // only element-wise work (no FLOPs counted).
+  const ParamCount params = count_params(model);
+  const double s = static_cast<double>(l.seq_len), h = static_cast<double>(model.hidden);
+  const double layers = static_cast<double>(model.num_layers);
+  StepFlops flops;
+  flops.tokens = static_cast<double>(l.sequences_per_step()) * s;
+  flops.gemm = 6 * params.active * flops.tokens;
+  flops.attention = 6 * layers * s * h * flops.tokens;
+  if (l.recompute == Recompute::kFull) {
+    const double recomputed = params.active - params.embedding - (l.recompute_experts ? 0 : params.moe_active);
+    flops.recompute_gemm = 2 * recomputed * flops.tokens;
+    flops.recompute_attention = flops.attention / 3;
+  }
+  // The ep rank whose experts get the most rows runs expert_imbalance times the mean of the routed GEMMs
+  // (forward, backward and any rerun), and the step waits for it.
+  flops.routed_excess = (l.expert_imbalance - 1) * 6 * params.routed_active * flops.tokens *
+                        (experts_recomputed(l) ? 4.0 / 3.0 : 1.0);
+  return flops;
+}
+
+ComputeTime compute_time(const StepFlops& flops, const ClusterSpec& cluster, const Layout& l) {
+  const double gemm_speed = uses_fp8_gemms(l.precision)         ? kFp8GemmSpeedup
+                            : l.precision == Precision::kFp32   ? kFp32GemmSpeedup
+                                                                : 1.0;
+  const double gpus = static_cast<double>(l.world_size());
+  const double rate = cluster.min_bf16_flops() * kKernelEfficiency;
+  ComputeTime time;
+  time.attention_seconds = (flops.attention + flops.recompute_attention) / gpus / rate;
+  time.seconds = (flops.gemm + flops.recompute_gemm + flops.routed_excess) / gemm_speed / gpus / rate +
+                 time.attention_seconds;
+  return time;
+}
+
+// Communication per GPU per step, ring algorithms: all-reduce 2(n-1)/n X, all-gather and
+// reduce-scatter (n-1)/n X, all-to-all (n-1)/n X, point-to-point X.
+
+double tp_bytes(const ModelSpec& model, const Layout& l) {
+  if (l.tp <= 1) return 0;
+  // In units of (t-1)/t X, X one micro-batch's activation (an all-reduce is 2 units, an all-gather or a
+  // reduce-scatter 1). Each of a layer's two blocks (attention, MLP) is c column-parallel linears reading
+  // the block's input (c = 1 when fused; unfused 3 in attention, q, k, v, and 2 in the MLP, gate and up,
+  // each communicating the input on its own) and a row-parallel one. Without SP: the row's all-reduce
+  // forward and each column's input-gradient all-reduce backward, 2 + 2c units. With SP: c all-gathers
+  // and a reduce-scatter forward; backward c reduce-scatters, the row's all-gather, and each column's
+  // input gathered again for its weight gradient (the sequence shard is kept, not the gathered input, as
+  // in Megatron-LM): 3c + 2. With fp8 GEMMs (delayed scaling, amaxes reduced: every rank casts with one
+  // scale) a column's ring carries its input as fp8 bytes (1 per element: 1/e units) and keeps the gathered
+  // fp8 input for its weight gradient, and the row's backward ring carries the output gradient's fp8 bytes:
+  // (c + 1)(1 + 1/e). Full recomputation reruns the forward's part. An MoE
+  // layer's experts are not tensor-parallel: its tp ranks run them on the same tokens, gathered from the
+  // sequence shards (2 units with SP, none without; full recompute reruns the gather where it reaches the
+  // experts). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
+  // SP a reduce-scatter forward and an all-gather backward: 2 units) and the output head, a column-
+  // parallel linear (2; with SP 3): those the busiest rank holds (the head; without pp, or zb-v's rank 0, both).
+  // On the critical path: not hidden.
+  const double t = static_cast<double>(l.tp), m = static_cast<double>(l.num_microbatches);
+  const double layers = static_cast<double>(model.num_layers);
+  const double element = element_bytes(l.precision);
+  const bool full = l.recompute == Recompute::kFull;
+  const bool fp8 = uses_fp8_gemms(l.precision);
+  auto block_units = [&](double c) {
+    if (!l.sequence_parallel) return 2 + 2 * c + (full ? 2 : 0);
+    if (fp8) return (c + 1) * (1 + 1 / element) + (full ? c / element + 1 : 0);
+    return 3 * c + 2 + (full ? c + 1 : 0);
+  };
+  const bool fused = model.fused_projections;
+  const double attention_block = block_units(fused ? 1 : 3), mlp_block = block_units(fused ? 1 : 2);
+  const double moe_block = l.sequence_parallel ? 2 + (experts_recomputed(l) ? 1 : 0) : 0;
+  const double moe_share = static_cast<double>(model.num_moe_layers()) / layers;
+  const double per_layer = attention_block + (1 - moe_share) * mlp_block + moe_share * moe_block;
+  const long busiest = rank_params(model, l).busiest;
+  const double ends = (holds_last(l, busiest) ? (l.sequence_parallel ? 3 : 2) : 0) + (holds_first(l, busiest) ? 2 : 0);
+  return m * (layers_per_stage(model, l) * per_layer + ends) * (t - 1) / t * microbatch_activation_bytes(model, l);
+}
+
+CpBytes cp_bytes(const ModelSpec& model, const Layout& l) {
+  CpBytes bytes;
+  if (l.cp <= 1) return bytes;
+  // cp / u ring ranks around Ulysses groups of u (either may be 1). In units of one head of the local
+  // sequence, [b, s/cp, head_dim]; kv heads of a tp rank fewer than u are replicated to one per Ulysses
+  // rank (ulysses_attention). Ulysses: q, k, v to head shards and the output back forward, their
+  // gradients backward, each rank keeping 1/u of each all-to-all: on the critical path. Ring: a rank's
+  // K/V (the local sequence's kv heads, whatever u) go around r - 1 times forward; backward sends them
+  // again plus the dK/dV accumulators (r hops): hidden behind the attention compute (estimate()).
+  const double t = static_cast<double>(l.tp), c = static_cast<double>(l.cp);
+  const double m = static_cast<double>(l.num_microbatches), b = static_cast<double>(l.micro_batch);
+  const double s = static_cast<double>(l.seq_len), s_local = s / c;
+  const double u = static_cast<double>(l.cp_ulysses), r = c / u;
+  const double heads = static_cast<double>(model.num_heads) / t;
+  double kv_heads = static_cast<double>(model.num_kv_heads) / t;
+  if (u > kv_heads) kv_heads = u;
+  const double head = b * s_local * model.head_dim() * element_bytes(l.precision);
+  const double ulysses = u > 1 ? 2 * (2 * heads + 2 * kv_heads) * (u - 1) / u * head : 0;
+  const double ring = r > 1 ? 2 * kv_heads * head * (3 * (r - 1) + 1) : 0;
+  const double layer_passes = m * layers_per_stage(model, l);
+  bytes.ring = layer_passes * ring;
+  bytes.total = layer_passes * (ring + ulysses);
+  return bytes;
+}
+
+double ep_bytes(const ModelSpec& model, const Layout& l) {
+  if (l.ep <= 1) return 0;
+  // MoE dispatch and combine, forward and backward: 4 all-to-alls per MoE layer (6 where full recompute
+  // reruns the experts' forward). A token travels once to each other rank holding one of its experts
+  // (DeepEP's rule, as tdx::moe_dispatch does), with uniform routing expected_remote_ranks of them
+  // (k (ep-1)/ep without the deduplication). A rank sends the rows of its own tokens that go elsewhere in
+  // the dispatch and the combine's backward, and the other ranks' rows its experts got in the combine and
+  // the dispatch's backward. When every rank's tokens send the share x/ep of their rows to the busiest
+  // rank's experts (x = expert_imbalance), it sends (1 - x/ep) + (ep - 1) x/ep of a rank's rows each way,
+  // (ep + x (ep - 2)) / (2 (ep - 1)) times uniform routing's: at ep = 2 as many (it keeps more of its own
+  // rows and sends back more of the other's). Counted in rows, this is exact with k = 1 and an
+  // approximation of the deduplicated messages otherwise (skewed routing changes how often a token's
+  // experts share a rank).
+  const double m = static_cast<double>(l.num_microbatches), layers = static_cast<double>(model.num_layers);
+  const double moe_layers_per_stage = static_cast<double>(model.num_moe_layers()) / layers * layers_per_stage(model, l);
+  const double routed = microbatch_activation_bytes(model, l) *
+                        expected_remote_ranks(model.num_experts, model.experts_per_token, l.ep);
+  const double ep = static_cast<double>(l.ep);
+  const double skewed_share = (ep + l.expert_imbalance * (ep - 2)) / (2 * (ep - 1));
+  const double exchanges = experts_recomputed(l) ? 6 : 4;
+  return m * moe_layers_per_stage * exchanges * routed * skewed_share;
+}
+
+double dp_bytes(const ModelSpec& model, const Layout& l) {
+  // Data parallelism over the gradients (bf16; fp32 in fp32 training): ZeRO 0-2 all-reduce them once
+  // per step and overlap with the backward (two thirds of the compute: estimate()). ZeRO-3 reduce-scatters the
+  // gradients once per step (accumulated over the micro-batches: FSDP2's set_requires_gradient_sync) and
+  // all-gathers the blocks' parameters for each micro-batch's forward and again for its backward, and
+  // the root unit's (the embedding, final norm and head, outside the blocks) once per micro-batch (FSDP2
+  // keeps the root unsharded from its forward to its backward); with pp everything once per step (a
+  // pipeline keeps the parameters unsharded through the step: torchdist_ext.pipeline, torchtitan).
+  // Overlapped with all the compute. Dense parameters are replicated over dp x cp x ep ranks, experts over
+  // dp x cp (rank_memory); the busiest pipeline rank's are counted.
+  const double m = static_cast<double>(l.num_microbatches), element = element_bytes(l.precision);
+  const RankParams held = rank_params(model, l);
+  const double dense_per_stage = held.dense(held.busiest);
+  const double ends_per_stage = held.ends.at(static_cast<size_t>(held.busiest));
+  const double dense_dp = static_cast<double>(l.dp * l.cp * l.ep), expert_dp = static_cast<double>(l.dp * l.cp);
+  const double block_gathers = l.pp > 1 ? 1 : 2 * m, root_gathers = l.pp > 1 ? 1 : m;
+  auto volume = [&](double n, double param_count, double gathers) {
+    if (n <= 1) return 0.0;
+    const double share = (n - 1) / n * param_count * element;
+    return l.zero_stage == 3 ? (gathers + 1) * share : 2 * share;
+  };
+  return volume(dense_dp, dense_per_stage - ends_per_stage, block_gathers) +
+         volume(dense_dp, ends_per_stage, root_gathers) + volume(expert_dp, held.experts, block_gathers);
+}
+
+double pp_bytes(const ModelSpec& model, const Layout& l) {
+  if (l.pp <= 1) return 0;
+  // Activations forward and their gradients backward at each stage boundary, per micro-batch, by the
+  // busiest rank; the sequence-parallel activation is split over tp.
+  const double activation = microbatch_activation_bytes(model, l);
+  const double boundary = l.sequence_parallel ? activation / static_cast<double>(l.tp) : activation;
+  return static_cast<double>(l.num_microbatches) * busiest_rank_boundary_sends(l.pp, l.schedule, l.virtual_stages) *
+         boundary;
+}
+
+Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layout& l) {
+  l.validate_for(model, cluster);
+  Estimate e;
+
+  // Memory: each pipeline rank's; the estimate's fields are the fullest rank's.
+  const RankParams held = rank_params(model, l);
+  e.params_per_gpu = held.total(held.busiest);
+  e.pipeline_ranks = rank_memory(model, l);
+  for (size_t rank = 1; rank < e.pipeline_ranks.size(); ++rank) {
+    if (e.pipeline_ranks[rank].total() > e.pipeline_ranks.at(static_cast<size_t>(e.fullest_pipeline_rank)).total()) {
+      e.fullest_pipeline_rank = static_cast<long>(rank);
     }
   }
   const RankMemory& fullest = e.pipeline_ranks.at(static_cast<size_t>(e.fullest_pipeline_rank));
@@ -213,38 +413,15 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   e.activations = fullest.activations, e.backward = fullest.backward, e.buffers = fullest.buffers;
   e.gpu_memory = cluster.min_memory_bytes();
 
-  // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
-  // half of the score matrix, forward + backward). Recomputation adds forward work: full the blocks' whole
-  // forward (2 N per token, N the blocks' active parameters: not the embedding, head and final norm outside
-  // the checkpointed blocks, nor the MoE layers' routers and experts where recompute does not reach them)
-  // and the attention's (a third of it); selective keeps the GEMMs' and the attention's outputs and reruns
-  // only element-wise work (no FLOPs counted).
-  e.tokens_per_step = static_cast<double>(l.sequences_per_step()) * s;
-  const double gemm_flops = 6 * params.active * e.tokens_per_step;
-  const double attention_flops = 6 * layers * s * h * e.tokens_per_step;
-  e.model_flops_per_step = gemm_flops + attention_flops;
-  const bool experts_recomputed = l.recompute == Recompute::kFull && l.recompute_experts;
-  double recompute_gemm = 0, recompute_attention = 0;
-  if (l.recompute == Recompute::kFull) {
-    const double recomputed = params.active - params.embedding - (l.recompute_experts ? 0 : params.moe_active);
-    recompute_gemm = 2 * recomputed * e.tokens_per_step;
-    recompute_attention = attention_flops / 3;
-  }
-  // The ep rank whose experts get the most rows runs expert_imbalance times the mean of the routed GEMMs
-  // (forward, backward and any rerun), and the step waits for it.
-  const double routed_excess = (l.expert_imbalance - 1) * 6 * params.routed_active * e.tokens_per_step *
-                               (experts_recomputed ? 4.0 / 3.0 : 1.0);
-  const double gemm_speed = uses_fp8_gemms(l.precision)         ? kFp8GemmSpeedup
-                            : l.precision == Precision::kFp32   ? kFp32GemmSpeedup
-                                                                : 1.0;
-  const double gpus = static_cast<double>(l.world_size());
-  const double rate = cluster.min_bf16_flops() * kKernelEfficiency;
-  const double attention_seconds = (attention_flops + recompute_attention) / gpus / rate;
-  e.compute_seconds = (gemm_flops + recompute_gemm + routed_excess) / gemm_speed / gpus / rate + attention_seconds;
+  // Compute.
+  const StepFlops flops = step_flops(model, l);
+  e.tokens_per_step = flops.tokens;
+  e.model_flops_per_step = flops.model();
+  const ComputeTime compute = compute_time(flops, cluster, l);
+  e.compute_seconds = compute.seconds;
   e.bubble = l.pp > 1 ? bubble_fraction(l.pp, l.num_microbatches, l.schedule, l.virtual_stages) : 0.0;
 
-  // Communication per GPU per step, ring algorithms: all-reduce 2(n-1)/n X, all-gather and
-  // reduce-scatter (n-1)/n X, all-to-all (n-1)/n X, point-to-point X.
+  // Communication: each axis's bytes at its link's bandwidth, less what hides behind compute.
   auto add = [&](const std::string& axis, double bytes, double hidden_behind) {
     AxisComm comm;
     comm.intra_domain = axis_intra_domain(l, cluster, axis);
@@ -253,107 +430,22 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
     comm.exposed_seconds = std::max(0.0, comm.seconds - hidden_behind);
     e.comm[axis] = comm;
   };
-  const double activation = b * s_local * h * element;  // one micro-batch's [b, s/cp, h]
-  if (l.tp > 1) {
-    // In units of (t-1)/t X, X the activation above (an all-reduce is 2 units, an all-gather or a
-    // reduce-scatter 1). Each of a layer's two blocks (attention, MLP) is c column-parallel linears reading
-    // the block's input (c = 1 when fused; unfused 3 in attention, q, k, v, and 2 in the MLP, gate and up,
-    // each communicating the input on its own) and a row-parallel one. Without SP: the row's all-reduce
-    // forward and each column's input-gradient all-reduce backward, 2 + 2c units. With SP: c all-gathers
-    // and a reduce-scatter forward; backward c reduce-scatters, the row's all-gather, and each column's
-    // input gathered again for its weight gradient (the sequence shard is kept, not the gathered input, as
-    // in Megatron-LM): 3c + 2. With fp8 GEMMs (delayed scaling, amaxes reduced: every rank casts with one
-    // scale) a column's ring carries its input as fp8 bytes (1 per element: 1/e units) and keeps the gathered
-    // fp8 input for its weight gradient, and the row's backward ring carries the output gradient's fp8 bytes:
-    // (c + 1)(1 + 1/e). Full recomputation reruns the forward's part. An MoE
-    // layer's experts are not tensor-parallel: its tp ranks run them on the same tokens, gathered from the
-    // sequence shards (2 units with SP, none without; full recompute reruns the gather where it reaches the
-    // experts). The ends: the vocab-parallel embedding's output (an all-reduce forward; with
-    // SP a reduce-scatter forward and an all-gather backward: 2 units) and the output head, a column-
-    // parallel linear (2; with SP 3): those the busiest rank holds (the head; without pp, or zb-v's rank 0, both).
-    // On the critical path: not hidden.
-    const bool full = l.recompute == Recompute::kFull;
-    const bool fp8 = uses_fp8_gemms(l.precision);
-    auto block_units = [&](double c) {
-      if (!l.sequence_parallel) return 2 + 2 * c + (full ? 2 : 0);
-      if (fp8) return (c + 1) * (1 + 1 / element) + (full ? c / element + 1 : 0);
-      return 3 * c + 2 + (full ? c + 1 : 0);
-    };
-    const bool fused = model.fused_projections;
-    const double attention_block = block_units(fused ? 1 : 3), mlp_block = block_units(fused ? 1 : 2);
-    const double moe_block = l.sequence_parallel ? 2 + (experts_recomputed ? 1 : 0) : 0;
-    const double moe_share = static_cast<double>(model.num_moe_layers()) / layers;
-    const double per_layer = attention_block + (1 - moe_share) * mlp_block + moe_share * moe_block;
-    const double ends = (holds_last(busiest) ? (l.sequence_parallel ? 3 : 2) : 0) + (holds_first(busiest) ? 2 : 0);
-    add("tp", m * (layers_per_stage * per_layer + ends) * (t - 1) / t * activation, 0.0);
-  }
+  if (l.tp > 1) add("tp", tp_bytes(model, l), 0.0);
   if (l.cp > 1) {
-    // cp / u ring ranks around Ulysses groups of u (either may be 1). In units of one head of the local
-    // sequence, [b, s/cp, head_dim]; kv heads of a tp rank fewer than u are replicated to one per Ulysses
-    // rank (ulysses_attention). Ulysses: q, k, v to head shards and the output back forward, their
-    // gradients backward, each rank keeping 1/u of each all-to-all: on the critical path. Ring: a rank's
-    // K/V (the local sequence's kv heads, whatever u) go around r - 1 times forward; backward sends them
-    // again plus the dK/dV accumulators (r hops): hidden behind the attention compute.
-    const double u = static_cast<double>(l.cp_ulysses), r = c / u;
-    const double heads = static_cast<double>(model.num_heads) / t;
-    double kv_heads = static_cast<double>(model.num_kv_heads) / t;
-    if (u > kv_heads) kv_heads = u;
-    const double head = b * s_local * model.head_dim() * element;
-    const double ulysses = u > 1 ? 2 * (2 * heads + 2 * kv_heads) * (u - 1) / u * head : 0;
-    const double ring = r > 1 ? 2 * kv_heads * head * (3 * (r - 1) + 1) : 0;
-    const double ring_seconds =
-        m * layers_per_stage * ring / link_bandwidth(cluster, axis_intra_domain(l, cluster, "cp"));
-    add("cp", m * layers_per_stage * (ring + ulysses), std::min(attention_seconds, ring_seconds));
+    // The ring hides behind the attention compute; Ulysses' all-to-alls are on the critical path.
+    const CpBytes cp = cp_bytes(model, l);
+    const double ring_seconds = cp.ring / link_bandwidth(cluster, axis_intra_domain(l, cluster, "cp"));
+    add("cp", cp.total, std::min(compute.attention_seconds, ring_seconds));
   }
-  if (l.ep > 1) {
-    // MoE dispatch and combine, forward and backward: 4 all-to-alls per MoE layer (6 where full recompute
-    // reruns the experts' forward). A token travels once to each other rank holding one of its experts
-    // (DeepEP's rule, as tdx::moe_dispatch does), with uniform routing expected_remote_ranks of them
-    // (k (ep-1)/ep without the deduplication). A rank sends the rows of its own tokens that go elsewhere in
-    // the dispatch and the combine's backward, and the other ranks' rows its experts got in the combine and
-    // the dispatch's backward. When every rank's tokens send the share x/ep of their rows to the busiest
-    // rank's experts (x = expert_imbalance), it sends (1 - x/ep) + (ep - 1) x/ep of a rank's rows each way,
-    // (ep + x (ep - 2)) / (2 (ep - 1)) times uniform routing's: at ep = 2 as many (it keeps more of its own
-    // rows and sends back more of the other's). Counted in rows, this is exact with k = 1 and an
-    // approximation of the deduplicated messages otherwise (skewed routing changes how often a token's
-    // experts share a rank).
-    const double moe_layers_per_stage = static_cast<double>(model.num_moe_layers()) / layers * layers_per_stage;
-    const double routed = activation * expected_remote_ranks(model.num_experts, model.experts_per_token, l.ep);
-    const double ep = static_cast<double>(l.ep);
-    const double skewed_share = (ep + l.expert_imbalance * (ep - 2)) / (2 * (ep - 1));
-    const double exchanges = experts_recomputed ? 6 : 4;
-    add("ep", m * moe_layers_per_stage * exchanges * routed * skewed_share, 0.0);
-  }
-  {
-    // Data parallelism over the gradients (bf16; fp32 in fp32 training): ZeRO 0-2 all-reduce them once
-    // per step and overlap with the backward (two thirds of the compute). ZeRO-3 reduce-scatters the
-    // gradients once per step (accumulated over the micro-batches: FSDP2's set_requires_gradient_sync) and
-    // all-gathers the blocks' parameters for each micro-batch's forward and again for its backward, and
-    // the root unit's (the embedding, final norm and head, outside the blocks) once per micro-batch (FSDP2
-    // keeps the root unsharded from its forward to its backward); with pp everything once per step (a
-    // pipeline keeps the parameters unsharded through the step: torchdist_ext.pipeline, torchtitan).
-    // Overlapped with all the compute.
-    const double dense_dp = static_cast<double>(dense_replicas), expert_dp = static_cast<double>(expert_replicas);
-    const double block_gathers = l.pp > 1 ? 1 : 2 * m, root_gathers = l.pp > 1 ? 1 : m;
-    auto volume = [&](double n, double param_count, double gathers) {
-      if (n <= 1) return 0.0;
-      const double share = (n - 1) / n * param_count * element;
-      return l.zero_stage == 3 ? (gathers + 1) * share : 2 * share;
-    };
-    const double bytes = volume(dense_dp, dense_per_stage - ends_per_stage, block_gathers) +
-                         volume(dense_dp, ends_per_stage, root_gathers) +
-                         volume(expert_dp, expert_per_stage, block_gathers);
-    if (bytes > 0) add("dp", bytes, l.zero_stage == 3 ? e.compute_seconds : e.compute_seconds * 2 / 3);
-  }
-  if (l.pp > 1) {
-    // Activations forward and their gradients backward at each stage boundary, per micro-batch, by the
-    // busiest rank; the sequence-parallel activation is split over tp.
-    const double boundary = l.sequence_parallel ? activation / t : activation;
-    add("pp", m * busiest_rank_boundary_sends(l.pp, l.schedule, l.virtual_stages) * boundary, 0.0);
-  }
+  if (l.ep > 1) add("ep", ep_bytes(model, l), 0.0);
+  const double dp = dp_bytes(model, l);
+  if (dp > 0) add("dp", dp, l.zero_stage == 3 ? e.compute_seconds : e.compute_seconds * 2 / 3);
+  if (l.pp > 1) add("pp", pp_bytes(model, l), 0.0);
+
   double exposed = 0;
   for (const auto& [axis, comm] : e.comm) exposed += comm.exposed_seconds;
   e.step_seconds = e.compute_seconds / (1.0 - e.bubble) + exposed;
+  const double gpus = static_cast<double>(l.world_size());
   e.mfu = e.model_flops_per_step / (e.step_seconds * gpus * cluster.min_bf16_flops());
   return e;
 }

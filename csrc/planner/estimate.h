@@ -1,6 +1,9 @@
 #pragma once
 // Per-GPU memory, communication and step time of a layout. Every assumption
-// is written next to the formula that uses it (estimate.cpp).
+// is written next to the formula that uses it (estimate.cpp). estimate() composes
+// the parts declared below it: rank_memory, step_flops and compute_time, and one
+// *_bytes per parallel axis. The parts take a layout valid for the model and
+// cluster (Layout::validate_for; estimate() checks it) and do not check it again.
 
 #include <map>
 #include <string>
@@ -57,6 +60,68 @@ double expected_remote_ranks(int64_t num_experts, int64_t top_k, int64_t ep);
 bool axis_intra_domain(const Layout& layout, const ClusterSpec& cluster, const std::string& axis);
 
 Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layout& layout);
+
+// Parameters one GPU holds before ZeRO sharding, a count (not bytes), per pipeline rank: its stage's share of the
+// layers (dense parameters split over tp, routed experts over ep) and the ends of the model it holds (the input
+// embedding on the first stage, the final norm and LM head on the last; split over tp).
+struct RankParams {
+  double dense_layers = 0;   // the layers' dense parameters, the same on every pipeline rank
+  double experts = 0;        // the layers' routed-expert parameters, the same on every pipeline rank
+  std::vector<double> ends;  // the ends each pipeline rank holds, in pipeline-rank order
+  long busiest = 0;          // the (first) pipeline rank holding the most: the communication prices it
+  double dense(long rank) const { return dense_layers + ends.at(static_cast<size_t>(rank)); }
+  double total(long rank) const { return dense(rank) + experts; }  // Estimate::params_per_gpu at `busiest`
+};
+RankParams rank_params(const ModelSpec& model, const Layout& layout);
+
+// Activation bytes per GPU of each pipeline rank, in pipeline-rank order (RankMemory's activations and backward).
+struct RankActivations {
+  std::vector<double> activations;  // held between passes at the rank's peak
+  std::vector<double> backward;     // what a B pass adds on top of that peak, at its largest
+};
+RankActivations rank_activations(const ModelSpec& model, const Layout& layout);
+
+// Memory of one GPU of each pipeline rank, bytes, in pipeline-rank order (Estimate::pipeline_ranks): model
+// states (ZeRO), rank_activations and the buffers (ZeRO-3's unsharded parameters, the framework reserve).
+std::vector<RankMemory> rank_memory(const ModelSpec& model, const Layout& layout);
+
+// FLOPs of one step, summed over all GPUs.
+struct StepFlops {
+  double tokens = 0;               // tokens per step (a count, not FLOPs)
+  double gemm = 0;                 // 6 N_active per token
+  double attention = 0;            // causal attention, 6 L s h per token
+  double recompute_gemm = 0;       // full recomputation's rerun of the blocks' GEMMs
+  double recompute_attention = 0;  // full recomputation's rerun of the attention
+  double routed_excess = 0;        // what the busiest ep rank's routed GEMMs add over the mean (expert_imbalance)
+  double model() const { return gemm + attention; }  // Estimate::model_flops_per_step: without recomputation
+};
+StepFlops step_flops(const ModelSpec& model, const Layout& layout);
+
+// Busy time of one GPU per step, seconds, with recomputation, at the slowest GPU's peak (GEMMs faster in fp8,
+// slower in fp32) times the kernels' efficiency.
+struct ComputeTime {
+  double seconds = 0;            // Estimate::compute_seconds
+  double attention_seconds = 0;  // of it, the attention's (what hides the cp ring)
+};
+ComputeTime compute_time(const StepFlops& flops, const ClusterSpec& cluster, const Layout& layout);
+
+// Bytes one GPU (of the busiest pipeline rank) sends per step over each parallel axis: Estimate::comm's bytes.
+// 0 where the axis has size 1.
+// tp: the tensor-parallel collectives of the stage's layers and of the ends the rank holds.
+double tp_bytes(const ModelSpec& model, const Layout& layout);
+// cp: ring attention's K/V and dK/dV passes and Ulysses' all-to-alls.
+struct CpBytes {
+  double total = 0;  // ring and Ulysses
+  double ring = 0;   // of it, the ring's (hidden behind the attention compute)
+};
+CpBytes cp_bytes(const ModelSpec& model, const Layout& layout);
+// ep: the MoE layers' dispatch and combine all-to-alls, forward and backward.
+double ep_bytes(const ModelSpec& model, const Layout& layout);
+// dp: the gradients' all-reduce (ZeRO 0-2) or reduce-scatter and the parameters' all-gathers (ZeRO-3), over the
+// replicas of dense (dp x cp x ep) and expert (dp x cp) parameters; 0 when neither has more than one.
+double dp_bytes(const ModelSpec& model, const Layout& layout);
+// pp: activations and their gradients at the stage boundaries.
+double pp_bytes(const ModelSpec& model, const Layout& layout);
 
 // 6 N D (Kaplan et al. 2020; Hoffmann et al. 2022): forward 2ND, backward 4ND.
 double training_flops(double num_params, double num_tokens);

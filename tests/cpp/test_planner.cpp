@@ -5,7 +5,11 @@
 
 #include <algorithm>
 #include <cmath>
+#include <map>
 #include <stdexcept>
+#include <string>
+#include <utility>
+#include <vector>
 
 #include "planner/checks.h"
 #include "planner/estimate.h"
@@ -611,4 +615,453 @@ TEST(Estimate, ContextParallelBytesFollowTheAttention) {
   EXPECT_NEAR(cp_bytes(1), 80 * 2 * 1 * head * (3 * 7 + 1), 1);
   EXPECT_NEAR(cp_bytes(8), 80 * 2 * (2 * 8 + 2 * 8) * 7 / 8.0 * head, 1);
   EXPECT_NEAR(cp_bytes(2), 80 * (2 * (2 * 8 + 2 * 2) / 2.0 * head + 2 * 2 * head * (3 * 3 + 1)), 1);
+}
+
+// estimate()'s parts (estimate.h), each against a closed form on small models whose numbers are written out here,
+// and estimate() as their composition.
+
+namespace {
+
+// 4 layers, h = 64, 4 heads of 16 (2 kv heads: k and v 64 x 32), SwiGLU 128, vocabulary 100. Per layer: q, o
+// 64 x 64 each, k, v 64 x 32 each, two norms 64, the MLP 3 x 64 x 128: 12416 + 24576 = 36992. The input embedding
+// 100 x 64 = 6400; the LM head and final norm 6400 + 64 = 6464. In all 4 x 36992 + 12864 = 160832.
+ModelSpec tiny_dense() {
+  ModelSpec m;
+  m.num_layers = 4, m.hidden = 64, m.num_heads = 4, m.num_kv_heads = 2, m.ffn_hidden = 128, m.vocab_size = 100;
+  return m;
+}
+constexpr double kTinyLayer = 36992, kTinyEmbedding = 6400, kTinyHead = 6464;
+
+// 4 layers, the first dense, three MoE (8 experts of width 32, top-2, one shared expert), h = 64, 4 heads and 4 kv
+// heads, vocabulary 100. Attention and norms per layer 2 x 64 x 64 + 2 x 64 x 64 + 2 x 64 = 16512; the dense MLP
+// 3 x 64 x 128 = 24576; an expert 3 x 64 x 32 = 6144, a router 64 x 8 = 512. Routed experts 3 x 8 x 6144 = 147456;
+// shared experts and routers 3 x (6144 + 512) = 19968; the rest of the layers 4 x 16512 + 24576 + 19968 = 110592;
+// the ends 12864. Active per token: 110592 + 12864 + 3 x 2 x 6144 (routed top-2: 36864) = 160320.
+ModelSpec tiny_moe() {
+  ModelSpec m;
+  m.num_layers = 4, m.hidden = 64, m.num_heads = 4, m.num_kv_heads = 4, m.ffn_hidden = 128, m.vocab_size = 100;
+  m.num_experts = 8, m.experts_per_token = 2, m.moe_ffn_hidden = 32, m.num_dense_layers = 1, m.num_shared_experts = 1;
+  return m;
+}
+constexpr double kMoeLayers = 110592, kMoeExperts = 147456, kMoeEnds = 12864, kMoeActive = 160320;
+constexpr double kMoeRoutedActive = 36864, kMoeShared = 19968;
+
+// One micro-batch's [b, s/cp, h] of the tiny models at b = 1, s = 256, bf16: 256 x 64 x 2 bytes.
+constexpr double kTinyActivation = 256.0 * 64 * 2;
+
+void expect_close(double actual, double expected) { EXPECT_NEAR(actual, expected, 1e-12 * std::abs(expected)); }
+
+}  // namespace
+
+TEST(EstimateParts, RankParamsSplitTheLayersOverTpTheExpertsOverEpAndHoldTheEnds) {
+  Layout l;
+  l.tp = 2, l.pp = 2;  // 1F1B: two layers per stage, the embedding on rank 0, the head and final norm on rank 1
+  RankParams p = rank_params(tiny_dense(), l);
+  EXPECT_DOUBLE_EQ(p.dense_layers, 2 * kTinyLayer / 2);
+  EXPECT_DOUBLE_EQ(p.experts, 0);
+  ASSERT_EQ(p.ends.size(), 2u);
+  EXPECT_DOUBLE_EQ(p.ends[0], kTinyEmbedding / 2);
+  EXPECT_DOUBLE_EQ(p.ends[1], kTinyHead / 2);
+  EXPECT_EQ(p.busiest, 1);
+  EXPECT_DOUBLE_EQ(p.total(1), kTinyLayer + kTinyHead / 2);
+  // ZB-V's V puts both ends on rank 0.
+  l.schedule = Schedule::kZbV;
+  p = rank_params(tiny_dense(), l);
+  EXPECT_DOUBLE_EQ(p.ends[0], (kTinyEmbedding + kTinyHead) / 2);
+  EXPECT_DOUBLE_EQ(p.ends[1], 0);
+  EXPECT_EQ(p.busiest, 0);
+  // 4 layers on 3 stages: ceil(4 / 3) = 2 layers each at most; the middle rank holds no end.
+  l.tp = 1, l.pp = 3, l.schedule = Schedule::k1F1B;
+  p = rank_params(tiny_dense(), l);
+  EXPECT_DOUBLE_EQ(p.dense_layers, 2 * kTinyLayer);
+  EXPECT_EQ(p.ends, (std::vector<double>{kTinyEmbedding, 0, kTinyHead}));
+  EXPECT_EQ(p.busiest, 2);
+  // MoE over ep = 2 and tp = 2 without pp: the routed experts split over ep only, the rest over tp.
+  Layout moe;
+  moe.tp = 2, moe.ep = 2;
+  p = rank_params(tiny_moe(), moe);
+  EXPECT_DOUBLE_EQ(p.dense_layers, kMoeLayers / 2);
+  EXPECT_DOUBLE_EQ(p.experts, kMoeExperts / 2);
+  EXPECT_EQ(p.ends, (std::vector<double>{kMoeEnds / 2}));
+  EXPECT_DOUBLE_EQ(p.total(0), (kMoeLayers + kMoeEnds) / 2 + kMoeExperts / 2);
+}
+
+TEST(EstimateParts, RankActivationsHoldEachRanksMicroBatchesAndTheModelsEnd) {
+  const ModelSpec model = tiny_dense();
+  Layout l;
+  l.seq_len = 256, l.recompute = Recompute::kSelective;
+  const double layer = layer_activation_bytes(model, l, false), head = head_activation_bytes(model, l);
+  const double in_pass = layer_rerun_bytes(model, l, false) + layer_backward_bytes(model, l, false);
+  ASSERT_GT(layer, 0);
+  // One rank: one micro-batch of the 4 layers and the model's end; inside its B the top layer's rerun and
+  // gradients once the head has released its forward, or the head's own backward if larger.
+  RankActivations a = rank_activations(model, l);
+  ASSERT_EQ(a.activations.size(), 1u);
+  ASSERT_EQ(a.backward.size(), 1u);
+  EXPECT_DOUBLE_EQ(a.activations[0], 4 * layer + head);
+  EXPECT_DOUBLE_EQ(a.backward[0], std::max(head_backward_bytes(model, l), in_pass - head));
+  // 1F1B over pp = 2 with m = 4: rank 0 holds min(2 - 0, 4) = 2 micro-batches of its 2 layers, rank 1 one, and
+  // the end.
+  l.pp = 2, l.num_microbatches = 4;
+  a = rank_activations(model, l);
+  ASSERT_EQ(a.activations.size(), 2u);
+  EXPECT_DOUBLE_EQ(a.activations[0], 2 * 2 * layer);
+  EXPECT_DOUBLE_EQ(a.activations[1], 1 * 2 * layer + head);
+  EXPECT_DOUBLE_EQ(a.backward[0], in_pass);
+  EXPECT_DOUBLE_EQ(a.backward[1], std::max(head_backward_bytes(model, l), in_pass - head));
+  // GPipe holds every micro-batch, the end's included.
+  l.schedule = Schedule::kGPipe;
+  a = rank_activations(model, l);
+  EXPECT_DOUBLE_EQ(a.activations[0], 4 * 2 * layer);
+  EXPECT_DOUBLE_EQ(a.activations[1], 4 * 2 * layer + 4 * head);
+}
+
+TEST(EstimateParts, RankMemoryIsModelStatesActivationsAndBuffers) {
+  const ModelSpec model = tiny_dense();
+  constexpr double kReserve = 2.0 * kGiB;  // the framework reserve
+  Layout l;
+  l.seq_len = 256, l.pp = 2, l.dp = 2, l.zero_stage = 1, l.num_microbatches = 4;
+  // ZeRO-1 over dp = 2, bf16-mixed: parameters and gradients 2 B each, unsharded; optimizer 12 B over 2.
+  // Rank 0: 2 layers and the embedding, rank 1: 2 layers and the head.
+  const double held[] = {2 * kTinyLayer + kTinyEmbedding, 2 * kTinyLayer + kTinyHead};
+  const RankActivations a = rank_activations(model, l);
+  auto ranks = rank_memory(model, l);
+  ASSERT_EQ(ranks.size(), 2u);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_DOUBLE_EQ(ranks[r].params, 2 * held[r]) << r;
+    EXPECT_DOUBLE_EQ(ranks[r].grads, 2 * held[r]) << r;
+    EXPECT_DOUBLE_EQ(ranks[r].optimizer, 12 * held[r] / 2) << r;
+    EXPECT_EQ(ranks[r].activations, a.activations[r]) << r;
+    EXPECT_EQ(ranks[r].backward, a.backward[r]) << r;
+    EXPECT_DOUBLE_EQ(ranks[r].buffers, kReserve) << r;
+  }
+  // ZeRO-3 with the pipeline: parameters sharded, the stage's unsharded bf16 copy (a buffer) and its gradients
+  // accumulated unsharded in fp32.
+  l.zero_stage = 3;
+  ranks = rank_memory(model, l);
+  for (size_t r = 0; r < 2; ++r) {
+    EXPECT_DOUBLE_EQ(ranks[r].params, 2 * held[r] / 2) << r;
+    EXPECT_DOUBLE_EQ(ranks[r].grads, 4 * held[r]) << r;
+    EXPECT_DOUBLE_EQ(ranks[r].optimizer, 12 * held[r] / 2) << r;
+    EXPECT_DOUBLE_EQ(ranks[r].buffers, 2 * held[r] + kReserve) << r;
+  }
+  // ZeRO-3 without pp: everything sharded, two prefetched layers unsharded.
+  l.pp = 1;
+  ranks = rank_memory(model, l);
+  ASSERT_EQ(ranks.size(), 1u);
+  const double all = 4 * kTinyLayer + kTinyEmbedding + kTinyHead;
+  EXPECT_DOUBLE_EQ(ranks[0].params, 2 * all / 2);
+  EXPECT_DOUBLE_EQ(ranks[0].grads, 2 * all / 2);
+  EXPECT_DOUBLE_EQ(ranks[0].optimizer, 12 * all / 2);
+  EXPECT_DOUBLE_EQ(ranks[0].buffers, 2 * 2 * kTinyLayer + kReserve);
+  // fp32 training without ZeRO: 4 B parameters, 4 B gradients, 8 B Adam moments.
+  l.zero_stage = 0, l.dp = 1, l.precision = Precision::kFp32;
+  ranks = rank_memory(model, l);
+  EXPECT_DOUBLE_EQ(ranks[0].params, 4 * all);
+  EXPECT_DOUBLE_EQ(ranks[0].grads, 4 * all);
+  EXPECT_DOUBLE_EQ(ranks[0].optimizer, 8 * all);
+  EXPECT_DOUBLE_EQ(ranks[0].buffers, kReserve);
+  // MoE, ZeRO-1 over ep = 2: dense parameters replicated over dp x ep = 2 (optimizer sharded over 2), the experts
+  // (half of them per rank) over dp = 1.
+  Layout moe;
+  moe.seq_len = 256, moe.ep = 2, moe.zero_stage = 1;
+  ranks = rank_memory(tiny_moe(), moe);
+  const double dense = kMoeLayers + kMoeEnds, experts = kMoeExperts / 2;
+  EXPECT_DOUBLE_EQ(ranks[0].params, 2 * dense + 2 * experts);
+  EXPECT_DOUBLE_EQ(ranks[0].grads, 2 * dense + 2 * experts);
+  EXPECT_DOUBLE_EQ(ranks[0].optimizer, 12 * dense / 2 + 12 * experts);
+}
+
+TEST(EstimateParts, StepFlopsAreSixNDAttentionAndTheirReruns) {
+  Layout l;
+  l.seq_len = 256, l.micro_batch = 2, l.num_microbatches = 3, l.dp = 2, l.recompute = Recompute::kSelective;
+  // 2 x 3 x 2 sequences of 256 tokens; 6 N D with N = 160832; attention 6 L s h per token.
+  const double tokens = 2 * 3 * 2 * 256.0, all = 4 * kTinyLayer + kTinyEmbedding + kTinyHead;
+  StepFlops f = step_flops(tiny_dense(), l);
+  EXPECT_DOUBLE_EQ(f.tokens, tokens);
+  EXPECT_DOUBLE_EQ(f.gemm, 6 * all * tokens);
+  EXPECT_DOUBLE_EQ(f.attention, 6 * 4 * 256.0 * 64 * tokens);
+  EXPECT_DOUBLE_EQ(f.model(), 6 * all * tokens + 6 * 4 * 256.0 * 64 * tokens);
+  EXPECT_EQ(f.recompute_gemm, 0);  // selective: element-wise work only
+  EXPECT_EQ(f.recompute_attention, 0);
+  EXPECT_EQ(f.routed_excess, 0);
+  // Full: the blocks' forward again (2 N per token without the ends) and a third of the attention.
+  l.recompute = Recompute::kFull;
+  f = step_flops(tiny_dense(), l);
+  EXPECT_DOUBLE_EQ(f.recompute_gemm, 2 * 4 * kTinyLayer * tokens);
+  EXPECT_DOUBLE_EQ(f.recompute_attention, 2 * 4 * 256.0 * 64 * tokens);
+  // MoE over ep = 2 at imbalance 1.5: 1 x 1 x 1 x 2 sequences; the busiest ep rank runs half the routed GEMMs
+  // again (a third more of them where full recompute reruns the experts).
+  Layout moe;
+  moe.seq_len = 256, moe.ep = 2, moe.expert_imbalance = 1.5, moe.recompute = Recompute::kFull;
+  const double moe_tokens = 2 * 256.0;
+  f = step_flops(tiny_moe(), moe);
+  EXPECT_DOUBLE_EQ(f.tokens, moe_tokens);
+  EXPECT_DOUBLE_EQ(f.gemm, 6 * kMoeActive * moe_tokens);
+  EXPECT_DOUBLE_EQ(f.recompute_gemm, 2 * (kMoeActive - kMoeEnds) * moe_tokens);
+  EXPECT_DOUBLE_EQ(f.routed_excess, 0.5 * 6 * kMoeRoutedActive * moe_tokens * 4 / 3);
+  // Without the experts in the rerun: neither the MoE layers' routers and experts nor their third.
+  moe.recompute_experts = false;
+  f = step_flops(tiny_moe(), moe);
+  EXPECT_DOUBLE_EQ(f.recompute_gemm, 2 * (kMoeActive - kMoeEnds - kMoeShared - kMoeRoutedActive) * moe_tokens);
+  EXPECT_DOUBLE_EQ(f.routed_excess, 0.5 * 6 * kMoeRoutedActive * moe_tokens);
+}
+
+TEST(EstimateParts, ComputeTimeIsTheFlopsOverTheGpusAtTheKernelsEfficiency) {
+  StepFlops f;
+  f.gemm = 7e15, f.attention = 2e15, f.recompute_gemm = 1e15, f.recompute_attention = 0.5e15, f.routed_excess = 0.25e15;
+  Layout l;
+  l.dp = 4;
+  const double rate = 989e12 * 0.7;  // H100's dense bf16 peak at the kernels' 70 %
+  ComputeTime c = compute_time(f, cluster_of(h100(), 4), l);
+  EXPECT_DOUBLE_EQ(c.attention_seconds, 2.5e15 / 4 / rate);
+  EXPECT_DOUBLE_EQ(c.seconds, 8.25e15 / 4 / rate + 2.5e15 / 4 / rate);
+  // fp8 GEMMs at twice the rate, fp32 ones (TF32) at half; attention unchanged.
+  l.precision = Precision::kFp8Mixed;
+  EXPECT_DOUBLE_EQ(compute_time(f, cluster_of(h100(), 4), l).seconds, 8.25e15 / 2 / 4 / rate + 2.5e15 / 4 / rate);
+  l.precision = Precision::kFp32;
+  EXPECT_DOUBLE_EQ(compute_time(f, cluster_of(h100(), 4), l).seconds, 8.25e15 * 2 / 4 / rate + 2.5e15 / 4 / rate);
+  // A mixed cluster runs at its slowest GPU's peak.
+  ClusterSpec mixed;
+  mixed.groups = {{h100(), 2}, {a100(), 2}};
+  l.precision = Precision::kBf16Mixed;
+  c = compute_time(f, mixed, l);
+  EXPECT_DOUBLE_EQ(c.seconds, 10.75e15 / 4 / (312e12 * 0.7));
+}
+
+TEST(EstimateParts, TpBytesCountTheBlocksCollectivesAndTheEnds) {
+  // In units of (t - 1)/t X per micro-batch, X = [b, s, h] at 2 bytes; tp = 2, m = 2. A fused block (c = 1) is
+  // 2 + 2c = 4 units without SP and 3c + 2 = 5 with it; the ends (embedding and head) 2 + 2, with SP 2 + 3.
+  const ModelSpec model = tiny_dense();
+  Layout l;
+  l.seq_len = 256, l.num_microbatches = 2, l.tp = 2;
+  const double x = kTinyActivation / 2;  // (t - 1) / t X
+  EXPECT_DOUBLE_EQ(tp_bytes(model, l), 2 * (4 * (4 + 4) + 4) * x);
+  l.recompute = Recompute::kFull;  // the forward's all-reduce again: 2 more per block
+  EXPECT_DOUBLE_EQ(tp_bytes(model, l), 2 * (4 * (6 + 6) + 4) * x);
+  l.recompute = Recompute::kNone, l.sequence_parallel = true;
+  EXPECT_DOUBLE_EQ(tp_bytes(model, l), 2 * (4 * (5 + 5) + 5) * x);
+  l.recompute = Recompute::kFull;  // the forward's c all-gathers and reduce-scatter again: c + 1 more
+  EXPECT_DOUBLE_EQ(tp_bytes(model, l), 2 * (4 * (7 + 7) + 5) * x);
+  // fp8 GEMMs carry the columns' inputs and the row's output gradient as fp8 (1 B: 1/2 unit): (c + 1)(1 + 1/2).
+  l.recompute = Recompute::kNone, l.precision = Precision::kFp8Mixed;
+  EXPECT_DOUBLE_EQ(tp_bytes(model, l), 2 * (4 * (3 + 3) + 5) * x);
+  // Unfused projections: q, k, v (c = 3: 11 units) and gate, up (c = 2: 8 units) each gather their input.
+  ModelSpec unfused = model;
+  unfused.fused_projections = false;
+  l.precision = Precision::kBf16Mixed;
+  EXPECT_DOUBLE_EQ(tp_bytes(unfused, l), 2 * (4 * (11 + 8) + 5) * x);
+  // pp = 2: the busiest rank (the last, with the head) has 2 layers and the head's 3 units.
+  l.pp = 2;
+  EXPECT_DOUBLE_EQ(tp_bytes(model, l), 2 * (2 * (5 + 5) + 3) * x);
+  // MoE layers (3 of 4) gather the experts' tokens with SP: 2 units in place of the MLP's 5.
+  Layout moe = l;
+  moe.pp = 1;
+  EXPECT_DOUBLE_EQ(tp_bytes(tiny_moe(), moe), 2 * (4 * 5 + 5 + 3 * 2 + 5) * x);
+  l.tp = 1;
+  EXPECT_EQ(tp_bytes(model, l), 0);
+}
+
+TEST(EstimateParts, CpBytesAreTheRingsAndUlyssesExchanges) {
+  // The figures of ContextParallelBytesFollowTheAttention (Llama-3 70B, tp = 8, cp = 8, s = 32768), with the
+  // ring's part apart: all of it at u = 1, none at u = 8 (r = 1), and at u = 2 its 4 ring ranks' K/V.
+  Layout l;
+  l.tp = 8, l.cp = 8, l.zero_stage = 3, l.sequence_parallel = true, l.seq_len = 32768;
+  const double head = 4096.0 * 128 * 2;
+  l.cp_ulysses = 1;
+  CpBytes cp = cp_bytes(llama3_70b(), l);
+  EXPECT_NEAR(cp.total, 80 * 2 * 1 * head * (3 * 7 + 1), 1);
+  EXPECT_DOUBLE_EQ(cp.ring, cp.total);
+  l.cp_ulysses = 8;
+  cp = cp_bytes(llama3_70b(), l);
+  EXPECT_NEAR(cp.total, 80 * 2 * (2 * 8 + 2 * 8) * 7 / 8.0 * head, 1);
+  EXPECT_EQ(cp.ring, 0);
+  l.cp_ulysses = 2;
+  cp = cp_bytes(llama3_70b(), l);
+  EXPECT_NEAR(cp.ring, 80 * 2 * 2 * head * (3 * 3 + 1), 1);
+  EXPECT_NEAR(cp.total, 80 * (2 * (2 * 8 + 2 * 2) / 2.0 * head + 2 * 2 * head * (3 * 3 + 1)), 1);
+  // With micro-batches and pp: per micro-batch, the stage's layers (m = 4, 40 layers).
+  l.num_microbatches = 4, l.pp = 2;
+  EXPECT_NEAR(cp_bytes(llama3_70b(), l).total, 4 * 40 * (2 * (2 * 8 + 2 * 2) / 2.0 * head + 2 * 2 * head * 10), 1);
+  l.cp = 1, l.cp_ulysses = 1;
+  cp = cp_bytes(llama3_70b(), l);
+  EXPECT_EQ(cp.total, 0);
+  EXPECT_EQ(cp.ring, 0);
+}
+
+TEST(EstimateParts, EpBytesAreTheMoeAllToAllsOfTheRowsSentElsewhere) {
+  // 3 MoE layers, m = 2, X the micro-batch's [b, s, h]: 4 all-to-alls a layer, each of the rows going to the
+  // other ep rank (E = 8, k = 2, ep = 2: 22/28 of a token) times the busiest rank's share ((ep + x (ep - 2)) /
+  // (2 (ep - 1)) = 1 at ep = 2).
+  const ModelSpec model = tiny_moe();
+  Layout l;
+  l.seq_len = 256, l.num_microbatches = 2, l.ep = 2, l.expert_imbalance = 1.5;
+  expect_close(ep_bytes(model, l), 2 * 3 * 4 * kTinyActivation * 22 / 28);
+  // Full recompute reruns the experts' forward: 6 all-to-alls.
+  l.recompute = Recompute::kFull;
+  expect_close(ep_bytes(model, l), 2 * 3 * 6 * kTinyActivation * 22 / 28);
+  l.recompute_experts = false;
+  expect_close(ep_bytes(model, l), 2 * 3 * 4 * kTinyActivation * 22 / 28);
+  // ep = 4 at imbalance 2: 3 (1 - C(6,2)/C(8,2)) = 39/28 other ranks a token, and (4 + 2 x 2) / 6 = 4/3 of them.
+  l.recompute = Recompute::kNone, l.recompute_experts = true, l.ep = 4, l.expert_imbalance = 2;
+  expect_close(ep_bytes(model, l), 2 * 3 * 4 * kTinyActivation * 39 / 28 * 4 / 3);
+  // cp = 2 halves the local sequence.
+  l.cp = 2;
+  expect_close(ep_bytes(model, l), 2 * 3 * 4 * kTinyActivation / 2 * 39 / 28 * 4 / 3);
+  l.ep = 1, l.expert_imbalance = 1;
+  EXPECT_EQ(ep_bytes(model, l), 0);
+}
+
+TEST(EstimateParts, DpBytesAreTheGradientsAllReduceOrZero3sGathers) {
+  const ModelSpec model = tiny_dense();
+  const double blocks = 4 * kTinyLayer, ends = kTinyEmbedding + kTinyHead;
+  Layout l;
+  l.dp = 4, l.zero_stage = 1, l.num_microbatches = 2;
+  // ZeRO 0-2: an all-reduce of the bf16 gradients, 2 (dp - 1)/dp of 2 B a parameter.
+  expect_close(dp_bytes(model, l), 2 * 3.0 / 4 * 2 * (blocks + ends));
+  // ZeRO-3: a reduce-scatter of the gradients, and all-gathers: the blocks' twice per micro-batch, the root's once.
+  l.zero_stage = 3;
+  expect_close(dp_bytes(model, l), 3.0 / 4 * 2 * ((2 * 2 + 1) * blocks + (2 + 1) * ends));
+  // ZeRO-3 with pp: every gather once per step, for the busiest rank's parameters (the last: 2 layers and the head).
+  l.pp = 2;
+  expect_close(dp_bytes(model, l), 3.0 / 4 * 2 * 2 * (2 * kTinyLayer + kTinyHead));
+  // cp ranks hold the same parameters: they reduce the gradients too.
+  l.pp = 1, l.dp = 1, l.cp = 2, l.zero_stage = 1;
+  expect_close(dp_bytes(model, l), 2 * 1.0 / 2 * 2 * (blocks + ends));
+  // MoE, ep = 2, dp = 2: dense parameters over dp x ep = 4 ranks, the rank's experts over dp = 2.
+  Layout moe;
+  moe.dp = 2, moe.ep = 2, moe.zero_stage = 1;
+  expect_close(dp_bytes(tiny_moe(), moe), 2 * 3.0 / 4 * 2 * (kMoeLayers + kMoeEnds) + 2 * 1.0 / 2 * 2 * kMoeExperts / 2);
+  // fp32 training moves 4 B a parameter.
+  l.cp = 1, l.dp = 4, l.precision = Precision::kFp32;
+  expect_close(dp_bytes(model, l), 2 * 3.0 / 4 * 4 * (blocks + ends));
+  l.dp = 1;
+  EXPECT_EQ(dp_bytes(model, l), 0);
+}
+
+TEST(EstimateParts, PpBytesAreTheBusiestRanksStageBoundaryMessages) {
+  // m = 4 micro-batches of X = [b, s, h] at 2 bytes.
+  const ModelSpec model = tiny_dense();
+  Layout l;
+  l.seq_len = 256, l.num_microbatches = 4, l.pp = 2;
+  // Two stages: rank 0 sends activations forward, rank 1 gradients backward: one message a micro-batch each.
+  EXPECT_DOUBLE_EQ(pp_bytes(model, l), 4 * 1 * kTinyActivation);
+  // Four: the middle ranks send both ways.
+  l.pp = 4;
+  EXPECT_DOUBLE_EQ(pp_bytes(model, l), 4 * 2 * kTinyActivation);
+  // Interleaved, 2 ranks x 2 chunks (stages 0, 2 | 1, 3): each rank sends 3 messages a micro-batch.
+  l.pp = 2, l.schedule = Schedule::kInterleaved, l.virtual_stages = 2;
+  EXPECT_DOUBLE_EQ(pp_bytes(model, l), 4 * 3 * kTinyActivation);
+  // ZB-V (stages 0, 3 | 1, 2): the turn at rank 1 sends nothing: 2 a micro-batch.
+  l.schedule = Schedule::kZbV, l.virtual_stages = 1;
+  EXPECT_DOUBLE_EQ(pp_bytes(model, l), 4 * 2 * kTinyActivation);
+  // The sequence-parallel activation is split over tp.
+  l.schedule = Schedule::k1F1B, l.tp = 2, l.sequence_parallel = true;
+  EXPECT_DOUBLE_EQ(pp_bytes(model, l), 4 * 1 * kTinyActivation / 2);
+  l.pp = 1;
+  EXPECT_EQ(pp_bytes(model, l), 0);
+}
+
+TEST(EstimateParts, EstimateIsTheCompositionOfItsParts) {
+  struct Case {
+    ModelSpec model;
+    ClusterSpec cluster;
+    Layout layout;
+  };
+  std::vector<Case> cases;
+  {
+    Layout l;  // MemoryBreakdownOfZero3Tp8OnH100's layout
+    l.tp = 8, l.dp = 4, l.zero_stage = 3, l.sequence_parallel = true, l.recompute = Recompute::kSelective;
+    l.num_microbatches = 8;
+    cases.push_back({llama3_70b(), cluster_of(h100(), 32), l});
+    l.dp = 1, l.pp = 4, l.zero_stage = 1, l.schedule = Schedule::kZbV;
+    cases.push_back({llama3_70b(), cluster_of(h100(), 32), l});
+  }
+  {
+    // Every axis at once on a mixed cluster of 4-GPU domains: hybrid cp, skewed MoE routing, ZeRO-3 with pp, fp8.
+    Layout l;
+    l.tp = 2, l.cp = 2, l.cp_ulysses = 2, l.ep = 2, l.dp = 2, l.pp = 2, l.zero_stage = 3, l.sequence_parallel = true;
+    l.recompute = Recompute::kFull, l.recompute_experts = false, l.expert_imbalance = 1.5;
+    l.precision = Precision::kFp8Mixed, l.num_microbatches = 4, l.seq_len = 256;
+    ClusterSpec mixed;
+    mixed.groups = {{h100(), 16}, {a100(), 16}}, mixed.gpus_per_domain = 4;
+    cases.push_back({tiny_moe(), mixed, l});
+    // Interleaved, ring attention, ZeRO-1, fp32.
+    Layout r;
+    r.pp = 2, r.schedule = Schedule::kInterleaved, r.virtual_stages = 2, r.cp = 2, r.dp = 2, r.zero_stage = 1;
+    r.precision = Precision::kFp32, r.num_microbatches = 4, r.seq_len = 256;
+    cases.push_back({tiny_dense(), cluster_of(a100(), 8), r});
+  }
+  for (const Case& c : cases) {
+    const Layout& l = c.layout;
+    SCOPED_TRACE(std::to_string(l.tp) + " tp, " + std::to_string(l.cp) + " cp, " + std::to_string(l.ep) + " ep, " +
+                 std::to_string(l.dp) + " dp, " + std::to_string(l.pp) + " pp, " + option_name(l.schedule));
+    const Estimate e = estimate(c.model, c.cluster, l);
+    // Memory: the ranks of rank_memory, the fullest's fields, the busiest rank's parameters.
+    const RankParams held = rank_params(c.model, l);
+    EXPECT_EQ(e.params_per_gpu, held.total(held.busiest));
+    const std::vector<RankMemory> ranks = rank_memory(c.model, l);
+    ASSERT_EQ(e.pipeline_ranks.size(), ranks.size());
+    ASSERT_EQ(ranks.size(), static_cast<size_t>(l.pp));
+    size_t fullest = 0;
+    for (size_t r = 0; r < ranks.size(); ++r) {
+      EXPECT_EQ(e.pipeline_ranks[r].params, ranks[r].params) << r;
+      EXPECT_EQ(e.pipeline_ranks[r].grads, ranks[r].grads) << r;
+      EXPECT_EQ(e.pipeline_ranks[r].optimizer, ranks[r].optimizer) << r;
+      EXPECT_EQ(e.pipeline_ranks[r].activations, ranks[r].activations) << r;
+      EXPECT_EQ(e.pipeline_ranks[r].backward, ranks[r].backward) << r;
+      EXPECT_EQ(e.pipeline_ranks[r].buffers, ranks[r].buffers) << r;
+      if (ranks[r].total() > ranks[fullest].total()) fullest = r;
+    }
+    EXPECT_EQ(e.fullest_pipeline_rank, static_cast<long>(fullest));
+    EXPECT_EQ(e.params, ranks[fullest].params);
+    EXPECT_EQ(e.grads, ranks[fullest].grads);
+    EXPECT_EQ(e.optimizer, ranks[fullest].optimizer);
+    EXPECT_EQ(e.activations, ranks[fullest].activations);
+    EXPECT_EQ(e.backward, ranks[fullest].backward);
+    EXPECT_EQ(e.buffers, ranks[fullest].buffers);
+    EXPECT_EQ(e.gpu_memory, c.cluster.min_memory_bytes());
+    // Compute.
+    const StepFlops flops = step_flops(c.model, l);
+    const ComputeTime compute = compute_time(flops, c.cluster, l);
+    EXPECT_EQ(e.tokens_per_step, flops.tokens);
+    EXPECT_EQ(e.model_flops_per_step, flops.model());
+    EXPECT_EQ(e.compute_seconds, compute.seconds);
+    EXPECT_EQ(e.bubble, l.pp > 1 ? bubble_fraction(l.pp, l.num_microbatches, l.schedule, l.virtual_stages) : 0.0);
+    // Communication: each axis's bytes at 80 % of its slowest link, less what hides behind compute (the cp ring
+    // behind the attention, dp behind the backward or, under ZeRO-3, all the compute).
+    auto bandwidth = [&](const std::string& axis) {
+      double slowest = 0;
+      for (const auto& [gpu, count] : c.cluster.groups) {
+        const double bw = axis_intra_domain(l, c.cluster, axis) ? gpu.nvlink_bytes_per_s : gpu.internode_bytes_per_s;
+        slowest = slowest == 0 ? bw : std::min(slowest, bw);
+      }
+      return slowest * 0.8;
+    };
+    std::map<std::string, std::pair<double, double>> expected;  // axis: bytes, seconds hidden behind compute
+    if (l.tp > 1) expected["tp"] = {tp_bytes(c.model, l), 0.0};
+    if (l.cp > 1) {
+      const CpBytes cp = cp_bytes(c.model, l);
+      expected["cp"] = {cp.total, std::min(compute.attention_seconds, cp.ring / bandwidth("cp"))};
+    }
+    if (l.ep > 1) expected["ep"] = {ep_bytes(c.model, l), 0.0};
+    const double dp = dp_bytes(c.model, l);
+    if (dp > 0) expected["dp"] = {dp, l.zero_stage == 3 ? compute.seconds : compute.seconds * 2 / 3};
+    if (l.pp > 1) expected["pp"] = {pp_bytes(c.model, l), 0.0};
+    ASSERT_EQ(e.comm.size(), expected.size());
+    double exposed = 0;
+    for (const auto& [axis, want] : expected) {
+      ASSERT_EQ(e.comm.count(axis), 1u) << axis;
+      const AxisComm& comm = e.comm.at(axis);
+      EXPECT_GT(comm.bytes, 0) << axis;
+      EXPECT_EQ(comm.intra_domain, axis_intra_domain(l, c.cluster, axis)) << axis;
+      EXPECT_EQ(comm.bytes, want.first) << axis;
+      EXPECT_DOUBLE_EQ(comm.seconds, want.first / bandwidth(axis)) << axis;
+      EXPECT_DOUBLE_EQ(comm.exposed_seconds, std::max(0.0, comm.seconds - want.second)) << axis;
+      exposed += comm.exposed_seconds;
+    }
+    EXPECT_DOUBLE_EQ(e.step_seconds, e.compute_seconds / (1.0 - e.bubble) + exposed);
+    EXPECT_DOUBLE_EQ(e.mfu, e.model_flops_per_step /
+                                (e.step_seconds * static_cast<double>(l.world_size()) * c.cluster.min_bf16_flops()));
+  }
 }
