@@ -1,7 +1,7 @@
 """Pipeline schedules on CPU ranks: step time against torch.distributed.pipelining's schedules, and the
 measured bubble of each schedule next to the planner's predictions, on the same model.
 
-    python benchmarks/bench_pipeline.py [--pp 4] [--microbatches 4 8 16] [--batch 2048] [--steps 5] [--out DIR]
+    python -m benchmarks.bench_pipeline [--pp 4] [--microbatches 4 8 16] [--batch 2048] [--steps 5] [--out DIR]
 
 The model: 8 blocks of ``Linear(1024, 1024) + tanh``, split into ``pp`` stages (gpipe, 1f1b, zb-h1) or
 ``2 pp`` (interleaved-1f1b with 2 chunks per rank, zb-v), a batch of ``--batch`` rows in ``m`` micro-batches,
@@ -26,31 +26,27 @@ schedule; read them at ``--pp 2`` with ``--batch 8192`` (a few hundred ms per mi
 each schedule's timeline PNG (the last timed step).
 """
 
-import argparse
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from torchdist_ext import _planner  # noqa: E402
-from torchdist_ext.pipeline import (  # noqa: E402
+from benchmarks.report import arguments, emit, print_table
+from torchdist_ext.pipeline import (
     SCHEDULES,
     Pipeline,
     gather_timelines,
     measured_idle_fractions,
     num_stages,
     partition_layers,
-    planner_name,
     plot_timeline,
     pool_steps,
     predicted_idle_fraction,
     stages_of_rank,
 )
+from torchdist_ext.planner import bubble_fraction
 
 WIDTH, LAYERS = 1024, 8
 # Each of our schedules' counterparts in torch.distributed.pipelining, with the placement (our schedule whose
@@ -161,7 +157,7 @@ def measure(schedule: str, pp: int, microbatches: int, batch: int, steps: int, o
     with_messages = predicted_idle_fraction(pipe, pooled, transfer)
     each_action = statistics.mean(predicted_idle_fraction(pipe, timelines, transfer, each_action=True)
                                   for timelines in timed)
-    closed = _planner.bubble_fraction(pp, microbatches, planner_name(schedule), v)
+    closed = bubble_fraction(pp, microbatches, schedule=schedule, virtual_stages=v)
     if out and mesh.get_local_rank() == 0:
         plot_timeline(Path(out) / f"pipeline_{schedule}_p{pp}_m{microbatches}.png", timed[-1],
                       title=f"{schedule}, p={pp}, m={microbatches}: measured bubble "
@@ -178,27 +174,32 @@ def measure(schedule: str, pp: int, microbatches: int, batch: int, steps: int, o
             "replayed_each_action": round(each_action, 4), "closed_form_bubble": round(closed, 3)}
 
 
-def print_table(rows: list[dict]) -> None:
-    print(f"{'schedule':>17} {'m':>3} {'step ms':>8} {'/ 1f1b':>7} {'ours / torch':>40} {'bubble':>7} "
-          f"{'range':>13} {'planner':>8} {'relative':>9} {'message ms':>10} {'+ messages':>10} {'relative':>9} "
-          f"{'each action':>11} {'relative':>9} {'closed form':>11}")
-    for r in rows:
-        base = next(b["ours_ms"] for b in rows if b["schedule"] == "1f1b" and b["microbatches"] == r["microbatches"])
-        gap = (r["measured_bubble"] - r["planner_bubble"]) / r["planner_bubble"]
-        gap_with = (r["measured_bubble"] - r["planner_bubble_with_messages"]) / r["planner_bubble_with_messages"]
-        gap_each = (r["measured_bubble"] - r["replayed_each_action"]) / r["replayed_each_action"]
-        ratios = ", ".join(f"{ratio:.3f} ({name.removeprefix('Schedule')})"
-                           for name, ratio in r["ours_over_torch"].items()) or "-"
-        low, high = r["measured_bubble_range"]
-        print(f"{r['schedule']:>17} {r['microbatches']:>3} {r['ours_ms']:8.1f} {r['ours_ms'] / base:7.3f} "
-              f"{ratios:>40} {r['measured_bubble']:7.3f} {f'{low:.3f}-{high:.3f}':>13} "
-              f"{r['planner_bubble']:8.3f} {gap:+9.1%} {r['message_ms']:10.2f} "
-              f"{r['planner_bubble_with_messages']:10.3f} {gap_with:+9.1%} {r['replayed_each_action']:11.3f} "
-              f"{gap_each:+9.1%} {r['closed_form_bubble']:11.3f}")
+def table(rows: list[dict]) -> list[tuple]:
+    """The table's columns: "/ 1f1b" divides the step time by 1f1b's at the same m; each "relative" is the measured
+    bubble's gap to the prediction on its left, relative to that prediction."""
+    def versus_1f1b(r: dict) -> float:
+        return r["ours_ms"] / next(b["ours_ms"] for b in rows
+                                   if b["schedule"] == "1f1b" and b["microbatches"] == r["microbatches"])
+
+    def gap(key: str):
+        return lambda r: (r["measured_bubble"] - r[key]) / r[key]
+
+    def ratios(r: dict) -> str:
+        return ", ".join(f"{ratio:.3f} ({name.removeprefix('Schedule')})"
+                         for name, ratio in r["ours_over_torch"].items()) or "-"
+
+    return [("schedule", 17, "schedule"), ("m", 3, "microbatches"), ("step ms", 8, "ours_ms", ".1f"),
+            ("/ 1f1b", 7, versus_1f1b, ".3f"), ("ours / torch", 40, ratios), ("bubble", 7, "measured_bubble", ".3f"),
+            ("range", 13, lambda r: "{:.3f}-{:.3f}".format(*r["measured_bubble_range"])),
+            ("planner", 8, "planner_bubble", ".3f"), ("relative", 9, gap("planner_bubble"), "+.1%"),
+            ("message ms", 10, "message_ms", ".2f"), ("+ messages", 10, "planner_bubble_with_messages", ".3f"),
+            ("relative", 9, gap("planner_bubble_with_messages"), "+.1%"),
+            ("each action", 11, "replayed_each_action", ".3f"), ("relative", 9, gap("replayed_each_action"), "+.1%"),
+            ("closed form", 11, "closed_form_bubble", ".3f")]
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser = arguments(__doc__)
     parser.add_argument("--pp", type=int, default=4, help="pipeline ranks (one process each)")
     parser.add_argument("--microbatches", type=int, nargs="+", default=[4, 8, 16])
     parser.add_argument("--batch", type=int, default=2048, help="rows per step (8192 at --pp 2: a few hundred "
@@ -218,11 +219,10 @@ def main() -> None:
     with spawn_world(args.pp, timeout=900.0) as world:
         for m in args.microbatches:
             for schedule in SCHEDULES:
-                rows.append(world.run(measure, schedule, args.pp, m, args.batch, args.steps,
-                                      str(args.out) if args.out else None)[0])
-                print(json.dumps(rows[-1]), flush=True)
+                emit(world.run(measure, schedule, args.pp, m, args.batch, args.steps,
+                               str(args.out) if args.out else None)[0], rows)
     print()
-    print_table(rows)
+    print_table(rows, table(rows))
 
 
 if __name__ == "__main__":

@@ -69,6 +69,7 @@ from llama import (  # noqa: E402
     Llama, LlamaConfig, LlamaStage, MixtureOfExperts, apply_fp8, check_layout, parallelize_llama,
 )
 
+from one_process_check import check_losses, exit_now  # noqa: E402
 from predicted_vs_measured import (  # noqa: E402
     RoutingLoad, StepMeasurement, comm_totals, gather_measurements, peak_memory, print_report, reset_peak_memory,
 )
@@ -91,7 +92,6 @@ from torchdist_ext.pipeline import (  # noqa: E402
     measured_idle_fractions,
     num_stages,
     partition_layers,
-    planner_name,
     plot_timeline,
     pool_steps,
     predicted_idle_fraction,
@@ -248,7 +248,7 @@ def planner_layout(args, dp: int) -> Layout:
                   sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                   recompute_experts=False, seq_len=args.seq,
                   micro_batch=args.batch // dp // m, num_microbatches=m,
-                  schedule=planner_name(args.schedule) if args.pp > 1 else "1f1b",
+                  schedule=args.schedule if args.pp > 1 else "1f1b",
                   virtual_stages=virtual_stages(args) if args.pp > 1 else 1,
                   precision=PLANNER_PRECISION[precision(args), bool(args.fp8)],
                   norm="composite" if args.device == "cpu" else "fused")
@@ -403,7 +403,7 @@ def report_bubble(args, pipe: Pipeline, kept: list[list], rank: int) -> tuple[fl
     per_rank = [statistics.mean(f[0][r] for f in fractions) for r in range(pipe.pp)]
     overall = statistics.mean(f[1] for f in fractions)
     predicted = predicted_idle_fraction(pipe, pool_steps(steps))
-    closed = bubble_fraction(args.pp, microbatches(args), schedule=planner_name(args.schedule),
+    closed = bubble_fraction(args.pp, microbatches(args), schedule=args.schedule,
                              virtual_stages=virtual_stages(args))
     if rank == 0:
         print(f"pipeline {args.schedule}, pp={args.pp}, m={microbatches(args)}: measured bubble "
@@ -633,31 +633,13 @@ def main(argv=None) -> int:
         if args.losses is not None and rank == 0:
             args.losses.write_text(json.dumps({"command": " ".join(sys.argv), "first_step": first_step,
                                                "losses": losses}))
-        status = 0
-        if args.check and rank == 0:
-            reference = train_single_process(args, device, *data_and_context_split(args, world_size))
-            worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-            print(f"check: single-process losses {reference[0]:.4f} -> {reference[-1]:.4f}; "
-                  f"largest relative loss difference over {len(losses)} steps: {worst:.2e} "
-                  f"(tolerance {args.check_tolerance:.0e})", flush=True)
-            status = 0 if worst <= args.check_tolerance else 1
-        verdict = torch.tensor([status])
-        dist.all_reduce(verdict)
-        return int(verdict.item() != 0)
+        if not args.check:
+            return 0
+        split = data_and_context_split(args, world_size)
+        return check_losses(losses, lambda: train_single_process(args, device, *split), args.check_tolerance)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    # Leave without the interpreter's shutdown. gloo's worker threads outlive the
-    # process group's Python handle: a collective returns once its work is complete,
-    # and the worker drops the work (and with it the last reference to a Python-owned
-    # tensor, which takes the GIL) a moment later. A thread that asks for the GIL
-    # during shutdown is ended by pthread_exit, which unwinds through a noexcept C++
-    # frame and aborts the process ("terminate called without an active exception")
-    # in about one run in 30-50 on an oversubscribed machine. Everything is reported
-    # and the process group destroyed: nothing is left for shutdown to do.
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)
+    exit_now(main())

@@ -151,7 +151,7 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages"));
 
   py::class_<ScheduledPass>(m, "ScheduledPass")
-      .def_readonly("stage", &ScheduledPass::stage)
+      .def_readonly("rank", &ScheduledPass::rank)
       .def_readonly("kind", &ScheduledPass::kind)
       .def_readonly("microbatch", &ScheduledPass::microbatch)
       .def_readonly("start", &ScheduledPass::start)
@@ -172,6 +172,16 @@ PYBIND11_MODULE(_planner, m) {
       py::arg("pp"), py::arg("num_microbatches"), py::arg("schedule"), py::arg("virtual_stages"), py::arg("forward"),
       py::arg("backward"), py::arg("weight"), py::arg("message") = 0.0);
   m.def("idle_fraction", &idle_fraction, py::arg("timeline"), py::arg("pp"));
+  m.def(
+      "chunks_per_rank",
+      [](const std::string& schedule, long v) { return chunks_per_rank(parse_option<Schedule>(schedule), v); },
+      py::arg("schedule"), py::arg("virtual_stages"));
+  m.def(
+      "stage_of",
+      [](long rank, long chunk, long pp, const std::string& schedule) {
+        return stage_of(rank, chunk, pp, parse_option<Schedule>(schedule));
+      },
+      py::arg("rank"), py::arg("chunk"), py::arg("pp"), py::arg("schedule"));
   m.def("peak_held_activations", &peak_held_activations, py::arg("timeline"), py::arg("pp"),
         py::arg("weight_inputs"));
 

@@ -36,7 +36,7 @@ struct OptionTable<Schedule> {
   static constexpr const char* kField = "schedule";
   static constexpr std::array<std::pair<Schedule, const char*>, 5> kNames{{{Schedule::k1F1B, "1f1b"},
                                                                            {Schedule::kGPipe, "gpipe"},
-                                                                           {Schedule::kInterleaved, "interleaved"},
+                                                                           {Schedule::kInterleaved, "interleaved-1f1b"},
                                                                            {Schedule::kZbH1, "zb-h1"},
                                                                            {Schedule::kZbV, "zb-v"}}};
 };

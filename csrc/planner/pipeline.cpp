@@ -389,7 +389,7 @@ std::vector<ScheduledPass> replay_schedule(long p, long m, Schedule schedule, lo
     return costs.size() == per_stage ? costs[stage] : costs[stage * m + micro];
   };
   std::vector<std::vector<ScheduledPass>> simulated_orders(p);
-  for (const auto& pass : simulated) simulated_orders[pass.stage].push_back(pass);
+  for (const auto& pass : simulated) simulated_orders[pass.rank].push_back(pass);
   std::vector<std::vector<FixedPass>> orders(p);
   for (long d = 0; d < p; ++d) {
     std::stable_sort(simulated_orders[d].begin(), simulated_orders[d].end(),
@@ -413,12 +413,12 @@ std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& t
                                                               : chunks_per_rank(schedule, 1) - 1;
   long needed = 0;
   for (const auto& pass : timeline) {
-    if (pass.stage < 0 || pass.stage >= p || pass.chunk < 0 || pass.chunk > last_chunk) {
-      throw std::invalid_argument("peak_held_bytes_per_rank: a pass on rank " + std::to_string(pass.stage) +
+    if (pass.rank < 0 || pass.rank >= p || pass.chunk < 0 || pass.chunk > last_chunk) {
+      throw std::invalid_argument("peak_held_bytes_per_rank: a pass on rank " + std::to_string(pass.rank) +
                                   ", chunk " + std::to_string(pass.chunk) + " is not in a " + std::to_string(p) +
                                   "-rank timeline of this schedule");
     }
-    needed = std::max(needed, stage_of(pass.stage, pass.chunk, p, schedule) + 1);
+    needed = std::max(needed, stage_of(pass.rank, pass.chunk, p, schedule) + 1);
   }
   if (static_cast<long>(stages.size()) < needed) {
     throw std::invalid_argument("peak_held_bytes_per_rank: the timeline runs " + std::to_string(needed) +
@@ -434,14 +434,14 @@ std::vector<double> peak_held_bytes_per_rank(const std::vector<ScheduledPass>& t
     return pass.kind == 'W';
   });
   std::vector<std::vector<ScheduledPass>> orders(p);
-  for (const auto& pass : timeline) orders.at(pass.stage).push_back(pass);
+  for (const auto& pass : timeline) orders.at(pass.rank).push_back(pass);
   std::vector<double> peaks;
   for (auto& order : orders) {
     std::stable_sort(order.begin(), order.end(),
                      [](const ScheduledPass& a, const ScheduledPass& b) { return a.start < b.start; });
     double held = 0, peak = 0;
     for (const auto& pass : order) {
-      const StageBytes& bytes = stages.at(static_cast<size_t>(stage_of(pass.stage, pass.chunk, p, schedule)));
+      const StageBytes& bytes = stages.at(static_cast<size_t>(stage_of(pass.rank, pass.chunk, p, schedule)));
       if (pass.kind == 'F') {
         held += bytes.forward;
       } else if (pass.kind == 'W') {

@@ -40,12 +40,12 @@ double busiest_rank_boundary_sends(long pp, Schedule schedule, long virtual_stag
 // One pass of one micro-batch on one stage: 'F' forward, 'B' backward (input
 // gradient, and also the weight gradient in gpipe / 1f1b), 'W' weight gradient.
 struct ScheduledPass {
-  long stage;  // the device (pipeline rank)
+  long rank;  // the pipeline rank (device) that runs it
   char kind;
   long microbatch;
   double start;
   double end;
-  long chunk = 0;  // the model chunk on that device (interleaved: 0..v-1)
+  long chunk = 0;  // the model chunk on that rank (interleaved: 0..v-1; its stage: stage_of)
 };
 
 // The step simulated pass by pass: a pass starts when its stage is free and its inputs exist (F after the
@@ -110,7 +110,7 @@ std::vector<double> peak_held_activations_per_rank(const std::vector<ScheduledPa
 std::vector<double> held_activations_per_rank(long pp, long num_microbatches, Schedule schedule,
                                               long virtual_stages, double weight_inputs);
 
-// Idle fraction of a simulated timeline: 1 - busy time / (stages x makespan).
+// Idle fraction of a simulated timeline: 1 - busy time / (ranks x makespan).
 double idle_fraction(const std::vector<ScheduledPass>& timeline, long pp);
 
 }  // namespace tdx::planner

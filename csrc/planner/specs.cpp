@@ -167,7 +167,7 @@ void Layout::validate() const {
   }
   if (zero_stage < 0 || zero_stage > 3) invalid("Layout.zero_stage must be 0, 1, 2 or 3, got " + str(zero_stage));
   if (schedule != Schedule::kInterleaved && virtual_stages != 1) {
-    invalid("Layout.virtual_stages=" + str(virtual_stages) + " needs schedule='interleaved', got '" +
+    invalid("Layout.virtual_stages=" + str(virtual_stages) + " needs schedule='interleaved-1f1b', got '" +
             option_name(schedule) + "'");
   }
 }
@@ -209,7 +209,7 @@ std::vector<std::string> Layout::problems_for(const ModelSpec& model, const Clus
   }
   // Interleaved 1F1B runs its micro-batches in rounds of pp (Narayanan et al. 2021; Megatron and our runtime).
   if (schedule == Schedule::kInterleaved && pp > 1 && num_microbatches % pp) {
-    problems.push_back("Layout: schedule 'interleaved' needs num_microbatches divisible by pp=" + str(pp) +
+    problems.push_back("Layout: schedule 'interleaved-1f1b' needs num_microbatches divisible by pp=" + str(pp) +
                        ", got " + str(num_microbatches));
   }
   return problems;

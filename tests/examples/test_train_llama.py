@@ -232,7 +232,7 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
 @pytest.mark.parametrize("flags, message", [
     (("--pp", "2", "--microbatches", "3"), "--batch 8 / dp=1 must be divisible by --microbatches 3"),
     (("--pp", "2", "--schedule", "interleaved-1f1b", "--microbatches", "3", "--batch", "6"),
-     "TDX008 error: Layout: schedule 'interleaved' needs num_microbatches divisible by pp=2, got 3"),
+     "TDX008 error: Layout: schedule 'interleaved-1f1b' needs num_microbatches divisible by pp=2, got 3"),
     (("--tp", "4", "--seq", "66"), "TDX008 error: Layout: with sequence_parallel, tp=4 must divide seq_len / cp = 66"),
     (("--experts", "3", "--ep", "2"), "--ep 2 must divide dp x cp = 2 and --experts 3"),
     (("--tp", "3", "--dp", "1", "--pp", "1"), "--dp 1 x --cp 1 x --tp 3 x --pp 1 must equal the world size 4"),

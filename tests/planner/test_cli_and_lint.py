@@ -8,7 +8,7 @@ import textwrap
 
 import pytest
 
-from torchdist_ext.plan import main
+from torchdist_ext.planner.__main__ import main
 from torchdist_ext.planner import lint
 
 
@@ -84,8 +84,8 @@ def test_a_routing_imbalance_prices_the_busiest_expert_rank(capsys):
 
 @pytest.mark.parametrize(
     "schedule",
-    [["--schedule", "1f1b"], ["--schedule", "zb-v"], ["--schedule", "interleaved", "--virtual-stages", "2"]],
-    ids=["1f1b", "zb-v", "interleaved"],
+    [["--schedule", "1f1b"], ["--schedule", "zb-v"], ["--schedule", "interleaved-1f1b", "--virtual-stages", "2"]],
+    ids=["1f1b", "zb-v", "interleaved-1f1b"],
 )
 def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys, schedule):
     path = tmp_path / "plan.png"
@@ -128,7 +128,7 @@ def test_search_is_bounded_on_a_huge_cluster(capsys):
 
 
 def test_module_entry_point_runs_as_a_program():
-    result = subprocess.run([sys.executable, "-m", "torchdist_ext.plan", "--model", "llama3-8b", "--gpus", "8",
+    result = subprocess.run([sys.executable, "-m", "torchdist_ext.planner", "--model", "llama3-8b", "--gpus", "8",
                              "--tp", "8", "--json"], capture_output=True, text=True, timeout=300)
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["layout"]["tp"] == 8

@@ -10,6 +10,7 @@ import pytest
 
 from torchdist_ext.planner import (
     ClusterSpec,
+    Estimate,
     GpuSpec,
     Layout,
     ModelSpec,
@@ -79,12 +80,12 @@ def test_activation_and_bubble_closed_forms():
     # p = 8, m = 4: 7/11 = 63.6% (the commonly quoted 46% is wrong: docs/planner.md); m >= 4p: 7/39 = 17.9%.
     assert bubble_fraction(8, 4) == pytest.approx(7 / 11)
     assert bubble_fraction(8, 32) == pytest.approx(7 / 39)
-    assert bubble_fraction(8, 32, schedule="interleaved", virtual_stages=4) == pytest.approx(7 / 135)
+    assert bubble_fraction(8, 32, schedule="interleaved-1f1b", virtual_stages=4) == pytest.approx(7 / 135)
     assert bubble_fraction(8, 32, schedule="zb-v") == pytest.approx(7 / 199)
-    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-v", 1), ("interleaved", 2)):
+    for schedule, v in (("1f1b", 1), ("gpipe", 1), ("zb-h1", 1), ("zb-v", 1), ("interleaved-1f1b", 2)):
         passes = simulate_schedule(4, 8, schedule, virtual_stages=v)
-        makespan = max(p["end"] for p in passes)
-        busy = sum(p["end"] - p["start"] for p in passes)
+        makespan = max(p.end for p in passes)
+        busy = sum(p.end - p.start for p in passes)
         expected = bubble_fraction(4, 8, schedule=schedule, virtual_stages=v)
         assert 1 - busy / (4 * makespan) == pytest.approx(expected), schedule
 
@@ -116,7 +117,7 @@ def test_published_layouts_are_feasible():
     # Llama 3.1 405B: 16,384 H100, TP 8 x PP 16 x DP 128, sequence 8192, 16 sequences per DP rank.
     llama = ModelSpec.preset("llama3.1-405b")
     layout = Layout(tp=8, pp=16, dp=128, zero_stage=1, sequence_parallel=True, recompute="full",
-                    micro_batch=1, num_microbatches=16, schedule="interleaved", virtual_stages=2, seq_len=8192)
+                    micro_batch=1, num_microbatches=16, schedule="interleaved-1f1b", virtual_stages=2, seq_len=8192)
     cluster = ClusterSpec.preset("h100-80gb", 16384)
     e = estimate(llama, cluster, layout)
     assert e.fits, e
@@ -277,7 +278,7 @@ def test_layout_rejects_non_integers():
 SMALL = dict(num_kv_heads=4, ffn_hidden=256, vocab_size=256)  # the main job's Llama (examples/llama.py)
 
 
-def small_estimate(layout: Layout, **model) -> "Estimate":
+def small_estimate(layout: Layout, **model) -> Estimate:
     return estimate(ModelSpec(4, 128, 8, **{**SMALL, **model}), ClusterSpec.preset("h100-80gb", layout.num_gpus), layout)
 
 
@@ -340,7 +341,7 @@ def test_ulysses_all_to_alls_are_exposed_and_the_ring_hides_behind_attention():
 @pytest.mark.parametrize("pp, schedule, virtual_stages, sends", [
     (2, "1f1b", 1, 1),         # each rank sends one way
     (4, "1f1b", 1, 2),         # middle ranks send both ways
-    (2, "interleaved", 2, 3),  # rank 0: stage 0 forward, stage 2 both ways
+    (2, "interleaved-1f1b", 2, 3),  # rank 0: stage 0 forward, stage 2 both ways
     (2, "zb-v", 1, 2),         # the V's turn stays on the last rank
 ])
 def test_pipeline_bytes_are_the_busiest_ranks(pp, schedule, virtual_stages, sends):

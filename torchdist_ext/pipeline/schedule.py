@@ -17,18 +17,10 @@ order of their simulated start times.
 
 from typing import NamedTuple
 
-from torchdist_ext import _planner
+from torchdist_ext.planner.schedule import SCHEDULES, chunks_per_rank, simulate_schedule, stage_of
 
-__all__ = ["SCHEDULES", "Action", "every_rank_actions", "every_rank_timeline", "num_stages", "planner_name",
-           "rank_actions", "rank_of_stage", "splits_weight_grad", "stages_of_rank"]
-
-SCHEDULES = ("gpipe", "1f1b", "interleaved-1f1b", "zb-h1", "zb-v")
-_PLANNER_NAMES = {"interleaved-1f1b": "interleaved"}
-
-
-def planner_name(schedule: str) -> str:
-    """The planner's name of a schedule (its ``Layout.schedule``)."""
-    return _PLANNER_NAMES.get(schedule, schedule)
+__all__ = ["SCHEDULES", "Action", "every_rank_actions", "every_rank_timeline", "num_stages", "rank_actions",
+           "rank_of_stage", "splits_weight_grad", "stages_of_rank"]
 
 
 class Action(NamedTuple):
@@ -49,10 +41,6 @@ def _check(schedule: str, pp: int, virtual_stages: int) -> None:
                          f"two chunks per rank), got {schedule!r}")
 
 
-def chunks_per_rank(schedule: str, virtual_stages: int = 1) -> int:
-    return 2 if schedule == "zb-v" else virtual_stages
-
-
 def num_stages(schedule: str, pp: int, virtual_stages: int = 1) -> int:
     """The number of pipeline stages the model is split into."""
     _check(schedule, pp, virtual_stages)
@@ -64,18 +52,12 @@ def splits_weight_grad(schedule: str) -> bool:
     return schedule in ("zb-h1", "zb-v")
 
 
-def _stage(schedule: str, pp: int, rank: int, chunk: int) -> int:
-    if schedule == "zb-v":
-        return rank if chunk == 0 else 2 * pp - 1 - rank
-    return chunk * pp + rank
-
-
 def stages_of_rank(schedule: str, pp: int, rank: int, virtual_stages: int = 1) -> list[int]:
     """The stages ``rank`` holds, chunk 0 first."""
     _check(schedule, pp, virtual_stages)
     if not 0 <= rank < pp:
         raise ValueError(f"rank must be in [0, pp={pp}), got {rank}")
-    return [_stage(schedule, pp, rank, c) for c in range(chunks_per_rank(schedule, virtual_stages))]
+    return [stage_of(rank, c, pp, schedule) for c in range(chunks_per_rank(schedule, virtual_stages))]
 
 
 def rank_of_stage(schedule: str, pp: int, stage: int, virtual_stages: int = 1) -> int:
@@ -109,9 +91,8 @@ def every_rank_timeline(schedule: str, pp: int, num_microbatches: int,
     if schedule == "interleaved-1f1b" and num_microbatches % pp:
         raise ValueError(f"schedule 'interleaved-1f1b' needs num_microbatches divisible by pp={pp} (Megatron's "
                          f"order walks micro-batches in groups of pp), got {num_microbatches}")
-    timeline = _planner.simulate_schedule(pp, num_microbatches, planner_name(schedule), virtual_stages)
+    timeline = simulate_schedule(pp, num_microbatches, schedule, virtual_stages=virtual_stages)
     passes: list[list[tuple[Action, float, float]]] = [[] for _ in range(pp)]
     for p in sorted(timeline, key=lambda p: p.start):  # stable: each rank's passes keep their order
-        action = Action(p.kind, _stage(schedule, pp, p.stage, p.chunk), p.microbatch)
-        passes[p.stage].append((action, p.start, p.end))
+        passes[p.rank].append((Action(p.kind, stage_of(p.rank, p.chunk, pp, schedule), p.microbatch), p.start, p.end))
     return passes

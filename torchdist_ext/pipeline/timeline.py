@@ -16,15 +16,12 @@ from pathlib import Path
 
 import torch.distributed as dist
 
-from torchdist_ext import _planner
 from torchdist_ext.pipeline.runtime import Pipeline, TimedAction
-from torchdist_ext.pipeline.schedule import planner_name
+from torchdist_ext.planner.plot import draw_timeline
+from torchdist_ext.planner.schedule import idle_fraction, replay_schedule
 
 __all__ = ["action_costs", "gather_timeline", "gather_timelines", "mean_costs", "measured_idle_fractions",
            "plot_timeline", "pool_steps", "predicted_idle_fraction"]
-
-_PASS_COLORS = {"F": "#4c72b0", "B": "#dd8452", "W": "#55a868"}  # the planner's plot colours
-
 
 def gather_timeline(pipe: Pipeline) -> list[list[TimedAction]]:
     """Every pipeline rank's timeline of the last step, on every rank (one all-gather of objects)."""
@@ -94,9 +91,9 @@ def predicted_idle_fraction(pipe: Pipeline, timelines: list[list[TimedAction]], 
         costs = action_costs(timelines, pipe.num_stages, pipe.num_microbatches)
     else:
         costs = mean_costs(timelines, pipe.num_stages)
-    replayed = _planner.replay_schedule(pipe.pp, pipe.num_microbatches, planner_name(pipe.schedule),
-                                        pipe.virtual_stages, costs["F"], costs["B"], costs["W"], message_seconds)
-    return _planner.idle_fraction(replayed, pipe.pp)
+    replayed = replay_schedule(pipe.pp, pipe.num_microbatches, pipe.schedule, costs,
+                               virtual_stages=pipe.virtual_stages, message=message_seconds)
+    return idle_fraction(replayed, pipe.pp)
 
 
 def plot_timeline(path: str | Path, timelines: list[list[TimedAction]], title: str = "") -> None:
@@ -108,20 +105,10 @@ def plot_timeline(path: str | Path, timelines: list[list[TimedAction]], title: s
     import matplotlib.pyplot as plt
 
     start = min(a.start for timeline in timelines for a in timeline)
+    rows = [[(a.kind, (a.start - start) * 1e3, (a.end - start) * 1e3, f"{a.stage}.{a.microbatch}") for a in timeline]
+            for timeline in timelines]
     figure, axes = plt.subplots(figsize=(13, 1.0 + 0.7 * len(timelines)))
-    for rank, timeline in enumerate(timelines):
-        for a in timeline:
-            left, width = (a.start - start) * 1e3, (a.end - a.start) * 1e3
-            axes.barh(rank, width, left=left, color=_PASS_COLORS[a.kind], edgecolor="white", linewidth=0.5)
-            axes.text(left + width / 2, rank, f"{a.stage}.{a.microbatch}", ha="center", va="center",
-                      fontsize="x-small", color="white")
-    axes.set_yticks(range(len(timelines)), [f"rank {r}" for r in range(len(timelines))])
-    axes.invert_yaxis()
-    axes.set_xlabel("ms from the step's start (labels: stage.micro-batch)")
-    axes.set_title(title)
-    handles = [plt.Rectangle((0, 0), 1, 1, color=c) for c in _PASS_COLORS.values()]
-    axes.legend(handles, ["F forward", "B backward (with W unless split)", "W weight grad"],
-                loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize="small")
+    draw_timeline(axes, rows, xlabel="ms from the step's start (labels: stage.micro-batch)", title=title)
     figure.tight_layout()
     figure.savefig(path, dpi=110)
     plt.close(figure)

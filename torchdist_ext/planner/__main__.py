@@ -1,9 +1,9 @@
 """The planner's command line.
 
-    python -m torchdist_ext.plan --model llama3-70b --gpus 32 --gpu h100-80gb --seq 4096 --global-batch 32 \\
+    python -m torchdist_ext.planner --model llama3-70b --gpus 32 --gpu h100-80gb --seq 4096 --global-batch 32 \\
         [--tp 8 --pp 1 --cp 1 --cp-ulysses 1 --ep 1 --zero 3 --sp --recompute selective ...] \\
         [--json] [--plot FILE.png]
-    python -m torchdist_ext.plan lint train.py [--json]
+    python -m torchdist_ext.planner lint train.py [--json]
 
 With any of --tp/--pp/--dp/--cp/--ep the layout is complete (unset axes are 1,
 dp takes the remaining GPUs) and the estimate and its findings are printed;
@@ -33,7 +33,8 @@ from torchdist_ext.planner import (
     search,
     simulate_schedule,
 )
-from torchdist_ext.planner.plot import plot_plan
+from torchdist_ext.planner.plot import plot_plan, simulated_rows
+from torchdist_ext.planner.schedule import chunks_per_rank
 
 
 # The largest count the CLI takes: the planner's cluster bound (csrc/planner/specs.cpp).
@@ -63,7 +64,7 @@ def _imbalance(text: str) -> float:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="python -m torchdist_ext.plan", description=__doc__.split("\n\n")[0])
+    parser = argparse.ArgumentParser(prog="python -m torchdist_ext.planner", description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, choices=sorted(MODEL_PRESETS))
     parser.add_argument("--gpus", type=_count, required=True)
     parser.add_argument("--gpu", default="h100-80gb", choices=sorted(GPU_PRESETS))
@@ -151,16 +152,18 @@ def _plot(path: str, entries, pp_layout: Layout | None) -> None:
     timeline, title = None, ""
     if pp_layout is not None and pp_layout.pp > 1:
         schedule = pp_layout.schedule
-        timeline = simulate_schedule(pp_layout.pp, pp_layout.num_microbatches, schedule,
-                                     virtual_stages=pp_layout.virtual_stages)
-        title = f"{schedule} timeline: {pp_layout.pp} stages, {pp_layout.num_microbatches} micro-batches"
-        if schedule in ("interleaved", "zb-v"):
-            title += f", {pp_layout.virtual_stages if schedule == 'interleaved' else 2} chunks per stage"
+        passes = simulate_schedule(pp_layout.pp, pp_layout.num_microbatches, schedule,
+                                   virtual_stages=pp_layout.virtual_stages)
+        timeline = simulated_rows(passes, pp_layout.pp, schedule)
+        title = f"{schedule} timeline: {pp_layout.pp} ranks, {pp_layout.num_microbatches} micro-batches"
+        chunks = chunks_per_rank(schedule, pp_layout.virtual_stages)
+        if chunks > 1:
+            title += f", {chunks} chunks per rank"
     plot_plan(path, entries, timeline, title)
 
 
 def _lint_main(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m torchdist_ext.plan lint")
+    parser = argparse.ArgumentParser(prog="python -m torchdist_ext.planner lint")
     parser.add_argument("paths", nargs="+")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)

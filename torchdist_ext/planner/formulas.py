@@ -18,7 +18,6 @@ __all__ = [
     "bubble_fraction",
     "gpu_hours",
     "model_state_bytes",
-    "simulate_schedule",
     "training_flops",
 ]
 
@@ -121,15 +120,3 @@ def training_flops(num_params: float, num_tokens: float) -> float:
 def gpu_hours(flops: float, cluster: ClusterSpec, *, mfu: float) -> float:
     """GPU-hours to run ``flops`` at ``mfu`` of the (slowest) GPU's dense bf16 peak."""
     return _planner.gpu_hours(float(flops), cluster.to_cpp(), float(mfu))
-
-
-def simulate_schedule(pp: int, num_microbatches: int, schedule: str = "1f1b", *,
-                      virtual_stages: int = 1) -> list[dict]:
-    """One simulated step pass by pass: stage (device), kind F/B/W, micro-batch, start, end, chunk.
-
-    Schedules gpipe, 1f1b, zb-h1, zb-v and interleaved (Megatron-LM's order; ``num_microbatches``
-    divisible by ``pp``); its idle fraction equals ``bubble_fraction``.
-    """
-    return [{"stage": p.stage, "kind": p.kind, "microbatch": p.microbatch, "start": p.start, "end": p.end,
-             "chunk": p.chunk}
-            for p in _planner.simulate_schedule(pp, num_microbatches, schedule, virtual_stages)]
