@@ -16,7 +16,6 @@ relative).
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -25,8 +24,8 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-from torchdist_ext.integrations.hf import parallelize_hf_model, shard_hf_batch  # noqa: E402
+from one_process_check import check_losses, exit_now
+from torchdist_ext.integrations.hf import parallelize_hf_model, shard_hf_batch
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 CHECK_TOLERANCE = 1e-4
@@ -116,23 +115,13 @@ def main(argv=None) -> int:
                   f"tp={args.tp}{' (sequence parallel)' if args.tp > 1 else ''}, {'packed documents, ' if args.packed else ''}"
                   f"HF LlamaForCausalLM with {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
         losses = train(model, args, mesh["dp"].get_local_rank(), dp, cp_mesh, report=rank == 0)
-        status = 0
-        if args.check and rank == 0:
-            reference = train(build_model(args.seed), args, 0, 1, None, report=False)
-            worst = max(abs(a - b) / abs(b) for a, b in zip(losses, reference))
-            print(f"check: single-process losses {reference[0]:.4f} -> {reference[-1]:.4f}; largest relative "
-                  f"loss difference over {len(losses)} steps: {worst:.2e} (tolerance {CHECK_TOLERANCE:.0e})",
-                  flush=True)
-            status = 0 if worst <= CHECK_TOLERANCE else 1
-        verdict = torch.tensor([status])
-        dist.all_reduce(verdict)
-        return int(verdict.item() != 0)
+        if not args.check:
+            return 0
+        return check_losses(losses, lambda: train(build_model(args.seed), args, 0, 1, None, report=False),
+                            CHECK_TOLERANCE)
     finally:
         dist.destroy_process_group()
 
 
 if __name__ == "__main__":
-    exit_code = main()
-    sys.stdout.flush()
-    sys.stderr.flush()
-    os._exit(exit_code)  # as examples/train_llama.py: no interpreter shutdown racing gloo's threads
+    exit_now(main())
