@@ -68,7 +68,7 @@ asan: $(VENV)/.installed-deps
 		$(CURDIR)/$(PY) -m pytest -q tests/ops tests/fp8 tests/parallel tests/pipeline tests/integrations tests/test_*.py
 
 bench: install
-	$(PY) benchmarks/bench_tp.py
+	$(PY) -m benchmarks.bench_tp
 
 clean:
 	rm -rf build torchdist_ext/_C*.so *.egg-info

@@ -1,8 +1,8 @@
 """Context-parallel causal attention on CPU ranks: ring (contiguous, zigzag), Ulysses and hybrid
 against an all-gather-K/V baseline and single-process SDPA on the full sequence.
 
-    python benchmarks/bench_context_parallel.py [--worlds 2 4] [--seqs 4096 8192 16384] [--repeats 3]
-    python benchmarks/bench_context_parallel.py --packed [--worlds 4] [--seqs 16384]
+    python -m benchmarks.bench_context_parallel [--worlds 2 4] [--seqs 4096 8192 16384] [--repeats 3]
+    python -m benchmarks.bench_context_parallel --packed [--worlds 4] [--seqs 16384]
 
 --packed: the sequence packs documents drawn from a long-tailed length mix
 (log-normal, median 400 tokens, clipped to [16, seq]; fixed seed), passed as
@@ -26,31 +26,20 @@ local queries against the full keys under the right causal mask; "single" is
 F.scaled_dot_product_attention on the full sequence in one process (rank 0 alone).
 """
 
-import argparse
-import json
 import statistics
-import sys
 import time
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak_memory import PeakMemory  # noqa: E402
-
-import torchdist_ext  # noqa: E402,F401
-from torchdist_ext.ops import context_attention_work  # noqa: E402
-from torchdist_ext.parallel import (  # noqa: E402
-    hybrid_attention,
-    ring_attention,
-    shard_sequence,
-    ulysses_attention,
-)
-from torchdist_ext.parallel.sequence_sharding import zigzag_order  # noqa: E402
-from torchdist_ext.testing import cached_mesh, spawn_world  # noqa: E402
+import torchdist_ext  # noqa: F401
+from benchmarks.peak_memory import PeakMemory
+from benchmarks.report import arguments, emit, print_table
+from torchdist_ext.ops import context_attention_work
+from torchdist_ext.parallel import hybrid_attention, ring_attention, shard_sequence, ulysses_attention
+from torchdist_ext.parallel.sequence_sharding import zigzag_order
+from torchdist_ext.testing import cached_mesh, spawn_world
 
 Q_HEADS, KV_HEADS, HEAD_DIM = 8, 2, 64
 
@@ -220,11 +209,24 @@ def run_case(seq_total: int, method: str, repeats: int, packed: bool = False) ->
     return result
 
 
+def table(rows: list[dict]) -> list[tuple]:
+    """The table's columns; "vs single" and "vs allgather" divide a row's fwd_bwd_ms by that method's in the same
+    world at the same seq."""
+    def versus(method: str):
+        def ratio(r: dict) -> float:
+            same = next(x for x in rows if (x["world"], x["seq"], x["method"]) == (r["world"], r["seq"], method))
+            return r["fwd_bwd_ms"] / same["fwd_bwd_ms"]
+        return ratio
+
+    return [("world", 5, "world"), ("seq", 6, "seq"), ("method", 16, "method"), ("fwd ms", 9, "fwd_ms", ".1f"),
+            ("fwd+bwd ms", 11, "fwd_bwd_ms", ".1f"), ("vs single", 9, versus("single"), ".3f"),
+            ("vs allgather", 12, versus("allgather_kv"), ".3f"), ("peak MB", 8, "peak_mb", ".1f"),
+            ("spread", 7, "spread", ".3f"), ("hidden", 7, "hidden", ".3f"), ("skipped", 7, "skipped", ".3f")]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
+    parser = arguments(__doc__, worlds=[2, 4], repeats=3)
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
-    parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--packed", action="store_true", help="packed documents of a long-tailed length mix")
     args = parser.parse_args()
     rows = []
@@ -254,22 +256,9 @@ def main() -> None:
                     if "work_spread" in per_rank[0]:
                         row["spread"] = round(per_rank[0]["work_spread"], 3)
                         row["skipped"] = round(per_rank[0]["skipped"], 3)
-                    rows.append(row)
-                    print(json.dumps(row), flush=True)
+                    emit(row, rows)
     print()
-    header = (f"{'world':>5} {'seq':>6} {'method':>16} {'fwd ms':>9} {'fwd+bwd ms':>11} {'vs single':>9} "
-              f"{'vs allgather':>12} {'peak MB':>8} {'spread':>7} {'hidden':>7} {'skipped':>7}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        same = {x["method"]: x for x in rows if x["world"] == r["world"] and x["seq"] == r["seq"]}
-        vs_single = r["fwd_bwd_ms"] / same["single"]["fwd_bwd_ms"]
-        vs_gather = r["fwd_bwd_ms"] / same["allgather_kv"]["fwd_bwd_ms"]
-        spread = f"{r['spread']:7.3f}" if "spread" in r else f"{'-':>7}"
-        hidden = f"{r['hidden']:7.3f}" if "hidden" in r else f"{'-':>7}"
-        skipped = f"{r['skipped']:7.3f}" if "skipped" in r else f"{'-':>7}"
-        print(f"{r['world']:>5} {r['seq']:>6} {r['method']:>16} {r['fwd_ms']:9.1f} {r['fwd_bwd_ms']:11.1f} "
-              f"{vs_single:9.3f} {vs_gather:12.3f} {r['peak_mb']:8.1f} {spread} {hidden} {skipped}")
+    print_table(rows, table(rows))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Single-device cross-entropy kernels: the fused tdx kernel against the unfused torch computation.
 
-    python benchmarks/bench_cross_entropy.py [--device cuda|cpu]
+    python -m benchmarks.bench_cross_entropy [--device cuda|cpu]
 
 On one rank (tp=1) the vocab-parallel op is its fused kernels plus a
 one-rank all-gather; it is timed, forward + backward, against
@@ -18,23 +18,16 @@ inputs (CUDA: allocator peak; CPU: resident memory) and the time. The logits are
 ``tokens x vocab x 2`` bytes; in-place should save about that much at the peak.
 """
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_timing import copy_bandwidth, median_seconds  # noqa: E402
-from peak_memory import PeakMemory  # noqa: E402
-
-import torchdist_ext  # noqa: E402,F401
-from torchdist_ext.ops import vocab_parallel_cross_entropy_fwd  # noqa: E402
-from torchdist_ext.testing import spawn_world  # noqa: E402
+import torchdist_ext  # noqa: F401
+from benchmarks.device_timing import copy_bandwidth, median_seconds
+from benchmarks.peak_memory import PeakMemory
+from benchmarks.report import arguments, emit, print_table
+from torchdist_ext.ops import vocab_parallel_cross_entropy_fwd
+from torchdist_ext.testing import spawn_world
 
 SHAPES = {"cuda": [(4096, 32000), (8192, 128256), (16384, 50304)], "cpu": [(512, 8000), (1024, 32000)]}
 # (tokens, vocab, hidden) of the LM-head memory cases; on CPU a small hidden keeps the GEMMs short.
@@ -113,26 +106,23 @@ def run_head_memory(device: str, repeats: int) -> list[dict]:
     return rows
 
 
+KERNEL_TABLE = [("device", 6, "device"), ("tokens x vocab", 16, lambda r: f"{r['tokens']}x{r['vocab']}"),
+                ("dtype", 9, "dtype"), ("ours ms", 9, "ours_ms", ".3f"), ("F.ce ms", 9, "torch_fused_ms", ".3f"),
+                ("unfused ms", 10, "torch_unfused_ms", ".3f"), ("ours/F.ce", 9, "ours_over_torch_fused", ".3f"),
+                ("ours/unfused", 12, "ours_over_torch_unfused", ".3f"), ("of bw", 6, "bandwidth_fraction", ".3f")]
+HEAD_TABLE = [("device", 6, "device"),
+              ("tokens x vocab x hidden", 24, lambda r: f"{r['tokens']}x{r['vocab']}x{r['hidden']}"),
+              ("logits MiB", 10, "logits_mb", ".1f"), ("peak MiB: F.ce", 14, "torch_fused_peak_mb", ".1f"),
+              ("ours", 7, "ours_peak_mb", ".1f"), ("inplace", 7, "ours_inplace_peak_mb", ".1f"),
+              ("saved", 7, "inplace_saved_mb", ".1f"), ("ms: F.ce", 9, "torch_fused_ms", ".2f"),
+              ("ours", 8, "ours_ms", ".2f"), ("inplace", 8, "ours_inplace_ms", ".2f")]
+
+
 def print_tables(rows: list[dict]) -> None:
-    kernels = [r for r in rows if r["bench"] == "cross_entropy_fwd_bwd"]
-    header = (f"{'device':>6} {'tokens x vocab':>16} {'dtype':>9} {'ours ms':>9} {'F.ce ms':>9} {'unfused ms':>10} "
-              f"{'ours/F.ce':>9} {'ours/unfused':>12} {'of bw':>6}")
-    print(header)
-    print("-" * len(header))
-    for r in kernels:
-        print(f"{r['device']:>6} {str(r['tokens']) + 'x' + str(r['vocab']):>16} {r['dtype']:>9} {r['ours_ms']:9.3f} "
-              f"{r['torch_fused_ms']:9.3f} {r['torch_unfused_ms']:10.3f} {r['ours_over_torch_fused']:9.3f} "
-              f"{r['ours_over_torch_unfused']:12.3f} {r['bandwidth_fraction']:6.3f}")
+    """The kernels' table, then the LM head's."""
+    print_table([r for r in rows if r["bench"] == "cross_entropy_fwd_bwd"], KERNEL_TABLE)
     print()
-    header = (f"{'device':>6} {'tokens x vocab x hidden':>24} {'logits MiB':>10} {'peak MiB: F.ce':>14} {'ours':>7} "
-              f"{'inplace':>7} {'saved':>7} {'ms: F.ce':>9} {'ours':>8} {'inplace':>8}")
-    print(header)
-    print("-" * len(header))
-    for r in (r for r in rows if r["bench"] == "lm_head_memory"):
-        shape = f"{r['tokens']}x{r['vocab']}x{r['hidden']}"
-        print(f"{r['device']:>6} {shape:>24} {r['logits_mb']:10.1f} {r['torch_fused_peak_mb']:14.1f} "
-              f"{r['ours_peak_mb']:7.1f} {r['ours_inplace_peak_mb']:7.1f} {r['inplace_saved_mb']:7.1f} "
-              f"{r['torch_fused_ms']:9.2f} {r['ours_ms']:8.2f} {r['ours_inplace_ms']:8.2f}")
+    print_table([r for r in rows if r["bench"] == "lm_head_memory"], HEAD_TABLE)
 
 
 def run_all(device: str, repeats: int) -> list[dict]:
@@ -140,17 +130,16 @@ def run_all(device: str, repeats: int) -> list[dict]:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = arguments(__doc__, device=True, repeats=20).parse_args()
     backend = "cpu:gloo,cuda:nccl" if args.device == "cuda" else "gloo"
     with spawn_world(1, backend=backend, timeout=1800.0, threads_per_rank=torch.get_num_threads()) as world:
-        (rows,) = world.run(run_all, args.device, args.repeats)
-    for row in rows:
-        print(json.dumps(row))
+        (measured,) = world.run(run_all, args.device, args.repeats)
+    rows = []
+    for row in measured:
+        emit(row, rows)
     print()
     print_tables(rows)
+
 
 if __name__ == "__main__":
     main()

@@ -1,6 +1,6 @@
 """FP8: the fused cast + amax against the unfused torch expression, and an fp8 linear against bf16.
 
-    python benchmarks/bench_fp8.py [--device cuda|cpu] [--only cast_amax|linear|step|sp_rings]
+    python -m benchmarks.bench_fp8 [--device cuda|cpu] [--only cast_amax|linear|step|sp_rings]
 
 cast_amax   ours: tdx::fp8_cast_amax (one read of x, one byte written per element) | unfused:
             ``amax = x.abs().amax(); where(x.isfinite(), (x.float() * scale).clamp(..), nan).to(e4m3)``;
@@ -29,21 +29,14 @@ sp_rings    with --device cpu: the fp8 rings of sequence parallelism on 2 and 4 
             the slowest rank's median time, interleaved repeats
 """
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_timing import copy_bandwidth, median_seconds  # noqa: E402
-from world_timing import median_call_seconds  # noqa: E402
-
-from torchdist_ext.fp8 import DelayedScaling, Fp8Linear, fp8_step  # noqa: E402
-from torchdist_ext.ops import fp8_cast_amax, fp8_cast_transpose_amax  # noqa: E402
+from benchmarks.device_timing import copy_bandwidth, median_seconds
+from benchmarks.report import arguments, emit, print_table
+from benchmarks.world_timing import median_call_seconds
+from torchdist_ext.fp8 import DelayedScaling, Fp8Linear, fp8_step
+from torchdist_ext.ops import fp8_cast_amax, fp8_cast_transpose_amax
 
 CAST_SHAPES = {"cuda": [(8192, 8192), (16384, 4096)], "cpu": [(2048, 2048), (4096, 4096)]}
 LINEAR_SHAPES = {"cuda": [(16384, 4096, 4096), (16384, 4096, 14336)], "cpu": [(1024, 512, 512), (2048, 1024, 1024)]}
@@ -233,46 +226,41 @@ def sp_ring_rows(repeats: int) -> list[dict]:
 
 
 def print_casts(casts: list[dict]) -> None:
-    print(f"{'op':>23} {'device':>6} {'shape':>12} {'dtype':>9} {'ours ms':>9} {'unfused ms':>10} {'ours/unfused':>12} "
-          f"{'of bw':>6}")
-    for r in casts:
-        print(f"{r['bench']:>23} {r['device']:>6} {'x'.join(map(str, r['shape'])):>12} {r['dtype']:>9} {r['ours_ms']:9.3f} "
-              f"{r['unfused_ms']:10.3f} {r['ours_over_unfused']:12.3f} {r['bandwidth_fraction']:6.3f}")
+    print_table(casts, [("op", 23, "bench"), ("device", 6, "device"),
+                        ("shape", 12, lambda r: "x".join(map(str, r["shape"]))), ("dtype", 9, "dtype"),
+                        ("ours ms", 9, "ours_ms", ".3f"), ("unfused ms", 10, "unfused_ms", ".3f"),
+                        ("ours/unfused", 12, "ours_over_unfused", ".3f"), ("of bw", 6, "bandwidth_fraction", ".3f")])
 
 
 def print_linears(linears: list[dict]) -> None:
-    print(f"{'device':>6} {'tokens x in x out':>20} {'bf16 ms':>9} {'fp8 ms':>9} {'fp8/bf16':>9} {'fp8 TFLOP/s':>11} "
-          f"{'SQNR dB out / dx / dw':>22}")
-    for r in linears:
-        shape = f"{r['tokens']}x{r['in']}x{r['out']}"
-        sqnr = f"{r['sqnr_out_db']:.1f} / {r['sqnr_grad_x_db']:.1f} / {r['sqnr_grad_w_db']:.1f}"
-        print(f"{r['device']:>6} {shape:>20} {r['bf16_ms']:9.3f} {r['fp8_ms']:9.3f} {r['fp8_over_bf16']:9.3f} "
-              f"{r['fp8_tflops']:11.3f} {sqnr:>22}")
+    print_table(linears, [
+        ("device", 6, "device"), ("tokens x in x out", 20, lambda r: f"{r['tokens']}x{r['in']}x{r['out']}"),
+        ("bf16 ms", 9, "bf16_ms", ".3f"), ("fp8 ms", 9, "fp8_ms", ".3f"), ("fp8/bf16", 9, "fp8_over_bf16", ".3f"),
+        ("fp8 TFLOP/s", 11, "fp8_tflops", ".3f"),
+        ("SQNR dB out / dx / dw", 22,
+         lambda r: f"{r['sqnr_out_db']:.1f} / {r['sqnr_grad_x_db']:.1f} / {r['sqnr_grad_w_db']:.1f}")])
 
 
 def print_steps(steps: list[dict]) -> None:
+    """One line per collective kind, one column per precision."""
     kinds = sorted({kind for r in steps for kind in r["collectives"]})
+    cells = [{"kind": kind, **{r["precision"]: r["collectives"].get(kind, {"calls": 0, "kib": 0.0}) for r in steps}}
+             for kind in kinds]
     print("one step's collectives on one rank (calls, KiB sent):")
-    print(f"{'':>34} " + " ".join(f"{r['precision']:>18}" for r in steps))
-    for kind in kinds:
-        cells = [r["collectives"].get(kind, {"calls": 0, "kib": 0.0}) for r in steps]
-        print(f"{kind:>34} " + " ".join(f"{cell['calls']:>8}, {cell['kib']:>8}" for cell in cells))
+    print_table(cells, [("", 34, "kind")] + [
+        (r["precision"], 18, lambda cell, p=r["precision"]: f"{cell[p]['calls']:>8}, {cell[p]['kib']:>8}")
+        for r in steps])
 
 
 def print_sp_rings(rows: list[dict]) -> None:
-    print(f"{'world':>5} {'seq x h x ffn':>16} {'column ring ms':>14} {'bulk ms':>9} {'ring/bulk':>9} "
-          f"{'row ring ms':>11} {'bulk ms':>9} {'ring/bulk':>9}")
-    for r in rows:
-        size = f"{r['seq']}x{r['hidden']}x{r['ffn']}"
-        print(f"{r['world']:>5} {size:>16} {r['ring_column_ms']:14.3f} "
-              f"{r['bulk_column_ms']:9.3f} {r['column_ring_over_bulk']:9.3f} {r['ring_row_ms']:11.3f} "
-              f"{r['bulk_row_ms']:9.3f} {r['row_ring_over_bulk']:9.3f}")
+    print_table(rows, [("world", 5, "world"), ("seq x h x ffn", 16, lambda r: f"{r['seq']}x{r['hidden']}x{r['ffn']}"),
+                       ("column ring ms", 14, "ring_column_ms", ".3f"), ("bulk ms", 9, "bulk_column_ms", ".3f"),
+                       ("ring/bulk", 9, "column_ring_over_bulk", ".3f"), ("row ring ms", 11, "ring_row_ms", ".3f"),
+                       ("bulk ms", 9, "bulk_row_ms", ".3f"), ("ring/bulk", 9, "row_ring_over_bulk", ".3f")])
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--repeats", type=int, default=10)
+    parser = arguments(__doc__, device=True, repeats=10)
     parser.add_argument("--only", choices=["cast_amax", "linear", "step", "sp_rings"],
                         help="run one part (default: every part the device runs)")
     args = parser.parse_args()
@@ -288,9 +276,9 @@ def main() -> None:
             parser.error(f"--only {args.only} runs with --device cpu only")
         parts = {args.only: parts[args.only]}
     for measure, show in parts.values():
-        rows = measure()
-        for row in rows:
-            print(json.dumps(row))
+        rows = []
+        for row in measure():
+            emit(row, rows)
         print()
         show(rows)
         print(flush=True)

@@ -1,6 +1,6 @@
 """The fused log-sum-exp merge (tdx::lse_merge_) against the unfused torch expression.
 
-    python benchmarks/bench_lse_merge.py [--device cuda|cpu]
+    python -m benchmarks.bench_lse_merge [--device cuda|cpu]
 
 Merging one partial attention result (block_out [B, H, S, D] in bf16 or fp32,
 block_lse [B, H, S]) into an fp32 accumulator is what ring attention does once
@@ -14,18 +14,11 @@ bandwidth (measured in the same run) that our kernel reaches, counting one read
 and one write of the accumulator and one read of the block.
 """
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_timing import copy_bandwidth, median_seconds  # noqa: E402
-
-from torchdist_ext.ops import lse_merge_  # noqa: E402
+from benchmarks.device_timing import copy_bandwidth, median_seconds
+from benchmarks.report import arguments, emit, print_table
+from torchdist_ext.ops import lse_merge_
 
 SHAPES = {"cuda": [(1, 32, 8192, 128), (4, 32, 4096, 128), (1, 64, 16384, 128)],
           "cpu": [(1, 8, 4096, 64), (1, 32, 4096, 128)]}
@@ -37,11 +30,13 @@ def unfused(out, lse, block_out, block_lse):
     lse.copy_(new)
 
 
+TABLE = [("device", 6, "device"), ("shape", 22, lambda r: "x".join(map(str, r["shape"]))), ("block", 9, "block_dtype"),
+         ("ours ms", 9, "ours_ms", ".3f"), ("unfused ms", 10, "unfused_ms", ".3f"),
+         ("ours/unfused", 12, "ours_over_unfused", ".3f"), ("of bw", 6, "bandwidth_fraction", ".3f")]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = arguments(__doc__, device=True, repeats=20).parse_args()
     bandwidth = copy_bandwidth(args.device)
     rows = []
     for shape in SHAPES[args.device]:
@@ -57,14 +52,9 @@ def main() -> None:
                    "block_dtype": str(dtype).removeprefix("torch."), "ours_ms": round(ours * 1e3, 3),
                    "unfused_ms": round(theirs * 1e3, 3), "ours_over_unfused": round(ours / theirs, 3),
                    "bandwidth_fraction": round(moved / ours / bandwidth, 3)}
-            rows.append(row)
-            print(json.dumps(row), flush=True)
+            emit(row, rows)
     print()
-    print(f"{'device':>6} {'shape':>22} {'block':>9} {'ours ms':>9} {'unfused ms':>10} "
-          f"{'ours/unfused':>12} {'of bw':>6}")
-    for r in rows:
-        print(f"{r['device']:>6} {'x'.join(map(str, r['shape'])):>22} {r['block_dtype']:>9} {r['ours_ms']:9.3f} "
-              f"{r['unfused_ms']:10.3f} {r['ours_over_unfused']:12.3f} {r['bandwidth_fraction']:6.3f}")
+    print_table(rows, TABLE)
 
 
 if __name__ == "__main__":

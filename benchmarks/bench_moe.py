@@ -1,6 +1,6 @@
 """Forward + backward of an expert-parallel MoE layer: ours against the torch-native composition.
 
-    python benchmarks/bench_moe.py [--worlds 2 4] [--repeats 10] [--quick]
+    python -m benchmarks.bench_moe [--worlds 2 4] [--repeats 10] [--quick]
 
 Layer: top-k softmax router, SwiGLU experts split over the gloo CPU ranks (each rank
 routes its own tokens), fp32. Variants, on the same weights and tokens in the same world:
@@ -23,11 +23,7 @@ torch sends one row per remote slot); the peak resident memory of one step above
 rank's baseline (the largest rank). One JSON line per case, then a table.
 """
 
-import argparse
-import json
 import statistics
-import sys
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,14 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 from torch.distributed._functional_collectives import all_to_all_single_autograd
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from peak_memory import PeakMemory  # noqa: E402
-from world_timing import median_step_seconds, step  # noqa: E402
-
-import torchdist_ext  # noqa: E402,F401
-from torchdist_ext.parallel import MoE  # noqa: E402
-from torchdist_ext.testing import cached_mesh, spawn_world  # noqa: E402
+import torchdist_ext  # noqa: F401
+from benchmarks.peak_memory import PeakMemory
+from benchmarks.report import arguments, emit, print_table, sizes_and_repeats
+from benchmarks.world_timing import median_step_seconds, step
+from torchdist_ext.parallel import MoE
+from torchdist_ext.testing import cached_mesh, spawn_world
 
 SIZES = [  # (tokens per rank, dim, ffn, experts, top_k)
     (1024, 256, 512, 8, 2),
@@ -174,17 +168,20 @@ def run_case(tokens: int, dim: int, ffn: int, experts: int, top_k: int, repeats:
     return result | remote_rows_per_token(dropless, x)
 
 
+TABLE = [("world", 5, "world"),
+         ("T x d x f, E, k", 20, lambda r: f"{r['tokens']}x{r['dim']}x{r['ffn']}, {r['experts']}, {r['top_k']}"),
+         ("dropless", 9, "ours_dropless_ms", ".2f"), ("capacity", 9, "ours_capacity_ms", ".2f"),
+         ("torch", 9, "torch_ms", ".2f"), ("1-proc", 8, "single_process_ms", ".2f"),
+         ("floor", 8, "compute_only_ms", ".2f"), ("drl/torch", 9, "dropless_over_torch", ".3f"),
+         ("cap/torch", 9, "capacity_over_torch", ".3f"), ("drl/1-proc", 10, "dropless_over_single_process", ".3f"),
+         ("floor/drl", 9, "floor_fraction", ".3f"), ("tok/s", 7, "ours_tokens_per_s", "d"),
+         ("rows/tok ours", 13, "ours_rows_per_token", ".3f"), ("torch", 6, "torch_rows_per_token", ".3f"),
+         ("peak MiB ours", 13, "ours_dropless_peak_mb", ".1f"), ("torch", 6, "torch_peak_mb", ".1f")]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=2)
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(range(len(SIZES))),
-                        help=f"indices into SIZES {SIZES}")
-    parser.add_argument("--quick", action="store_true", help="only the smallest size, 3 repeats")
-    args = parser.parse_args()
-    sizes = SIZES[:1] if args.quick else [SIZES[i] for i in args.sizes]
-    repeats = min(3, args.repeats) if args.quick else args.repeats
+    args = arguments(__doc__, worlds=[2, 4], repeats=10, warmup=2, sizes=SIZES, quick=True).parse_args()
+    sizes, repeats = sizes_and_repeats(args, SIZES)
     rows = []
     for world_size in args.worlds:
         with spawn_world(world_size, timeout=1800.0) as world:
@@ -205,22 +202,9 @@ def main() -> None:
                     "torch_rows_per_token": round(mean["torch_rows_per_token"], 3),
                     **{key: round(worst[key], 1) for key in worst if key.endswith("_peak_mb")},
                 }
-                print(json.dumps(row), flush=True)
-                rows.append(row)
+                emit(row, rows)
     print()
-    header = (f"{'world':>5} {'T x d x f, E, k':>20} {'dropless':>9} {'capacity':>9} {'torch':>9} {'1-proc':>8} "
-              f"{'floor':>8} {'drl/torch':>9} {'cap/torch':>9} {'drl/1-proc':>10} {'floor/drl':>9} {'tok/s':>7} "
-              f"{'rows/tok ours':>13} {'torch':>6} {'peak MiB ours':>13} {'torch':>6}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        shape = f"{r['tokens']}x{r['dim']}x{r['ffn']}, {r['experts']}, {r['top_k']}"
-        print(f"{r['world']:>5} {shape:>20} {r['ours_dropless_ms']:9.2f} {r['ours_capacity_ms']:9.2f} "
-              f"{r['torch_ms']:9.2f} {r['single_process_ms']:8.2f} {r['compute_only_ms']:8.2f} "
-              f"{r['dropless_over_torch']:9.3f} {r['capacity_over_torch']:9.3f} "
-              f"{r['dropless_over_single_process']:10.3f} {r['floor_fraction']:9.3f} {r['ours_tokens_per_s']:7d} "
-              f"{r['ours_rows_per_token']:13.3f} {r['torch_rows_per_token']:6.3f} "
-              f"{r['ours_dropless_peak_mb']:13.1f} {r['torch_peak_mb']:6.1f}")
+    print_table(rows, TABLE)
 
 
 if __name__ == "__main__":

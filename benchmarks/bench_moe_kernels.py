@@ -1,7 +1,7 @@
 """One rank's MoE kernels: permute / unpermute against the torch ops a torchtitan user writes and against
 the device's copy bandwidth, and the grouped expert GEMM against a loop of per-expert matmuls.
 
-    python benchmarks/bench_moe_kernels.py [--device cuda|cpu]
+    python -m benchmarks.bench_moe_kernels [--device cuda|cpu]
 
 Rows received by a rank, each with top_k slots naming distinct local experts (uniform routing):
   permute     ours: tdx::moe_permute (one row per slot, expert-major) | torch: a stable argsort of the
@@ -16,18 +16,11 @@ measured in the same run (permute moves each slot's row in and out; unpermute re
 and writes each row once) and the grouped GEMM's TFLOP/s.
 """
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from device_timing import copy_bandwidth, median_seconds  # noqa: E402
-
-from torchdist_ext.ops import moe_grouped_mm, moe_permute, moe_unpermute  # noqa: E402
+from benchmarks.device_timing import copy_bandwidth, median_seconds
+from benchmarks.report import arguments, emit, print_table
+from torchdist_ext.ops import moe_grouped_mm, moe_permute, moe_unpermute
 
 SHAPES = {  # (rows, dim, ffn, local experts, top_k)
     "cuda": [(16384, 4096, 8192, 8, 2), (8192, 2048, 1408, 32, 8)],
@@ -61,11 +54,15 @@ def loop(x_sorted, weight, sizes):
     return torch.cat([torch.mm(rows, w.t()) for rows, w in zip(x_sorted.split(sizes), weight)])
 
 
+TABLE = [("device", 6, "device"),
+         ("rows x dim x ffn, E, k", 24, lambda r: f"{r['rows']}x{r['dim']}x{r['ffn']}, {r['experts']}, {r['top_k']}"),
+         ("perm/torch", 10, "permute_ours_over_torch", ".3f"), ("of bw", 6, "permute_bandwidth_fraction", ".3f"),
+         ("unperm/torch", 12, "unpermute_ours_over_torch", ".3f"), ("of bw", 6, "unpermute_bandwidth_fraction", ".3f"),
+         ("grouped/loop", 12, "grouped_over_loop", ".3f"), ("TFLOP/s", 8, "grouped_tflops", ".3f")]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", choices=["cuda", "cpu"])
-    parser.add_argument("--repeats", type=int, default=20)
-    args = parser.parse_args()
+    args = arguments(__doc__, device=True, repeats=20).parse_args()
     device = args.device
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     bandwidth = copy_bandwidth(device)
@@ -101,16 +98,9 @@ def main() -> None:
                                                   3),
             "grouped_tflops": round(2 * slots * dim * ffn / seconds["grouped_mm"] / 1e12, 3),
         }
-        rows_out.append(row)
-        print(json.dumps(row), flush=True)
+        emit(row, rows_out)
     print()
-    print(f"{'device':>6} {'rows x dim x ffn, E, k':>24} {'perm/torch':>10} {'of bw':>6} {'unperm/torch':>12} "
-          f"{'of bw':>6} {'grouped/loop':>12} {'TFLOP/s':>8}")
-    for r in rows_out:
-        shape = f"{r['rows']}x{r['dim']}x{r['ffn']}, {r['experts']}, {r['top_k']}"
-        print(f"{r['device']:>6} {shape:>24} {r['permute_ours_over_torch']:10.3f} {r['permute_bandwidth_fraction']:6.3f} "
-              f"{r['unpermute_ours_over_torch']:12.3f} {r['unpermute_bandwidth_fraction']:6.3f} "
-              f"{r['grouped_over_loop']:12.3f} {r['grouped_tflops']:8.3f}")
+    print_table(rows_out, TABLE)
 
 
 if __name__ == "__main__":

@@ -1,6 +1,6 @@
 """Forward + backward of a tensor-parallel MLP block: ours against torch's DTensor tensor parallelism.
 
-    python benchmarks/bench_tp.py [--worlds 2 4] [--repeats 10] [--quick]
+    python -m benchmarks.bench_tp [--worlds 2 4] [--repeats 10] [--quick]
 
 Block: Linear(h, f) -> GELU -> Linear(f, h), fp32, on 2 and 4 gloo CPU ranks.
 Variants, all on the same shapes in the same world:
@@ -16,27 +16,17 @@ ratios ours/torch and ring/bulk, and compute_only / ours_ring (the fraction of
 the physical floor reached). One JSON line per case, then a table.
 """
 
-import argparse
-import json
-import sys
-from pathlib import Path
-
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from world_timing import median_step_seconds  # noqa: E402
-
-import torchdist_ext  # noqa: E402,F401
-from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear  # noqa: E402
-from torchdist_ext.parallel.regions import (  # noqa: E402
-    gather_from_sequence_region,
-    reduce_scatter_to_sequence_region,
-)
-from torchdist_ext.testing import cached_mesh, spawn_world  # noqa: E402
+import torchdist_ext  # noqa: F401
+from benchmarks.report import arguments, emit, print_table, sizes_and_repeats
+from benchmarks.world_timing import median_step_seconds
+from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear
+from torchdist_ext.parallel.regions import gather_from_sequence_region, reduce_scatter_to_sequence_region
+from torchdist_ext.testing import cached_mesh, spawn_world
 
 SIZES = [  # (batch, seq, hidden, ffn)
     (4, 256, 256, 1024),
@@ -108,17 +98,17 @@ def run_case(batch: int, seq: int, hidden: int, ffn: int, sequence_parallel: boo
     return median_step_seconds(cases, repeats, warmup)
 
 
+TABLE = [("world", 5, "world"), ("mode", 6, "mode"),
+         ("b x s x h x f", 20, lambda r: f"{r['batch']}x{r['seq']}x{r['hidden']}x{r['ffn']}"),
+         ("ours ms", 9, "ours_ring_ms", ".2f"), ("bulk ms", 9, "ours_bulk_ms", ".2f"),
+         ("torch ms", 9, "torch_ms", ".2f"), ("floor ms", 9, "compute_only_ms", ".2f"),
+         ("ours/torch", 10, "ours_over_torch", ".3f"), ("ring/bulk", 9, "ring_over_bulk", ".3f"),
+         ("floor/ours", 10, "floor_fraction", ".3f")]
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--worlds", type=int, nargs="+", default=[2, 4])
-    parser.add_argument("--repeats", type=int, default=10)
-    parser.add_argument("--warmup", type=int, default=3)
-    parser.add_argument("--sizes", type=int, nargs="+", default=list(range(len(SIZES))),
-                        help=f"indices into SIZES {SIZES}")
-    parser.add_argument("--quick", action="store_true", help="only the smallest size, 3 repeats")
-    args = parser.parse_args()
-    sizes = SIZES[:1] if args.quick else [SIZES[i] for i in args.sizes]
-    repeats = min(3, args.repeats) if args.quick else args.repeats
+    args = arguments(__doc__, worlds=[2, 4], repeats=10, warmup=3, sizes=SIZES, quick=True).parse_args()
+    sizes, repeats = sizes_and_repeats(args, SIZES)
     rows = []
     for world_size in args.worlds:
         with spawn_world(world_size, timeout=1800.0) as world:
@@ -137,19 +127,9 @@ def main() -> None:
                     }
                     if sequence_parallel:
                         row["ring_over_bulk"] = round(slowest["ours_ring"] / slowest["ours_bulk"], 3)
-                    print(json.dumps(row), flush=True)
-                    rows.append(row)
+                    emit(row, rows)
     print()
-    header = (f"{'world':>5} {'mode':>6} {'b x s x h x f':>20} {'ours ms':>9} {'bulk ms':>9} {'torch ms':>9} "
-              f"{'floor ms':>9} {'ours/torch':>10} {'ring/bulk':>9} {'floor/ours':>10}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        shape = f"{r['batch']}x{r['seq']}x{r['hidden']}x{r['ffn']}"
-        bulk = f"{r['ours_bulk_ms']:9.2f}" if "ours_bulk_ms" in r else f"{'-':>9}"
-        ring_bulk = f"{r['ring_over_bulk']:9.3f}" if "ring_over_bulk" in r else f"{'-':>9}"
-        print(f"{r['world']:>5} {r['mode']:>6} {shape:>20} {r['ours_ring_ms']:9.2f} {bulk} {r['torch_ms']:9.2f} "
-              f"{r['compute_only_ms']:9.2f} {r['ours_over_torch']:10.3f} {ring_bulk} {r['floor_fraction']:10.3f}")
+    print_table(rows, TABLE)
 
 
 if __name__ == "__main__":

@@ -63,7 +63,7 @@ step() {
 
 step 240 python3 -m pytest -q -p no:cacheprovider tests/ops/test_cuda.py tests/examples/test_train_llama.py -m cuda
 for bench in bench_moe_kernels bench_fp8 bench_cross_entropy bench_lse_merge; do
-  step 120 python3 "benchmarks/$bench.py" --device cuda
+  step 120 python3 -m "benchmarks.$bench" --device cuda
 done
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
 tp=$([ $((gpus % 2)) -eq 0 ] && echo 2 || echo 1)
