@@ -5,7 +5,6 @@ import subprocess
 import sys
 import textwrap
 
-import pytest
 
 
 def run_in_fresh_process(code: str) -> None:

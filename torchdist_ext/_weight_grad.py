@@ -1,27 +1,12 @@
-"""The weight-gradient split of our linears' backward, for zero-bubble pipeline schedules (Qi et al. 2024).
-
-A layer in split mode (``split_weight_grad = True``: ``ColumnParallelLinear``, ``RowParallelLinear``,
-``VocabParallelEmbedding``, ``RMSNorm``, ``SplitLinear`` for ``nn.Linear``) computes in its autograd backward only the input gradient (B, on the
-pipeline's critical path: ``tdx::linear_dgrad``, or the sequence-parallel ring ops) and, while a
-``WeightGradStore`` is collecting, queues the weight gradient (W) with what it needs (its input, or the
-gathered input, and the output gradient) instead of computing it:
+"""The weight-gradient split of our layers' backward for zero-bubble pipeline schedules (Qi et al. 2024): in split
+mode the backward computes the input gradient (B) and queues the weight gradient (W) while a store collects.
 
     store = WeightGradStore()
     with store.collecting(key):          # B: backward of micro-batch `key`; W work is queued
         torch.autograd.backward(out, grad)
     store.run(key)                       # W: later, each queued GEMM accumulates into param.grad
 
-``run`` accumulates into each parameter's ``.grad`` (a DTensor's local shard for our tensor-parallel
-layers), so the optimizer and FSDP2 see the gradient unsplit autograd would have left: with no store
-collecting, a layer in split mode returns its weight gradient through autograd as usual. The split
-gradient equals the unsplit one bit for bit (the same GEMMs; tested).
-
-Under ``torch.compile`` (``fullgraph=True`` too) the queueing is the op ``tdx::defer_weight_grad``, registered
-as effectful so the compiled backward keeps it and its order. It finds the parameter through the layer's
-weight-gradient slot (a 0-d buffer that split mode gives the layer: one compiled graph serves every layer of a
-class), keeps copies of the tensors W needs (compiled code reuses its buffers' memory), and with no store
-collecting adds the weight gradient into ``.grad`` at once instead of returning it through autograd.
-fp8 linears in split mode and the split embedding run eagerly (a clear error inside a compiled region).
+How W is deferred under torch.compile: docs/architecture.md, "Pipeline parallelism".
 """
 
 import itertools
@@ -48,7 +33,15 @@ WeightGradWork = Callable[[Tensor], None]  # adds a weight gradient into the giv
 
 
 class WeightGradStore:
-    """Weight-gradient work of split backwards, queued per key (e.g. ``(stage, microbatch)``)."""
+    """Weight-gradient work (W) of split backwards, queued per key (e.g. ``(stage, microbatch)``).
+
+    Inside ``collecting(key)`` every layer in split mode queues its W with what it needs (its input, or the
+    gathered input, and the output gradient) instead of computing it; ``run(key)`` accumulates it into each
+    parameter's ``.grad`` (a DTensor's local shard for our tensor-parallel layers), so the optimizer and FSDP2
+    see the gradient unsplit autograd would have left, bit for bit (the same GEMMs). With no store collecting, a
+    layer in split mode computes its weight gradient at once: returned through autograd eagerly, added into
+    ``.grad`` under ``torch.compile``. The constructor takes no arguments.
+    """
 
     def __init__(self):
         self._work: dict[Hashable, list[tuple[nn.Parameter, WeightGradWork]]] = defaultdict(list)
@@ -150,9 +143,10 @@ def _slot_parameter(slot: Tensor) -> nn.Parameter:
 
 @torch.library.custom_op("tdx::defer_weight_grad", mutates_args=())
 def _defer_weight_grad(slot: Tensor, grad_out: Tensor, saved: Tensor, kind: str, group_name: str, dim: int) -> None:
-    """The W of a split backward under torch.compile (see the module docstring): queued for the layer of
-    ``slot`` while a store collects, else added into its weight's ``.grad`` now. ``kind``, ``grad_out``,
-    ``saved``, ``group_name``, ``dim``: as ``_weight_grad_work``."""
+    """The W of a split backward under torch.compile, registered as an ordered effectful op so the compiled
+    backward keeps it and its order: queued for the layer of ``slot`` (with copies of ``grad_out`` and ``saved``)
+    while a store collects, else added into its weight's ``.grad`` now. ``kind``, ``grad_out``, ``saved``,
+    ``group_name``, ``dim``: as ``_weight_grad_work``."""
     param = _slot_parameter(slot)
     if _collecting is None:
         with torch.no_grad():
@@ -319,8 +313,11 @@ def split_embedding(ids: Tensor, weight: Tensor, layer: nn.Module, padding_idx: 
 
 
 class SplitsWeightGrad:
-    """Mixin of our layers with a ``weight`` whose backward can split off the weight gradient: the
-    ``split_weight_grad`` switch (False by default); turning it on gives the layer its weight-gradient slot."""
+    """Mixin of our layers with a ``weight`` whose backward can split off the weight gradient
+    (``ColumnParallelLinear``, ``RowParallelLinear``, ``VocabParallelEmbedding``, ``RMSNorm``, ``Fp8Linear``): the
+    ``split_weight_grad`` switch (False by default); turning it on gives the layer its weight-gradient slot.
+    fp8 linears in split mode and the split embedding run eagerly (a clear error inside a compiled region). A
+    mixin: no constructor arguments."""
 
     _split_weight_grad: bool = False
 
@@ -338,8 +335,17 @@ class SplitsWeightGrad:
 
 
 class SplitLinear(nn.Linear):
-    """``nn.Linear`` whose backward splits off the weight gradient (see the module docstring); the bias
-    gradient stays in B (a sum over the rows)."""
+    """``nn.Linear`` whose backward splits off the weight gradient (queued while a ``WeightGradStore`` collects);
+    the bias gradient stays in B (a sum over the rows). ``enable_weight_grad_split`` turns a module's plain
+    ``nn.Linear`` layers into this class in place.
+
+    Args:
+        in_features: size of the input's last dim.
+        out_features: size of the output's last dim.
+        bias: whether the layer adds a learnable bias ``[out_features]``.
+        device: where the parameters are created, as ``nn.Linear``'s.
+        dtype: the parameters' dtype, as ``nn.Linear``'s.
+    """
 
     split_weight_grad = True
 

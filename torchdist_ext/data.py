@@ -1,23 +1,11 @@
 """Sampling the dataset by data-parallel rank: each dp rank its own samples, the tp/cp/pp ranks of one
-data-parallel replica the same ones, a new order every epoch without ``set_epoch``.
+data-parallel replica the same ones, a new order every epoch without ``set_epoch``, resumable at another dp size.
 
     sampler = DataParallelSampler(len(dataset), dp_mesh=mesh["dp"], batch_size=per_rank_batch, seed=0)
     loader = DataLoader(dataset, batch_size=per_rank_batch, sampler=sampler)
     for tokens in loader:
         ...
         sampler.advance()                # one global batch consumed (what state_dict saves)
-
-Two failure modes of ``DistributedSampler`` are designed out. It defaults to the *world* rank and size, so
-tensor-, context- and pipeline-parallel ranks that must see one batch see different ones; this sampler takes
-the data-parallel mesh. And it repeats the first epoch's order forever unless ``set_epoch`` is called every
-epoch; this sampler starts the next epoch each time it is iterated again.
-
-Epoch ``e``'s order is one permutation of the whole dataset (seeded by ``seed`` and ``e``, the same on every
-rank), read in global batches of ``batch_size x d`` samples: rank ``r`` of ``d`` takes the ``r``-th
-``batch_size`` of each (as ``global_batch.chunk(d)[r]``), so one process reading global batches reads the same
-rows in the same order. ``state_dict()`` holds the epoch and the position (samples the whole data-parallel
-world has consumed this epoch), so a run can resume at another dp size with the same global batch exactly where
-it stopped.
 """
 
 import hashlib
@@ -53,12 +41,24 @@ def _epoch_seed(seed: int, epoch: int) -> int:
 
 
 class DataParallelSampler(Sampler[int]):
-    """Indices of this data-parallel rank's samples (see the module docstring).
+    """Indices of this data-parallel rank's samples.
 
-    ``num_samples``: the dataset's length. ``dp_mesh``: the 1-D mesh of the data-parallel ranks (None: one
-    rank). ``batch_size``: samples per rank and step (the DataLoader's). ``shuffle``: a new permutation per
-    epoch (False: 0, 1, 2, ... every epoch). ``drop_last``: drop the epoch's last, incomplete global batch
-    (False: complete it with the epoch's first samples).
+    Epoch ``e``'s order is one permutation of the whole dataset (seeded by ``seed`` and ``e``, the same on every
+    rank), read in global batches of ``batch_size x d`` samples: rank ``r`` of ``d`` takes the ``r``-th
+    ``batch_size`` of each (as ``global_batch.chunk(d)[r]``), so one process reading global batches reads the
+    same rows in the same order. Iterating the sampler again starts the next epoch (``set_epoch`` is optional).
+    ``state_dict()`` holds the epoch and the position (samples the whole data-parallel world has consumed this
+    epoch, counted by ``advance``), so a run can resume at another dp size with the same global batch exactly
+    where it stopped.
+
+    Args:
+        num_samples: the dataset's length.
+        dp_mesh: the 1-D mesh of the data-parallel ranks (None: one rank).
+        batch_size: samples per rank and step (the DataLoader's).
+        shuffle: a new permutation per epoch (False: 0, 1, 2, ... every epoch).
+        seed: an int >= 0 that, with the epoch, seeds each epoch's permutation.
+        drop_last: drop the epoch's last, incomplete global batch (False: complete it with the epoch's first
+            samples).
     """
 
     def __init__(self, num_samples: int, *, dp_mesh: DeviceMesh | None = None, batch_size: int = 1,

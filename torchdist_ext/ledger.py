@@ -1,19 +1,12 @@
-"""The communication ledger: a c10d backend (C++, ``csrc/comm/ledger_backend.cpp``) that wraps gloo or NCCL,
-forwards every call to it and counts, per process group and operation, the calls, the bytes this rank sends and
-receives and the wall time until each call completes. It sees everything that goes through the group: Python
-collectives, FSDP2's and DTensor's, and the point-to-point rings and all-to-alls the ``tdx`` ops issue from C++.
+"""The communication ledger: a c10d backend (C++, ``csrc/comm/ledger_backend.cpp``) that wraps gloo or NCCL and
+counts, per process group and operation, the calls, the bytes this rank sends and receives and the time to
+completion of everything that goes through the group, the ``tdx`` ops' rings and all-to-alls included.
 
     dist.init_process_group(ledger.backend("gloo"))                    # or "cpu:gloo,cuda:nccl"
     ... train ...
     ledger.read(mesh["tp"])                   -> {"all_gather_into_tensor": OpTally(calls, sent_bytes, ...), ...}
     ledger.by_label({"tp": mesh["tp"], "cp": [mesh["ring"], mesh["ulysses"]]})  -> {"tp": {...}, "cp": {...}}
     ledger.reset()                                                      # every group of the world
-
-Groups created later (``new_group``, ``init_device_mesh``) inherit the default group's backend, so every mesh of a
-run is counted. Bytes are the ring algorithms' traffic per rank (all-reduce 2(n-1)/n X, all-gather and
-reduce-scatter (n-1)/n of the full buffer, all-to-all the blocks to other ranks, send / recv X): the convention of
-nccl-tests' bus bandwidth and of the planner's ``comm`` (see ``csrc/comm/ledger.h``). Seconds run from the call to
-the first time this rank sees it complete (on NCCL: the host side only).
 """
 
 from __future__ import annotations
@@ -39,8 +32,16 @@ Group = dist.ProcessGroup | DeviceMesh
 
 @dataclass(frozen=True)
 class OpTally:
-    """One operation's entry of a ledger: ``calls`` made, ``sent_bytes`` / ``received_bytes`` on this rank (ring
-    algorithm traffic) and ``seconds`` from call to completion, summed over the calls."""
+    """One operation's entry of a ledger, summed over its calls (``+`` adds two entries).
+
+    Args:
+        calls: the calls made.
+        sent_bytes: the bytes this rank sent, as the ring algorithms move them (all-reduce 2(n-1)/n X, all-gather
+            and reduce-scatter (n-1)/n of the full buffer, all-to-all the blocks to other ranks, send X): the
+            convention of nccl-tests' bus bandwidth and of the planner's ``comm`` (``csrc/comm/ledger.h``).
+        received_bytes: the bytes this rank received, by the same convention (recv X).
+        seconds: from each call to the first time this rank sees it complete (on NCCL: the host side only).
+    """
 
     calls: int = 0
     sent_bytes: float = 0.0
@@ -96,7 +97,8 @@ def _register(inner_name: str) -> str:
 def backend(spec: str = "gloo") -> str:
     """The ``init_process_group`` / ``new_group`` backend string that wraps every backend of ``spec`` in a ledger:
     ``"gloo"`` -> ``"ledger_gloo"``, ``"cpu:gloo,cuda:nccl"`` -> ``"cpu:ledger_gloo,cuda:ledger_nccl"``.
-    Registers the ledger backends with ``torch.distributed.Backend.register_backend``.
+    Registers the ledger backends with ``torch.distributed.Backend.register_backend``. Groups created later
+    (``new_group``, ``init_device_mesh``) inherit the default group's backend, so every mesh of a run is counted.
 
     Before torch 2.14 a group holds one ledger only (see ``_typed_registration``): a spec with a backend per device
     then counts its cuda backend, leaves the cpu one uncounted, and says so with a warning."""

@@ -12,7 +12,6 @@ from torchdist_ext.parallel import (
     VocabParallelEmbedding,
     hybrid_attention,
     ring_attention,
-    shard_sequence,
     unshard_sequence,
     vocab_parallel_cross_entropy,
 )

@@ -1,32 +1,11 @@
 """FSDP2 all-gathers the weights of fp8 linears in fp8: one byte per element instead of two (bf16) or four.
 
-``convert_to_fp8(model, DelayedScaling(), fp8_all_gather=True)`` (before ``fully_shard``) wraps each fp8
-linear's weight (the local tensor of a tensor-parallel DTensor weight) in an ``Fp8AllGatherWeight``. FSDP2
-shards it as it would the plain tensor (the wrapper survives its padding and slicing), and before each
-all-gather calls the wrapper's hooks:
+    model = convert_to_fp8(model, DelayedScaling(), fp8_all_gather=True)   # before fully_shard
+    fully_shard(model, mesh=dp_mesh)                                       # then build the optimizer
 
-    fsdp_pre_all_gather:  this rank's shard [rows/dp (padded), in] -> fp8 bytes cast with the module's
-                          delayed weight scale (tdx::fp8_cast_amax; the shard's amax goes into the
-                          module's ``gathered_weight_amax``, which ``fp8_step`` folds into the
-                          weight's history row and reduces with every other amax)
-    all-gather:           the bytes (uint8: every backend carries them)
-    fsdp_post_all_gather: the gathered bytes -> a ``GatheredFp8Weight`` [rows, in]: the fp8 weight and its
-                          inverse scale, in the unsharded parameter's place
-
-and the fp8 linear's forward takes the gathered fp8 weight as it is instead of casting the weight again.
-The delayed scale is known before the gather (it changes only in ``fp8_step``), so no amax collective runs
-before it; every data-parallel rank casts with the same scale as long as ``fp8_step`` reduces the amaxes
-over them (``reduce_amax=True`` with an ``amax_reduction_mesh`` that includes the FSDP ranks; the default,
-the whole world, does). The gathered bytes equal the cast of the whole weight, so a model trains exactly
-as with the fp8 weight cast after a full-precision gather (with fp32 parameters; under a bf16
-``param_dtype`` the gather skips the bf16 rounding before the fp8 cast). Uneven and empty shards (a 40-row
-weight on 3 ranks, a weight with fewer rows than ranks) gather as FSDP2 pads them: zero rows, cast to zero
-bytes and dropped after the gather.
-
-Limits: FSDP2's default dim-0 sharding; ``reshard_after_forward`` True or False (an int reshards the gathered
-bytes to a smaller mesh, which FSDP2 does not support for all-gather extensions); under a
-``set_post_optim_event`` the event must be recorded after ``fp8_step`` (the gathers read the new scales);
-weights tied between converted linears are not supported (each gets its own Parameter).
+``enable_fp8_all_gather`` wraps a weight in an ``Fp8AllGatherWeight``, whose FSDP2 hooks cast this rank's shard
+with the delayed weight scale and hand the gathered bytes to the fp8 linear as a ``GatheredFp8Weight``. Why this
+is exact and needs no extra collective: docs/architecture.md, "fp8".
 """
 
 import torch
@@ -62,9 +41,21 @@ _OPS_KEEPING_THE_WRAPPER = {
 class Fp8AllGatherWeight(torch.Tensor):
     """A full-precision weight (or FSDP2's shard of it) whose FSDP2 all-gather carries fp8 bytes.
 
-    Behaves as the tensor it wraps (``_tensor``; same shape, dtype and device) in every op; FSDP2 calls
-    ``fsdp_pre_all_gather`` / ``fsdp_post_all_gather`` (see the module docstring). The owning module (an
-    fp8 linear with a delayed recipe) provides the scale and records the amax.
+    Behaves as the tensor it wraps (same shape, dtype and device) in every op; FSDP2's padding, slicing, copies
+    and moves keep the wrapper, every other op returns plain tensors. Around each all-gather FSDP2 calls:
+
+        fsdp_pre_all_gather:  this rank's shard [rows/dp (padded), in] -> fp8 bytes cast with the module's
+                              delayed weight scale (tdx::fp8_cast_amax; the shard's amax goes into the
+                              module's ``gathered_weight_amax``, which ``fp8_step`` folds into the weight's
+                              history row and reduces with every other amax)
+        all-gather:           the bytes (uint8: every backend carries them)
+        fsdp_post_all_gather: the gathered bytes -> a ``GatheredFp8Weight`` [rows, in]: the fp8 weight and its
+                              inverse scale, in the unsharded parameter's place
+
+    The owning module (an fp8 linear with a delayed recipe) provides the scale and records the amax.
+
+    Args:
+        tensor: the full-precision weight, or its local tensor for a DTensor weight; kept as ``_tensor``.
     """
 
     _tensor: Tensor
@@ -133,9 +124,15 @@ class Fp8AllGatherWeight(torch.Tensor):
 
 
 class GatheredFp8Weight(torch.Tensor):
-    """An unsharded weight as FSDP2 gathered it: ``_data`` (e4m3, ``[out, in]``) and ``_inverse_scale``
-    (fp32, one element), posing as a ``dtype`` tensor of that shape so that FSDP2 and autograd treat it as
-    the parameter. Only the fp8 linear reads it (its forward uses the bytes as they are); other ops raise.
+    """An unsharded weight as FSDP2 gathered it, posing as a ``dtype`` tensor of its shape so that FSDP2 and
+    autograd treat it as the parameter. Only the fp8 linear reads it (its forward uses the bytes as they are,
+    without casting the weight again); other ops raise.
+
+    Args:
+        data: the gathered fp8 weight (e4m3, ``[out, in]``), kept as ``_data``.
+        inverse_scale: fp32, one element: the reciprocal of the scale the shards were cast with, kept as
+            ``_inverse_scale``.
+        dtype: the dtype it poses as (the unsharded parameter's: FSDP2's ``param_dtype``).
     """
 
     _data: Tensor
@@ -189,7 +186,18 @@ def enable_fp8_all_gather(module: torch.nn.Module) -> None:
     """Makes FSDP2 all-gather ``module.weight`` in fp8: the weight (a Parameter, plain or a DTensor) becomes a
     Parameter whose (local) tensor is an ``Fp8AllGatherWeight`` with the same values, placements and
     ``requires_grad``; the module's ``state_dict`` keeps holding the plain tensor (so checkpoints load into
-    any model, fp8 gathers or not)."""
+    any model, fp8 gathers or not).
+
+    ``module``: an fp8 linear with a delayed recipe, before ``fully_shard``. Every data-parallel rank casts with
+    the same scale as long as ``fp8_step`` reduces the amaxes over them (``reduce_amax=True`` with an
+    ``amax_reduction_mesh`` that includes the FSDP ranks; the default, the whole world, does; checked at the
+    gather). The gathered bytes equal the cast of the whole weight (under a bf16 ``param_dtype`` the shard is
+    cast to fp8 directly, skipping the bf16 rounding a bf16 gather applies first).
+
+    Limits: FSDP2's default dim-0 sharding; ``reshard_after_forward`` True or False (an int reshards the
+    gathered bytes to a smaller mesh, which FSDP2 does not support for all-gather extensions); under a
+    ``set_post_optim_event`` the event must be recorded after ``fp8_step`` (the gathers read the new scales);
+    weights tied between converted linears are not supported (each gets its own Parameter)."""
     weight = module.weight
     with torch.no_grad():
         if isinstance(weight, DTensor):

@@ -1,24 +1,10 @@
-"""The scale rules, written once, as in-place tensor updates (no host sync, so compiled steps and CUDA
-graphs can hold them).
+"""The fp8 scale rules, written once, as in-place tensor updates (no host sync, so compiled steps and CUDA graphs
+can hold them): delayed scaling (``update_delayed_scales_``, TransformerEngine's rule) and current scaling
+(``current_scale``).
 
-Delayed scaling (``update_delayed_scales_``), TransformerEngine's rule (``transformer_engine.common.recipe``
-and its ``delayed_scaling.cu`` kernel), side by side with ours:
+    update_delayed_scales_(m.amax_history, m.scale, m.fp8_max, recipe.margin, recipe.amax_compute_algo)
 
-    TE                                                   here
-    amax = max over the history (or its newest row)      the same (``amax_compute_algo``)
-    scale = (fp8_max / amax) / 2**margin                 the same, in fp32
-    amax == 0 or not finite: keep the previous scale     the same (NaN and inf amaxes are not finite)
-    scale == inf (a tiny amax): FLT_MAX                  the same
-    history rolls by one, the new row 0 zeroed           the same: row 0 collects this step's amaxes
-                                                         (the max over every cast of the step)
-    NaN never enters the history (its amax              a NaN or inf amax is recorded (the step keeps its
-    kernels' fmaxf skips NaN elements)                   scales; the cast made the loss NaN), then stored as
-                                                         0, so one bad step does not freeze a scale for the
-                                                         history's length
-
-fp8_max is 448 for e4m3 and 57344 for e5m2. The amax of every cast since the last update sits in row 0
-of the history [L, roles]; the update reads it, then rolls: row i moves to row i - 1 (row 0 to row L - 1,
-the newest of the past) and row 0 starts again at 0, as TE's ``torch.roll(history, -1, 0)`` does.
+Where the delayed rule follows TransformerEngine and where it differs: docs/architecture.md, "fp8".
 """
 
 import torch
@@ -33,7 +19,14 @@ _FLOAT32_MAX = torch.finfo(torch.float32).max
 def update_delayed_scales_(amax_history: Tensor, scale: Tensor, fp8_max: Tensor, margin: int,
                            amax_compute_algo: str) -> None:
     """Updates ``scale [roles]`` from ``amax_history [L, roles]`` (both fp32, in place) and rolls the history.
-    ``fp8_max [roles]``: each role's format maximum."""
+
+    ``fp8_max [roles]``: each role's format maximum (``FP8_MAX``: 448 for e4m3, 57344 for e5m2). Row 0 of the
+    history holds the amax of every cast since the last update (the max over the step's casts). Per role:
+    ``amax`` is the max over the history (``amax_compute_algo="max"``) or its row 0 (``"most_recent"``);
+    ``scale = (fp8_max / amax) / 2**margin`` in fp32, ``FLT_MAX`` where that is inf (a tiny amax), and the
+    previous scale where ``amax`` is 0 or not finite (NaN, inf). Then the history's non-finite entries are
+    stored as 0 and it rolls: row i moves to row i - 1 (row 0 to row L - 1, the newest of the past) and row 0
+    starts again at 0."""
     amax = amax_history.amax(0) if amax_compute_algo == "max" else amax_history[0]
     new_scale = (fp8_max / amax) / (2.0**margin)
     new_scale = torch.where(new_scale.isinf(), _FLOAT32_MAX, new_scale)

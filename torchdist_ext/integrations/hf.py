@@ -1,39 +1,11 @@
-"""Hugging Face Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3: one set of module names) on our layers.
+"""Hugging Face Llama-family causal LMs (Llama, Mistral, Qwen2, Qwen3: one set of module names) on our layers:
+tensor, sequence and context parallelism and FSDP2, with the single-process model's loss.
 
     parallelize_hf_model(model, tp_mesh=mesh["tp"], dp_mesh=mesh["dp"], cp_mesh=mesh["cp"],
                          sequence_parallel=True)
     loss = model(**shard_hf_batch(batch, cp_mesh=mesh["cp"])).loss   # == the single-process loss
 
-``parallelize_hf_model`` works in place and returns the model:
-
-- tensor parallelism (``tp_mesh``): q/k/v and gate/up become ``ColumnParallelLinear``, o/down
-  ``RowParallelLinear``, the embedding ``VocabParallelEmbedding``, the LM head a
-  ``ColumnParallelLinear`` whose logits stay vocab-sharded (``logits`` is this rank's
-  ``[batch, seq, vocab / tp]`` slice), the norms our ``RMSNorm``. Tied embeddings stay tied (one
-  parameter, sharded by vocab rows for both uses).
-- sequence parallelism: the residual stream is sharded along the sequence between the blocks; the
-  column-parallel projections all-gather it inside their GEMM ring and the row-parallel ones
-  reduce-scatter. The attention modules get a forward that takes the head count and sequence length
-  from the projections' outputs (HF's takes them from its sharded input).
-- positions and masks: the model's inputs pass through a hook that supplies global ``position_ids``
-  and turns the 2-D padding ``attention_mask`` and packed ``position_ids`` (a position that does not
-  follow its predecessor starts a document, HF's rule) into per-token ``document_ids`` (-1:
-  padding). No mask is ever built from a sharded length: the attention is ours, registered with
-  transformers' ``AttentionInterface`` under the name ``"torchdist_ext"``: SDPA or document
-  attention on one rank, ring / Ulysses / hybrid attention over ``cp_mesh``.
-- the loss: HF's ``loss_function`` signature on the vocab-parallel cross-entropy, normalised by the
-  global number of target tokens, summed over the context-parallel ranks.
-- FSDP2: every decoder layer and then the whole model are ``fully_shard``-ed over ``dp_mesh`` x
-  ``cp_mesh`` when either is given. Context-parallel ranks hold partial gradients of the same
-  parameters: the loss scales its gradient by the cp size, so FSDP's mean over dp x cp sums over cp
-  and averages over dp (each dp rank's loss is the mean over its own tokens).
-
-Refused with a clear error instead of ignored: model types other than ``MODEL_TYPES`` (e.g. Gemma,
-whose norms scale by 1 + weight), 4-D attention masks, attention dropout > 0, ``output_attentions``,
-sliding-window or soft-capped attention, KV caches, CP batches that did not come from
-``shard_hf_batch`` or were cut in another order.
-
-``transformers`` is imported only to register the attention function.
+``transformers`` is imported only to register the attention function. Design: docs/architecture.md.
 """
 
 import sys
@@ -379,13 +351,44 @@ def _convert_layers(decoder: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
 def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None, dp_mesh: DeviceMesh | None = None,
                          cp_mesh: DeviceMesh | None = None, sequence_parallel: bool = False,
                          cp_method: str = "ring", cp_order: str = "zigzag") -> nn.Module:
-    """Parallelises a Hugging Face Llama-family causal LM in place (see the module docstring); returns it.
+    """Parallelises a Hugging Face Llama-family causal LM in place; returns it.
 
-    ``tp_mesh`` (1-D): tensor parallelism, with ``sequence_parallel``. ``cp_mesh``: context parallelism
-    by ``cp_method`` "ring" or "ulysses" (1-D mesh) or "hybrid" (2-D ``[ring, ulysses]``), the sequence
-    cut in ``cp_order``; feed it ``shard_hf_batch(batch, cp_mesh=cp_mesh, order=cp_order)``.
-    ``dp_mesh`` (1-D): data parallelism, FSDP2 over ``dp_mesh`` x ``cp_mesh``. All meshes are slices of
-    one ``init_device_mesh`` mesh; every rank passes the same model (same weights).
+    - tensor parallelism: q/k/v and gate/up become ``ColumnParallelLinear``, o/down ``RowParallelLinear``, the
+      embedding ``VocabParallelEmbedding``, the LM head a ``ColumnParallelLinear`` whose logits stay
+      vocab-sharded (``logits`` is this rank's ``[batch, seq, vocab / tp]`` slice), the norms our ``RMSNorm``.
+      Tied embeddings stay tied (one parameter, sharded by vocab rows for both uses).
+    - sequence parallelism: the residual stream is sharded along the sequence between the blocks; the
+      column-parallel projections all-gather it inside their GEMM ring and the row-parallel ones
+      reduce-scatter. The attention modules get a forward that takes the head count and sequence length
+      from the projections' outputs.
+    - positions and masks: the model's inputs pass through a hook that supplies global ``position_ids``
+      and turns the 2-D padding ``attention_mask`` and packed ``position_ids`` into per-token
+      ``document_ids`` (``document_ids_from``). The attention is ours, registered with transformers'
+      ``AttentionInterface`` as ``ATTENTION_NAME``: SDPA or document attention on one rank, ring / Ulysses /
+      hybrid attention over ``cp_mesh``.
+    - the loss: HF's ``loss_function`` on the vocab-parallel cross-entropy, normalised by the global number of
+      target tokens, summed over the context-parallel ranks.
+    - FSDP2: every decoder layer and then the whole model are ``fully_shard``-ed over ``dp_mesh`` x ``cp_mesh``
+      when either is given.
+
+    Args:
+        model: a Llama-family causal LM (``config.model_type`` in ``MODEL_TYPES``), the same (same weights) on
+            every rank, not parallelised before.
+        tp_mesh: 1-D DeviceMesh of tensor parallelism (None: none); the config's attention heads, kv heads,
+            intermediate size and vocabulary size divisible by its size.
+        dp_mesh: 1-D DeviceMesh of data parallelism (None: none).
+        cp_mesh: DeviceMesh of context parallelism (None: none): 1-D for ``cp_method`` "ring" or "ulysses",
+            2-D ``[ring, ulysses]`` for "hybrid". Feed the model ``shard_hf_batch(batch, cp_mesh=cp_mesh,
+            order=cp_order)``.
+        sequence_parallel: shard the residual stream along the sequence over ``tp_mesh`` (needs ``tp_mesh``).
+        cp_method: "ring", "ulysses" or "hybrid" (the keys of ``CP_METHODS``).
+        cp_order: how the sequence is cut over the cp ranks: "zigzag" or "contiguous".
+
+    All meshes are slices of one ``init_device_mesh`` mesh, dp before cp. Refused with a clear error instead of
+    ignored: model types other than ``MODEL_TYPES`` (e.g. Gemma, whose norms scale by 1 + weight), 4-D
+    attention masks, attention dropout > 0, ``output_attentions``, sliding-window or soft-capped attention, KV
+    caches, ``generate`` on a tensor- or context-parallel model, CP batches that did not come from
+    ``shard_hf_batch`` or were cut in another order.
     """
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")

@@ -1,19 +1,8 @@
-"""Ring attention over a sequence-sharded group (``tdx::ring_attention_fwd`` family), and document attention.
+"""Ring attention over a sequence-sharded group (``tdx::ring_attention_fwd`` family), document attention on one
+rank's whole sequence, and the log-sum-exp merge of partial attention results (``tdx::lse_merge_``, our fused
+kernel).
 
-Tensors are in the SDPA layout ``[batch, heads, seq_local, head_dim]``: this
-rank's shard of the sequence in ``order`` ("contiguous": rank r holds chunk r
-of N; "zigzag": chunks r and 2N-1-r of 2N). ``k``/``v`` may have fewer heads
-than ``q`` (a divisor). Key/value blocks travel the ring at kv heads while the
-current block is computed; partial results merge by log-sum-exp
-(``tdx::lse_merge_``, our fused kernel). The backward reuses the saved global
-log-sum-exp and sends dK/dV around the ring with the key/value blocks.
-
-Packed sequences: ``document_ids`` ``[batch, seq_local]`` (any integer dtype) are
-the per-token documents of this rank's shard, sharded like the tokens. A token
-attends only to tokens of its own document; a negative id is padding, whose
-output and gradients are exactly 0. Blocks that no document spans are skipped.
-``document_attention_fwd`` is the same masked attention on one rank's whole
-sequence (Ulysses' local attention).
+    out, lse = ring_attention_fwd(q, k, v, cp_mesh.get_group().group_name, True, q.shape[-1] ** -0.5, "zigzag")
 """
 
 import torch
@@ -31,6 +20,14 @@ def ring_attention_fwd(
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)``: attention of this rank's queries over the whole sequence.
 
+    ``q``, ``k``, ``v`` are in the SDPA layout ``[batch, heads, seq_local, head_dim]``: this rank's shard of
+    the sequence in ``order`` ("contiguous": rank r holds chunk r of N; "zigzag": chunks r and 2N-1-r of 2N).
+    ``k``/``v`` may have fewer heads than ``q`` (a divisor); they travel the ring at kv heads while the current
+    block is computed, and partial results merge by log-sum-exp (``lse_merge_``). ``document_ids``
+    ``[batch, seq_local]`` (any integer dtype), sharded like the tokens, are the tokens' documents: a token
+    attends only to tokens of its own document; a negative id is padding, whose output and gradients are
+    exactly 0; blocks that no document spans are skipped.
+
     ``out`` is laid out like ``q``; ``lse`` is ``[batch, q_heads, seq_local]`` (fp32,
     fp64 for fp64 inputs; -inf on padding rows) and carries no gradient.
     """
@@ -41,7 +38,9 @@ def document_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, causal: bool, scale: float
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)``: attention over the whole local sequence ``[batch, heads, seq, head_dim]``, each token
-    over its own document (``document_ids`` ``[batch, seq]``), causal or not."""
+    over its own document (``document_ids`` ``[batch, seq]``; a negative id is padding, whose output and
+    gradients are exactly 0), causal or not: the same masked attention as ``ring_attention_fwd`` on one rank
+    (Ulysses' local attention)."""
     return torch.ops.tdx.document_attention_fwd(q, k, v, document_ids, causal, scale)
 
 

@@ -1,22 +1,9 @@
-"""Sequence-parallel GEMMs as overlapped rings (``tdx::all_gather_matmul`` family).
+"""Sequence-parallel GEMMs as overlapped rings (``tdx::all_gather_matmul`` family): each block's GEMM runs while
+the next block (or the running sum) travels. Along the sharded dim every rank holds one equal contiguous block,
+rank ``r`` the ``r``-th (``torch.chunk`` order); ``group_name`` is ``mesh.get_group().group_name``.
 
-Along the sharded dim every rank holds one equal contiguous block, rank ``r``
-the ``r``-th (``torch.chunk`` order). ``group_name`` is the registered name of
-the process group (``mesh.get_group().group_name``). The three ops are each
-other's gradients:
-
-    all_gather_matmul      Y = AG(x) @ W.T     dx = matmul_reduce_scatter(dY, W.T)
-                                               dW = all_gather_weight_grad(dY, x)
-    matmul_reduce_scatter  Y = RS(x @ W.T)     dx, AG(dY) = all_gather_matmul(dY, W.T)
-                                               dW = AG(dY).T @ x
-    all_gather_weight_grad G = D.T @ AG(s)     dD = all_gather_matmul(s, dG)
-                                               ds = matmul_reduce_scatter(D, dG.T)
-
-Their fp8 pair runs ``torch._scaled_mm`` on each ring block (no autograd of their own: the
-fp8 linears' backward calls them, ``torchdist_ext.fp8.linear``):
-
-    all_gather_scaled_mm      Y = AG(x) @ B * sx * sb   (and AG(x), for the weight gradient)
-    scaled_mm_reduce_scatter  Y = RS(x @ B * sx * sb)
+    out, _ = all_gather_matmul(x_block, w_up, group_name, gather_dim=1)   # AG(x) @ w_up.T
+    y_block = matmul_reduce_scatter(h, w_down, group_name, scatter_dim=1)  # RS(h @ w_down.T)
 """
 
 import torch
@@ -47,6 +34,8 @@ def all_gather_matmul(
     Returns:
         ``(out, gathered)``: ``out`` is ``[..., S, ..., out]``; ``gathered`` is the
         all-gathered ``x`` if ``return_gathered`` else an empty tensor.
+
+    Gradients (``Y = AG(x) @ W.T``): ``dx = matmul_reduce_scatter(dY, W.T)``, ``dW = all_gather_weight_grad(dY, x)``.
     """
     return torch.ops.tdx.all_gather_matmul(x, weight, group_name, gather_dim, return_gathered)
 
@@ -59,6 +48,9 @@ def matmul_reduce_scatter(x: Tensor, weight: Tensor, group_name: str, scatter_di
         weight: ``[out, in]``.
     Returns:
         ``[..., S/n, ..., out]``.
+
+    Gradients (``Y = RS(x @ W.T)``): ``dx, AG(dY) = all_gather_matmul(dY, W.T, return_gathered=True)``,
+    ``dW = AG(dY).T @ x``.
     """
     return torch.ops.tdx.matmul_reduce_scatter(x, weight, group_name, scatter_dim)
 
@@ -71,6 +63,8 @@ def all_gather_weight_grad(dense: Tensor, shard: Tensor, group_name: str, gather
         shard: ``[..., S/n, ..., b]``, this rank's block.
     Returns:
         ``[a, b]`` (accumulated in fp32 for 16-bit inputs).
+
+    Gradients (``G = D.T @ AG(s)``): ``dD = all_gather_matmul(s, dG)``, ``ds = matmul_reduce_scatter(D, dG.T)``.
     """
     return torch.ops.tdx.all_gather_weight_grad(dense, shard, group_name, gather_dim)
 
@@ -86,7 +80,10 @@ def all_gather_scaled_mm(x: Tensor, mat2: Tensor, scale_x: Tensor, scale_mat2: T
         scale_x, scale_mat2: 1-element fp32 dequantisation factors (the inverse cast scales; equal on every
             rank for the gathered blocks to mean the same values).
     Returns:
-        ``(out, gathered)``: ``out [..., S, ..., n]`` in ``out_dtype``; ``gathered``, the all-gathered fp8 ``x``.
+        ``(out, gathered)``: ``out [..., S, ..., n]`` in ``out_dtype``; ``gathered``, the all-gathered fp8 ``x``
+        (for the weight gradient).
+
+    No autograd of its own: the fp8 linears' backward calls it (``torchdist_ext.fp8.linear``).
     """
     return torch.ops.tdx.all_gather_scaled_mm(x, mat2, scale_x, scale_mat2, out_dtype, group_name, gather_dim)
 
@@ -101,6 +98,8 @@ def scaled_mm_reduce_scatter(x: Tensor, mat2: Tensor, scale_x: Tensor, scale_mat
         mat2, scale_x, scale_mat2: as ``all_gather_scaled_mm``.
     Returns:
         ``[..., S/n, ..., n]`` in ``out_dtype`` (the partial sums are added in it).
+
+    No autograd of its own: the fp8 linears' backward calls it (``torchdist_ext.fp8.linear``).
     """
     return torch.ops.tdx.scaled_mm_reduce_scatter(x, mat2, scale_x, scale_mat2, out_dtype, group_name, scatter_dim)
 

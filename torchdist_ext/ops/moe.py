@@ -1,23 +1,11 @@
-"""Mixture-of-experts token exchange and permutation (``tdx::moe_dispatch`` family).
+"""Mixture-of-experts token exchange and permutation over an expert-parallel group of n ranks holding
+``num_experts / n`` experts each (``tdx::moe_dispatch`` family): tokens to the ranks of their experts and back,
+rows sorted expert-major for the experts' GEMMs and back.
 
-Over an expert-parallel group of n ranks holding ``num_experts / n`` experts each:
-
-    moe_dispatch   tokens [T, D] with their slots (expert_ids [T, k], weights [T, k]) -> the rows this rank
-                   receives [R, D], each token once per rank however many of its experts live there, its slots
-                   re-addressed to that rank's local experts (other ranks' slots blanked: -1, weight 0)
-    moe_combine    the adjoint: rows [R, D] (and slot weights) back to their tokens, a token's rows summed over
-                   the ranks in rank order in fp32 (fp64 for fp64)
-    moe_permute    received rows -> one row per slot, expert-major (the order torch._grouped_mm takes)
-    moe_unpermute  back: each row the sum of its slots' rows weighted by the router, in slot order, in fp32
-    moe_grouped_mm the experts' GEMMs on expert-major rows, by host counts (where torch._grouped_mm does not run)
-
-``rows_per_rank=-1`` is dropless: one small all-to-all of counts and one copy of
-them to the host size everything (under torch.compile: unbacked sizes, no graph
-break). ``rows_per_rank >= 0`` exchanges exactly that many rows per rank pair,
-zero-padded: static shapes, no copy to the host. ``counts`` (a host tensor
-``[2, n, 1 + experts per rank]``: rows sent and received per rank, then slots per
-local expert) goes from moe_dispatch to moe_combine. Each op is differentiable
-where it makes sense; moe_dispatch and moe_combine are each other's gradients.
+    rows, ids, row_weights, counts = moe_dispatch(x, expert_ids, weights, E, -1, group_name)   # -1: dropless
+    sorted_rows, positions, offsets = moe_permute(rows, ids, counts[1, :, 1:].sum(0), E // n, -1)
+    y = moe_unpermute(experts(sorted_rows, offsets), positions, row_weights)
+    out, _ = moe_combine(y, None, expert_ids, counts, E, -1, group_name)                      # x's tokens
 """
 
 import torch
@@ -33,8 +21,14 @@ def moe_dispatch(x: Tensor, expert_ids: Tensor, weights: Tensor, num_experts: in
                  group_name: str, counts: Tensor | None = None) -> tuple[Tensor, Tensor, Tensor, Tensor]:
     """``(x [R, D], expert_ids [R, k] local, weights [R, k], counts [2, n, 1 + E/n] host)`` received here.
 
-    ``expert_ids`` int64 ``[T, k]`` are global experts (-1: dropped); ``weights`` are fp32 (fp64 for fp64
-    ``x``). With ``counts`` from an earlier dispatch of the same routing, no counts are exchanged.
+    Tokens ``x [T, D]`` with their slots go to the ranks of their experts, each token once per rank however many
+    of its experts live there, its slots re-addressed to that rank's local experts (other ranks' slots blanked:
+    -1, weight 0). ``expert_ids`` int64 ``[T, k]`` are global experts (-1: dropped); ``weights`` are fp32 (fp64
+    for fp64 ``x``). ``rows_per_rank=-1`` is dropless: one small all-to-all of counts and one copy of them to
+    the host size everything (under torch.compile: unbacked sizes, no graph break). ``rows_per_rank >= 0``
+    exchanges exactly that many rows per rank pair, zero-padded: static shapes, no copy to the host. ``counts``
+    (rows sent and received per rank, then slots per local expert) goes on to ``moe_combine``; with ``counts``
+    from an earlier dispatch of the same routing, no counts are exchanged. Its gradient is ``moe_combine``.
     """
     return torch.ops.tdx.moe_dispatch(x, expert_ids, weights, num_experts, rows_per_rank, group_name, counts)
 
@@ -42,14 +36,16 @@ def moe_dispatch(x: Tensor, expert_ids: Tensor, weights: Tensor, num_experts: in
 def moe_combine(y: Tensor, weights: Tensor | None, expert_ids: Tensor, counts: Tensor, num_experts: int,
                 rows_per_rank: int, group_name: str) -> tuple[Tensor, Tensor]:
     """``(out [T, D], out_weights [T, k])``: rows ``y [R, D]`` and slot weights back to this rank's tokens
-    (``weights`` None: ``out_weights`` is empty). ``expert_ids`` may keep the tokens' leading dims
-    ``[..., k]``; ``out`` is then ``[..., D]``."""
+    (``weights`` None: ``out_weights`` is empty), the adjoint of ``moe_dispatch`` (and its gradient): a token's
+    rows are summed over the ranks in rank order in fp32 (fp64 for fp64). ``expert_ids`` (the global ones given
+    to ``moe_dispatch``) may keep the tokens' leading dims ``[..., k]``; ``out`` is then ``[..., D]``."""
     return torch.ops.tdx.moe_combine(y, weights, expert_ids, counts, num_experts, rows_per_rank, group_name)
 
 
 def moe_permute(x: Tensor, expert_ids: Tensor, tokens_per_expert: Tensor, num_experts: int,
                 capacity: int) -> tuple[Tensor, Tensor, Tensor]:
-    """``(x_sorted [A, D], positions [R, k], offsets [E] int32)``: one row per slot, expert-major.
+    """``(x_sorted [A, D], positions [R, k], offsets [E] int32)``: one row per slot, expert-major (the order
+    ``torch._grouped_mm`` takes); ``moe_unpermute`` undoes it.
 
     Dropless (``capacity=-1``): ``tokens_per_expert`` is a host int64 ``[E]`` (A is its sum). With a
     capacity, expert e owns rows ``[e * capacity, (e + 1) * capacity)``, zero-padded.
@@ -58,14 +54,15 @@ def moe_permute(x: Tensor, expert_ids: Tensor, tokens_per_expert: Tensor, num_ex
 
 
 def moe_unpermute(sorted_rows: Tensor, positions: Tensor, weights: Tensor | None) -> Tensor:
-    """``y [R, D]``: ``y[r] = sum_j weights[r, j] * sorted_rows[positions[r, j]]`` (weights None: 1);
-    ``sorted_rows`` ``[A, D]`` or ``[experts, capacity, D]`` (its rows flattened)."""
+    """``y [R, D]``: ``y[r] = sum_j weights[r, j] * sorted_rows[positions[r, j]]`` (weights None: 1), accumulated
+    in slot order in fp32; ``sorted_rows`` ``[A, D]`` or ``[experts, capacity, D]`` (its rows flattened)."""
     return torch.ops.tdx.moe_unpermute(sorted_rows, positions, weights)
 
 
 def moe_grouped_mm(x: Tensor, weight: Tensor, tokens_per_expert: Tensor) -> Tensor:
     """``out [A, N]``: expert e's rows of ``x [A, K]`` (expert-major, ``tokens_per_expert`` host int64 ``[E]``)
-    times ``weight[e].T`` (``weight [E, N, K]``)."""
+    times ``weight[e].T`` (``weight [E, N, K]``), by the host counts: the experts' GEMMs where
+    ``torch._grouped_mm`` does not run (CPU, older GPUs)."""
     return torch.ops.tdx.moe_grouped_mm(x, weight, tokens_per_expert)
 
 

@@ -1,31 +1,11 @@
-"""Context-parallel attention: ring, Ulysses (all-to-all) and their 2-D hybrid.
+"""Context-parallel attention: ring, Ulysses (all-to-all) and their 2-D hybrid, on this rank's shard of the
+sequence. For every order, unsharding the output equals ``F.scaled_dot_product_attention`` on the full
+sequence, forward and gradients.
 
-Attention tensors are ``[batch, heads, seq_local, head_dim]`` (the SDPA layout),
-this rank's shard of the sequence, made by ``shard_sequence`` with the same
-``cp_mesh`` and ``order``; ``k``/``v`` may have fewer heads than ``q``
-(GQA / MQA, ``q_heads % kv_heads == 0``). The output is laid out like ``q``.
-For every order, unsharding the output of the sharded computation equals
-``F.scaled_dot_product_attention`` on the full sequence, forward and gradients.
+    q, k, v = (shard_sequence(t, cp_mesh=mesh["cp"], dim=2) for t in (q_full, k_full, v_full))
+    out = ring_attention(q, k, v, cp_mesh=mesh["cp"], causal=True)   # [batch, heads, seq_local, head_dim]
 
-    ring_attention     K/V blocks circulate the ring of the 1-D ``cp_mesh`` (at kv heads), overlapped
-                       with the block attention; any head count.
-    ulysses_attention  one all-to-all over the 1-D ``cp_mesh`` makes each rank hold H/N heads of the
-                       whole sequence (in sequence order, whatever the cp order), local attention, one all-to-all
-                       back; q heads divisible by N.
-    hybrid_attention   a 2-D ``cp_mesh`` ``[ring, ulysses]``: Ulysses over dim 1 inside, ring over dim 0
-                       outside.
-
-``order`` ("zigzag", the default, or "contiguous") is how ``shard_sequence`` cut
-the sequence over the ring (or Ulysses) ranks; zigzag balances causal work.
-
-Packed sequences: ``document_ids`` ``[batch, seq_local]`` (integers) are the
-per-token documents of this rank's shard, cut by ``shard_sequence`` exactly like
-the tokens (same ``cp_mesh``, ``order``, ``dim=1``). A token attends only to
-tokens of its own document (and, with ``causal``, only to earlier ones); a
-negative id marks padding, whose output and gradients are exactly 0. The ring
-skips blocks that no document spans (``ops.context_attention_work`` reports the
-per-rank work of a document mix); the ids may change every step without a
-recompile.
+How each method communicates: docs/architecture.md, "Context parallelism".
 """
 
 import math
@@ -150,7 +130,30 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, arg: str, order:
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
                    scale: float | None = None, order: str = "zigzag", document_ids: Tensor | None = None) -> Tensor:
-    """Attention of this rank's sequence shard over the whole sequence, K/V passed around the 1-D ``cp_mesh``."""
+    """Attention of this rank's sequence shard over the whole sequence: K/V blocks circulate the ring of the 1-D
+    ``cp_mesh`` (at kv heads), overlapped with the block attention; any head count.
+
+    Args:
+        q: ``[batch, q_heads, seq_local, head_dim]`` (the SDPA layout), floating point: this rank's shard of the
+            sequence, made by ``shard_sequence`` with the same ``cp_mesh`` and ``order`` (``seq_local`` even for
+            zigzag).
+        k: ``[batch, kv_heads, seq_local, head_dim]``, q's dtype; ``kv_heads`` divides ``q_heads`` (GQA / MQA).
+        v: shaped like ``k``.
+        cp_mesh: 1-D DeviceMesh of the context-parallel ranks.
+        causal: each token attends only to tokens at or before its position in the full sequence.
+        scale: the softmax scale (None: ``1 / sqrt(head_dim)``).
+        order: how ``shard_sequence`` cut the sequence over the ranks: "zigzag" (rank r holds chunks r and
+            2N-1-r of 2N; balances causal work) or "contiguous" (block r of N).
+        document_ids: None, or ``[batch, seq_local]`` integers: the documents of this rank's tokens, cut by
+            ``shard_sequence`` exactly like the tokens (same ``cp_mesh`` and ``order``, ``dim=1``). A token
+            attends only to tokens of its own document (and, with ``causal``, only to earlier ones); a negative
+            id marks padding, whose output and gradients are exactly 0. The ring skips blocks that no document
+            spans (``ops.context_attention_work`` reports the per-rank work of a document mix); the ids may
+            change every step without a recompile.
+
+    Returns:
+        ``[batch, q_heads, seq_local, head_dim]``, laid out like ``q``.
+    """
     _check_qkv(q, k, v)
     check_order(order)
     _check_document_ids(document_ids, q)
@@ -164,9 +167,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, c
                       document_ids: Tensor | None = None) -> Tensor:
     """Attention via one all-to-all to head shards over the 1-D ``cp_mesh`` and one back.
 
-    The all-to-all puts the gathered sequence in order whatever ``order`` cut it, so causal
-    attention is plain causal SDPA on every rank; with ``document_ids`` the ids are all-gathered
-    (in order) and each rank attends document by document.
+    The all-to-all makes each rank hold H/N of the heads for the whole sequence, in sequence order whatever
+    ``order`` cut it, so causal attention is plain causal SDPA on every rank; with ``document_ids`` the ids
+    are all-gathered (in order) and each rank attends document by document.
+
+    Arguments and result as ``ring_attention``'s, with q heads divisible by the size N of ``cp_mesh`` and kv
+    heads dividing N or divisible by it (too few kv heads are replicated as little as needed).
     """
     _check_qkv(q, k, v)
     check_order(order)
@@ -188,6 +194,9 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, ca
 
     ``order`` cuts the sequence over the ring ranks; each ring shard is split contiguously over the
     Ulysses ranks (``shard_sequence`` with the same 2-D ``cp_mesh`` does both).
+
+    Arguments and result as ``ring_attention``'s, with ``cp_mesh`` 2-D ``[ring, ulysses]`` (e.g.
+    ``world_mesh["ring", "ulysses"]``) and the head counts as ``ulysses_attention`` needs them over dim 1.
     """
     _check_qkv(q, k, v)
     check_order(order)

@@ -1,26 +1,10 @@
-"""Column- and row-parallel linear layers (Megatron semantics), with sequence parallelism.
+"""Column- and row-parallel linear layers (Megatron semantics), with sequence parallelism: a column layer followed
+by a row layer (an MLP, or attention's QKV and output projections) needs one collective each way per pair, fused
+into the GEMM as a ring under sequence parallelism.
 
-A column-parallel layer followed by a row-parallel one (an MLP, or attention's
-QKV and output projections) needs one collective each way per pair:
-
-    no SP:  x (replicated) -> Column -> [.., out/tp] -> Row -> all-reduce -> y (replicated)
-    SP:     x [.., S/tp, ..] -> all_gather_matmul -> [.., out/tp] -> matmul_reduce_scatter -> y [.., S/tp, ..]
-
-With ``sequence_parallel=True`` the activations between blocks are sharded
-along ``seq_dim`` and the gather / scatter is fused into the GEMM as a ring
-(``tdx::all_gather_matmul``, ``tdx::matmul_reduce_scatter``).
-
-Parameters are DTensors on ``tp_mesh``, so ``fully_shard(module, mesh=dp_mesh)``
-makes them 2-D and distributed checkpoints reshard them.
-
-In fp8 (``torchdist_ext.fp8.convert_to_fp8``) the local GEMM runs through
-``fp8_linear``. Under sequence parallelism with delayed scales reduced over the
-ranks (``gathers_fp8``) the rings carry fp8: the column layer's input blocks travel
-as fp8 bytes into ``tdx::all_gather_scaled_mm`` and the row layer's partial sums
-reduce-scatter in ``tdx::scaled_mm_reduce_scatter`` (their backward, the other way
-round, gathers the fp8 output gradient). Otherwise (current scaling: each rank's
-own scale) the activations are gathered and the output reduce-scattered as bulk
-collectives around the fp8 GEMM.
+    up = ColumnParallelLinear.from_linear(mlp.up, tp_mesh=mesh["tp"], sequence_parallel=True)
+    down = RowParallelLinear.from_linear(mlp.down, tp_mesh=mesh["tp"], sequence_parallel=True)
+    y = down(F.silu(up(x)))   # x, y [batch, seq/tp, hidden]; up(x) [batch, seq, ffn/tp]
 """
 
 import math
@@ -150,12 +134,18 @@ class ColumnParallelLinear(_ParallelLinear):
     """``y = x @ W.T + b`` with ``W`` split by output features over ``tp_mesh``.
 
     Args:
-        in_features, out_features, bias: as ``nn.Linear``; ``out_features`` divisible by tp.
+        in_features: size of the input's last dim, as ``nn.Linear``'s.
+        out_features: size of the full output's last dim, as ``nn.Linear``'s; divisible by tp.
+        bias: whether to add a learnable bias ``[out]`` (sharded like the output features).
         tp_mesh: 1-D DeviceMesh of the tensor-parallel group.
         gather_output: return the full ``[..., out]`` instead of this rank's ``[..., out/tp]``.
-        sequence_parallel: the input is sharded along ``seq_dim`` (rank r holds the
-            r-th block); it is all-gathered inside the GEMM ring.
+        sequence_parallel: the input is sharded along ``seq_dim`` (rank r holds the r-th block); it is
+            all-gathered inside the GEMM ring (``tdx::all_gather_matmul``). In fp8 with delayed scales reduced
+            over the ranks the ring carries the fp8 input blocks (``tdx::all_gather_scaled_mm``); under current
+            scaling the input is all-gathered before the fp8 GEMM.
         seq_dim: the sequence dim of the activations (default 1: ``[batch, seq, hidden]``).
+        device: where the parameters are created ("meta": left uninitialised).
+        dtype: the parameters' floating dtype.
 
     Shapes:
         input  ``[..., in]`` replicated, or ``[.., S/tp, .., in]`` with sequence_parallel
@@ -208,13 +198,20 @@ class RowParallelLinear(_ParallelLinear):
     """``y = x @ W.T + b`` with ``W`` split by input features over ``tp_mesh``; partial sums reduced.
 
     Args:
-        in_features, out_features, bias: as ``nn.Linear``; ``in_features`` divisible by tp.
+        in_features: size of the full input's last dim, as ``nn.Linear``'s; divisible by tp.
+        out_features: size of the output's last dim, as ``nn.Linear``'s.
+        bias: whether to add a learnable bias ``[out]`` (replicated; added after the reduction).
         tp_mesh: 1-D DeviceMesh of the tensor-parallel group.
         input_is_parallel: the input is already this rank's ``[..., in/tp]`` slice (the
             output of a ColumnParallelLinear); if False it is the full ``[..., in]`` and is split here.
-        sequence_parallel: reduce-scatter the output along ``seq_dim`` (inside the GEMM
-            ring) instead of all-reducing it; ``input.size(seq_dim)`` divisible by tp.
-        seq_dim: the sequence dim of the activations.
+        sequence_parallel: reduce-scatter the output along ``seq_dim`` (inside the GEMM ring,
+            ``tdx::matmul_reduce_scatter``) instead of all-reducing it; ``input.size(seq_dim)`` divisible by tp.
+            In fp8 with delayed scales reduced over the ranks the partial sums reduce-scatter inside
+            ``tdx::scaled_mm_reduce_scatter`` (its backward gathers the fp8 output gradient); under current
+            scaling the output of the fp8 GEMM is reduce-scattered after it.
+        seq_dim: the sequence dim of the activations (default 1: ``[batch, seq, hidden]``).
+        device: where the parameters are created ("meta": left uninitialised).
+        dtype: the parameters' floating dtype.
 
     Shapes:
         input  ``[..., in/tp]`` (``[..., in]`` if not input_is_parallel), full along seq_dim

@@ -1,39 +1,11 @@
-"""Mixture of experts over an expert-parallel mesh: router, capacity, token exchange, grouped expert GEMMs.
+"""Mixture of experts over an expert-parallel mesh (``MoE``: router, capacity, token exchange, grouped expert
+GEMMs) and its FSDP2 sharding (``fully_shard_moe``).
 
-Each rank routes its own tokens (the ranks of ``ep_mesh`` see different tokens, as
-data-parallel ranks do), sends every token once to each rank holding one of its
-chosen experts (``tdx::moe_dispatch``), runs its local experts on the received
-rows sorted expert-major (``tdx::moe_permute``; one grouped GEMM per projection),
-weights each row's expert outputs by the router in fp32 (``tdx::moe_unpermute``)
-and sends them back (``tdx::moe_combine``), where each token's rows are summed in
-rank order: the same result run to run.
+    moe = MoE(dim, ffn_dim, num_experts=64, top_k=2, ep_mesh=mesh["ep"], aux_loss_coef=0.01)
+    out = moe(x)                                       # x [..., dim] -> [..., dim]
+    fully_shard_moe(moe, dp_mesh=dp_mesh, expert_dp_mesh=expert_dp_mesh)
 
-Routing. ``score_func="softmax"``: softmax over the E experts, top-k, the k weights
-renormalised to sum 1 when k > 1 (k = 1 keeps the probability, as Switch does).
-``"sigmoid"`` (DeepSeek-V3): sigmoid scores, top-k, the k weights normalised to sum 1.
-The router runs in fp32.
-
-Capacity. ``capacity_factor=None`` is dropless. With ``c``, each (source rank, expert)
-pair keeps at most ``C = ceil(c * T * k / E)`` of the rank's T tokens' slots:
-``drop_policy="probs"`` keeps the slots with the highest router weights,
-``"position"`` the earliest tokens; ties go to the lower token index. A dropped slot
-contributes 0 (the residual stream carries the token); the kept slots keep their
-weights (no renormalisation). Megatron's ``moe_expert_capacity_factor`` computes the
-same C (over the local tokens) and drops by probability or position likewise, but
-per expert over the whole local batch after the all-gather of the sequence-parallel
-tokens; GShard's capacity is per group and drops by position only, the second
-expert's slots after every first expert's slots (here the order is by token).
-Capacity mode has static shapes end to end (nothing goes to the host); dropless
-copies one small count tensor to the host per layer.
-
-Auxiliary losses (Megatron's): the Switch load-balancing loss
-``aux_loss_coef * E * sum_e f_e P_e``, f_e the share of the T*k top-k slots (before
-dropping) that chose e and P_e the mean over tokens of e's routing probability
-(softmax probabilities; sigmoid scores divided by their sum over E), and the router
-z-loss ``z_loss_coef * mean(logsumexp(logits)^2)``. Both are computed on this rank's
-tokens and add their gradient in backward without appearing in the user's loss;
-``last_aux_loss``, ``last_z_loss`` and ``last_tokens_per_expert`` (this rank's kept
-slots per expert) hold the last forward's values, detached.
+Design (the ep ranks, one message per rank, capacity against Megatron's and GShard's): docs/architecture.md.
 """
 
 import math
@@ -99,6 +71,12 @@ class GroupedExperts(nn.Module):
     out ``[experts, capacity, dim]``.
 
     ``gradient_scale`` multiplies the weights' gradients (``fully_shard_moe`` sets it).
+
+    Args:
+        w1: Parameter ``[E, ffn, dim]``, a DTensor ``Shard(0)`` on the ep mesh: each expert's gate projection
+            (the one inside ``silu``).
+        w3: Parameter like ``w1``: each expert's up projection.
+        w2: Parameter ``[E, dim, ffn]``, a DTensor ``Shard(0)`` on the ep mesh: each expert's down projection.
     """
 
     def __init__(self, w1: nn.Parameter, w3: nn.Parameter, w2: nn.Parameter):
@@ -121,16 +99,37 @@ class GroupedExperts(nn.Module):
 class MoE(nn.Module):
     """SwiGLU experts ``w2(silu(w1 x) * w3 x)`` split over ``ep_mesh``, behind a top-k router.
 
+    Each rank routes its own tokens (the router runs in fp32) and sends every token once to each rank holding one
+    of its chosen experts; that rank runs its local experts on the received rows sorted expert-major (one
+    grouped GEMM per projection), and each token's expert outputs come back weighted by the router in fp32 and
+    summed in rank order: the same result run to run.
+
     Args:
-        dim, ffn_dim: model and expert hidden widths.
+        dim: the model width (the input's last dim).
+        ffn_dim: each expert's hidden width.
         num_experts: E, divisible by the size of ``ep_mesh``.
-        top_k: experts per token, in [1, E].
+        top_k: k, experts per token, in [1, E].
         ep_mesh: 1-D DeviceMesh of the expert-parallel group (its ranks see different tokens).
-        capacity_factor: None (dropless) or a positive float (see the module docstring).
-        drop_policy: "probs" or "position" (with a capacity).
-        score_func: "softmax" or "sigmoid".
-        aux_loss_coef, z_loss_coef: weights of the load-balancing and router z losses (>= 0).
-        num_shared_experts: a dense SwiGLU of width ``num_shared_experts * ffn_dim`` on every token, added.
+        capacity_factor: None: dropless (one small count tensor goes to the host per layer). A positive ``c``:
+            each (source rank, expert) pair keeps at most ``C = ceil(c * T * k / E)`` of the slots of the rank's
+            T tokens, with static shapes end to end (nothing goes to the host). A dropped slot contributes 0 (the
+            residual stream carries the token); the kept slots keep their weights (no renormalisation).
+        drop_policy: which slots a capacity keeps: "probs" the highest router weights, "position" the earliest
+            tokens; ties go to the lower token index.
+        score_func: "softmax": softmax over the E experts, top-k, the k weights renormalised to sum 1 when k > 1
+            (k = 1 keeps the probability, as Switch does). "sigmoid" (DeepSeek-V3): sigmoid scores, top-k, the k
+            weights normalised to sum 1.
+        aux_loss_coef: weight (>= 0) of the Switch load-balancing loss ``E * sum_e f_e P_e``: f_e the share of
+            the T*k top-k slots (before dropping) that chose e, P_e the mean over tokens of e's routing
+            probability (softmax probabilities; sigmoid scores divided by their sum over E).
+        z_loss_coef: weight (>= 0) of the router z-loss ``mean(logsumexp(logits)^2)``.
+        num_shared_experts: S: a dense SwiGLU of width ``S * ffn_dim`` on every token, added (0: none).
+        device: where the parameters are created ("meta": left uninitialised).
+        dtype: the parameters' floating dtype.
+
+    Both auxiliary losses are computed on this rank's tokens and add their gradient in backward without
+    appearing in the user's loss; ``last_aux_loss``, ``last_z_loss`` (unweighted) and ``last_tokens_per_expert``
+    (this rank's kept slots per expert) hold the last forward's values, detached.
 
     Shapes: input ``[..., dim]`` (any leading dims) -> output of the same shape.
     Parameters: ``experts.w1``, ``experts.w3`` ``[E, ffn_dim, dim]`` and ``experts.w2`` ``[E, dim, ffn_dim]``

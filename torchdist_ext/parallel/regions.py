@@ -1,19 +1,10 @@
-"""Megatron's tensor-parallel regions: a collective in one direction, its adjoint in the other.
+"""Megatron's tensor-parallel regions: functions that move tensors into and out of a region where every rank of a
+group computes on the same replicated activations (or on its own shard), so that forward values and gradients
+both match one process. They come in adjoint pairs, each one's backward calling its partner, so gradients of any
+order flow through; blocks follow ``torch.chunk`` order.
 
-Inside a tensor-parallel region every rank of the group computes on the same
-replicated activations (or on its own shard); these functions move tensors in
-and out of it so that forward values and gradients both match one process:
-
-    copy_to_region(x)                     forward: x                 backward: all-reduce
-    reduce_from_region(x)                 forward: all-reduce        backward: identity
-    scatter_to_region(x, dim)             forward: this rank's block backward: all-gather
-    gather_from_region(x, dim)            forward: all-gather        backward: this rank's block
-    reduce_scatter_to_sequence_region(x, dim)
-                                          forward: reduce-scatter    backward: all-gather
-    gather_from_sequence_region(x, dim)   forward: all-gather        backward: reduce-scatter
-
-The functions come in adjoint pairs and each one's backward calls its partner,
-so gradients of any order flow through. Blocks follow ``torch.chunk`` order.
+    h = copy_to_region(x, group)                  # forward: x           backward: all-reduce
+    y = reduce_from_region(h @ w_shard.T, group)  # forward: all-reduce  backward: identity
 """
 
 import torch
@@ -99,38 +90,44 @@ class _GatherFromSequenceRegion(torch.autograd.Function):
 
 
 def copy_to_region(x: Tensor, group: MeshGroup) -> Tensor:
-    """Enters a region with a replicated tensor: its gradient is summed over the group."""
+    """Enters a region with a replicated tensor: forward ``x``; backward all-reduces (sums) the gradient over the
+    group."""
     return _CopyToRegion.apply(x, group)
 
 
 def reduce_from_region(x: Tensor, group: MeshGroup) -> Tensor:
-    """Leaves a region with the sum of the ranks' partial results (replicated)."""
+    """Leaves a region with the sum of the ranks' partial results (replicated): forward all-reduce; backward
+    identity."""
     if group.size == 1:  # a one-rank collective is a copy
         return x
     return _ReduceFromRegion.apply(x, group)
 
 
 def scatter_to_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
-    """Enters a region with this rank's block of a replicated tensor."""
+    """Enters a region with this rank's block along ``dim`` of a replicated tensor; backward all-gathers the
+    gradient's blocks."""
     return _ScatterToRegion.apply(x, group, dim)
 
 
 def gather_from_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
-    """Leaves a region with the concatenated blocks (replicated)."""
+    """Leaves a region with the blocks all-gathered along ``dim`` (replicated); backward keeps this rank's block
+    of the gradient."""
     if group.size == 1:  # a one-rank collective is a copy
         return x
     return _GatherFromRegion.apply(x, group, dim)
 
 
 def reduce_scatter_to_sequence_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
-    """Sums the ranks' partial results and keeps this rank's block along the sequence ``dim``."""
+    """Sums the ranks' partial results and keeps this rank's block along the sequence ``dim`` (reduce-scatter);
+    backward all-gathers the gradient."""
     if group.size == 1:  # a one-rank collective is a copy
         return x
     return _ReduceScatterToSequenceRegion.apply(x, group, dim)
 
 
 def gather_from_sequence_region(x: Tensor, group: MeshGroup, dim: int) -> Tensor:
-    """All-gathers sequence blocks; each rank's use of the full sequence sends gradient back to every block."""
+    """All-gathers sequence blocks along ``dim``; backward reduce-scatters the gradient, since each rank's use of
+    the full sequence sends gradient back to every block."""
     if group.size == 1:  # a one-rank collective is a copy
         return x
     return _GatherFromSequenceRegion.apply(x, group, dim)

@@ -1,21 +1,8 @@
-"""Sharding a sequence over a context-parallel mesh, and back.
+"""Sharding a sequence over a context-parallel mesh, in the order the attention expects (``shard_sequence``),
+and back (``unshard_sequence``).
 
-    order="contiguous"  rank r holds block r of N equal blocks.
-    order="zigzag"      the sequence is cut into 2N chunks; rank r holds chunks r and 2N-1-r (in that
-                         order), so causal attention costs every rank the same.
-
-``cp_mesh`` is the context-parallel mesh the attention runs on: 1-D for
-``ring_attention`` and ``ulysses_attention``; 2-D ``[ring, ulysses]`` for
-``hybrid_attention``, where the sequence is sharded over the ring ranks with
-``order`` first and each ring rank's shard is then split into contiguous
-blocks over the Ulysses ranks (so the Ulysses all-to-all reassembles exactly the
-ring rank's shard). Pass the same ``cp_mesh`` and ``order`` to the attention.
-
-``shard_sequence`` treats ``x`` as replicated (the same on every rank): each
-rank keeps its part, and the gradient of ``x`` is gathered from all ranks.
-``unshard_sequence`` returns the full tensor on every rank, and takes its
-gradient as replicated. Together they let a single-process reference and a
-context-parallel computation be compared value for value and gradient for gradient.
+    tokens = shard_sequence(tokens_full, cp_mesh=mesh["cp"], dim=1)   # zigzag by default
+    out_full = unshard_sequence(out, cp_mesh=mesh["cp"], dim=1)
 """
 
 import math
@@ -58,7 +45,24 @@ def _reorder_chunks(x: Tensor, dim: int, order: list[int]) -> Tensor:
 
 
 def shard_sequence(x: Tensor, *, cp_mesh: DeviceMesh, dim: int, order: str = "zigzag") -> Tensor:
-    """This rank's part of the sequence dim ``dim`` of the replicated ``x``."""
+    """This rank's part of the sequence dim ``dim`` of the replicated ``x``.
+
+    ``x`` is taken as replicated: each rank keeps its part, and the gradient of ``x`` is gathered from all
+    ranks. With ``unshard_sequence`` this lets a single-process reference and a context-parallel computation be
+    compared value for value and gradient for gradient.
+
+    Args:
+        x: the full tensor, the same on every rank.
+        cp_mesh: the context-parallel mesh the attention runs on: 1-D for ``ring_attention`` and
+            ``ulysses_attention``; 2-D ``[ring, ulysses]`` for ``hybrid_attention``, where the sequence is sharded
+            over the ring ranks in ``order`` first and each ring rank's shard is then split into contiguous blocks
+            over the Ulysses ranks. Pass the attention the same ``cp_mesh`` and ``order``.
+        dim: the sequence dim; its size must split into the order's equal pieces (N blocks, or 2N chunks for
+            zigzag; with a 2-D mesh each ring shard also over the Ulysses ranks).
+        order: "zigzag" (the default): the sequence is cut into 2N chunks and rank r holds chunks r and 2N-1-r,
+            in that order, so causal attention costs every rank the same. "contiguous": rank r holds block r
+            of N.
+    """
     check_order(order)
     ring, ulysses = context_parallel_groups(cp_mesh)
     dim = _check_sequence(x, dim, "x")
@@ -75,7 +79,9 @@ def shard_sequence(x: Tensor, *, cp_mesh: DeviceMesh, dim: int, order: str = "zi
 
 
 def unshard_sequence(x_local: Tensor, *, cp_mesh: DeviceMesh, dim: int, order: str = "zigzag") -> Tensor:
-    """The full sequence, on every rank, from each rank's part (the inverse of ``shard_sequence``)."""
+    """The full sequence, on every rank, from each rank's part ``x_local`` (the inverse of ``shard_sequence``,
+    with the same ``cp_mesh``, ``dim`` and ``order``); its gradient is taken as replicated (each rank keeps its
+    part)."""
     check_order(order)
     ring, ulysses = context_parallel_groups(cp_mesh)
     dim = _check_sequence(x_local, dim, "x_local")

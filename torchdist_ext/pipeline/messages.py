@@ -1,26 +1,11 @@
-"""The order in which every pipeline rank posts a step's point-to-point messages, valid for NCCL.
+"""The order in which every pipeline rank posts a step's point-to-point messages, free of deadlock under NCCL's
+in-order matching: ``message_plan`` gives each rank its list of posts, ``deadlocks`` checks plans against a
+model of NCCL's streams.
 
-NCCL matches a rank's sends to a peer with that peer's receives in the order they are posted (tags are
-ignored), and a stream carries the messages in that order: a send, or a batch holding one, cannot
-finish before its receiver has posted the matching receive, and it holds up everything posted after it.
-Posting each message just in time (the send right after the action that makes it, the receive right before
-the action that reads it) deadlocks: in 1F1B, stage 0 sends F1 before it receives B0's gradient, while
-stage 1 sends that gradient before it receives F1.
+    plans = message_plan("1f1b", pp=4, num_microbatches=8)   # plans[rank]: [PostedOp(boundary, is_send, ...)]
+    assert not deadlocks(plans)
 
-So every rank posts its messages in one global order: by the time the planner's simulation
-(``csrc/planner``, the simulation the schedule itself comes from) sends them, ties broken by the message's
-(direction, receiving stage, micro-batch). Then the first message of that order not yet delivered is at the
-head of both its ranks' streams, so it is delivered, and by induction every message is. The sender posts a
-message right after the action that makes it, or later if a message ordered before it is still to be posted
-there; the receiver posts it one action ahead of the action that reads it, or earlier where the simulation
-sends it earlier (the first message of each kind, whose header the receiver waits for before it can post the
-data's receive, as late as the order allows: only in a step whose shapes the receivers do not know yet, as
-every later op is then posted no earlier). ``message_plan`` gives each rank that list; the runtime posts
-it one op at a time (each op its own work, so waiting for one message never waits for a later action's).
-``deadlocks`` checks a plan against the rule above (a rendezvous model of NCCL's streams, with or without
-batching per boundary) and is what the tests run over every schedule. It models the ops' order only, not
-the headers (each posted right before its data on both ranks), the host's waits for them, or whether a
-receive is posted before its reader: the tests check that separately.
+Why just-in-time posting deadlocks and why this order does not: docs/architecture.md, "Pipeline parallelism".
 """
 
 from bisect import bisect_left
@@ -34,20 +19,39 @@ FORWARD, BACKWARD = 0, 1
 
 
 class Message(NamedTuple):
-    """One activation (FORWARD) or input gradient (BACKWARD) that travels between two pipeline ranks."""
+    """One activation (FORWARD) or input gradient (BACKWARD) that travels between two pipeline ranks.
 
-    sent_at: float  # the planner's simulated end of the action that makes it: the first sort key
+    Args:
+        sent_at: the planner's simulated end of the action that makes it: the first key of the global order.
+        direction: ``FORWARD`` or ``BACKWARD``.
+        stage: the stage that receives it.
+        microbatch: its micro-batch.
+        src: the pipeline rank that sends it.
+        dst: the pipeline rank that receives it.
+    """
+
+    sent_at: float
     direction: int
-    stage: int  # the stage that receives it
+    stage: int
     microbatch: int
-    src: int  # pipeline ranks
+    src: int
     dst: int
 
 
 class PostedOp(NamedTuple):
-    boundary: int  # posted right before the rank's action at this position (len(actions): after the last)
+    """One send or receive in a rank's plan (``message_plan``).
+
+    Args:
+        boundary: posted right before the rank's action at this position (``len(actions)``: after the last).
+        is_send: a send (else a receive).
+        with_header: the first message of its (direction, stage) in the step: preceded by a header with its
+            shape and dtype.
+        message: the message sent or received.
+    """
+
+    boundary: int
     is_send: bool
-    with_header: bool  # the first message of its (direction, stage) in the step: preceded by its shape and dtype
+    with_header: bool
     message: Message
 
 
@@ -77,9 +81,15 @@ def _messages(schedule: str, pp: int, num_microbatches: int, virtual_stages: int
 def message_plan(schedule: str, pp: int, num_microbatches: int, virtual_stages: int = 1,
                  headers: bool = True) -> list[list[PostedOp]]:
     """Every rank's messages (index: pipeline rank), in the order it posts them, each with the action
-    boundary at which it is posted (non-decreasing along the list). ``headers``: the first message of each
-    (direction, stage) carries a header, whose receive is posted as late as the order allows; without (a
-    step whose shapes the receivers know), every receive is posted like the later ones."""
+    boundary at which it is posted (non-decreasing along the list).
+
+    The order is one global order for every rank: by the time the planner's simulation sends the messages, ties
+    broken by (direction, receiving stage, micro-batch). The sender posts a message right after the action that
+    makes it, or later if a message ordered before it is still to be posted there; the receiver posts it one
+    action ahead of the action that reads it, or earlier where the simulation sends it earlier. ``headers``: the
+    first message of each (direction, stage) carries a header, whose receive is posted as late as the order
+    allows (the host waits for the header before it posts the data's receive); without (a step whose shapes
+    the receivers know), every receive is posted like the later ones."""
     found, ends = _messages(schedule, pp, num_microbatches, virtual_stages)
     plans = []
     for rank in range(pp):
@@ -115,7 +125,10 @@ def deadlocks(plans: list[list[PostedOp]], batched: bool = True) -> list[str]:
     only while both its ops are at the head of their streams (``batched``: the ops a rank posts at one
     boundary form one batch that leaves the stream when all of them are delivered, and whose ops are
     delivered in any order). Returns the stuck ops and the pairs NCCL would match although they are two
-    different messages; empty when every message is delivered to its own receive."""
+    different messages; empty when every message is delivered to its own receive.
+
+    It models the ops' order only, not the headers (each posted right before its data on both ranks), the host's
+    waits for them, or whether a receive is posted before its reader: the tests check those separately."""
     partner = {}
     for rank, plan in enumerate(plans):
         counts: dict[tuple, int] = {}

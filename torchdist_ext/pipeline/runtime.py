@@ -1,53 +1,12 @@
-"""``Pipeline``: runs one training step of a model split into stages over the ranks of a pipeline mesh,
-in the action order of a schedule (``torchdist_ext.pipeline.schedule``).
+"""``Pipeline``: runs one training step of a model split into stages over the ranks of a pipeline mesh, in the
+action order of a schedule (``torchdist_ext.pipeline.schedule``), with activations and their gradients sent
+between the ranks as point-to-point messages in ``torchdist_ext.pipeline.messages``' order.
 
     pipe = Pipeline({stage: module, ...}, pp_mesh=mesh["pp"], schedule="zb-h1", num_microbatches=8,
                     loss_fn=loss_fn)
     loss = pipe.step(inputs, targets)   # every rank: the mean loss; the gradients are in each module's .grad
 
-Each rank passes the same ``inputs`` / ``targets`` (only the first stage reads the inputs and only the last
-the targets), split along dim 0 into ``num_microbatches`` equal micro-batches. The loss is
-``mean_i loss_fn(last_stage(...(inputs_i)), targets_i)``, so with a mean-reducing ``loss_fn`` the gradients
-equal those of ``loss_fn(model(inputs), targets)`` in one process.
-
-Between stages on different ranks activations (forward) and their gradients (backward) travel as
-point-to-point messages on the pipeline group, gloo (CPU tensors) or NCCL (CUDA tensors) alike. Every rank
-posts them in one global order (``torchdist_ext.pipeline.messages.message_plan``: the order of the planner's
-simulated send times, which NCCL's in-order matching needs to be free of deadlock), one op at a time: a send
-right after the action that makes it, a receive one action ahead of the action that reads it (or earlier,
-where the simulation sends it earlier), so it arrives while this rank computes. The first message of each
-(direction, stage) of the first step carries a header (shape and dtype) that the receiver reads first, and
-whose receive is posted as late as the order allows (the host waits for it); later micro-batches and steps
-must match it (checked by the sender). With ``fixed_shapes=False`` every step sends the headers again. A
-send's buffer is released as soon as a message from its peer shows that the peer has received it (the peer
-sent that message from a later action than the one that consumed ours), not at the end of the step: a
-stage's outputs and input gradients would otherwise stay alive for all the step's micro-batches. A stage's
-output tensor itself gives up its storage once sent (its backward needs only its ``grad_fn``; Megatron-LM's
-``deallocate_output_tensor``): code that keeps a reference to the very tensor a stage module returns (a
-forward hook, a module attribute, an op of the stage that saved it as an input) sees an empty tensor after
-the send: compute from it inside the stage. Between stages on the same rank (zb-v's turn) they are handed
-over in memory.
-
-Under zb-h1 and zb-v the stages' linears run in split mode (``torchdist_ext._weight_grad``): B
-computes input gradients only and queues the weight gradients, which the W actions run. ``timeline`` holds
-the last step's actions with their wall-clock start and end on this rank (on CUDA, from events on the
-stream, so the GPU's times, not the host's; an action ends once the messages it made are posted, as gloo
-writes a message whose receive is posted in the sending thread: the rank's work, not idle time), and the
-bytes of live tensors right after each (the caching allocator's on CUDA, ``torchdist_ext.cpu_memory``'s
-once ``track()`` has run; else None): their largest is the step's peak between passes, what the planner's
-activation model counts (``peak_held_activations``), without the transients inside a pass.
-
-A stage module sharded with FSDP2 (``fully_shard`` over the data-parallel ranks of that stage) all-gathers
-its parameters once per step, at its first forward, and keeps them unsharded through the step's
-micro-batches (as torchtitan does under pipeline parallelism; resharding after each forward would gather
-them again for each later backward and forward), accumulates its unsharded gradients and reduce-scatters
-them once, right after the stage's last B or W of the step (not at the end of the step), as torch's
-pipelining does: FSDP2's resharding and gradient sync are off during the step and its post-backward runs
-then, which reshards; after the step the stage reshards after each forward again (FSDP2's default). The
-stage module itself must be the ``fully_shard`` root of its sharded blocks.
-
-On CUDA the pipeline group must hold the NCCL backend (``"cpu:gloo,cuda:nccl"`` or ``"nccl"``) and every rank
-must have called ``torch.cuda.set_device``.
+Why messages, buffers and FSDP2 stages are handled this way: docs/architecture.md, "Pipeline parallelism".
 """
 
 import time
@@ -82,12 +41,29 @@ _PASS_OF = ("F", "B")  # the pass that sends, and the one that receives, a messa
 
 
 class TimedAction(NamedTuple):
+    """One action of ``Pipeline.timeline``: what this rank ran in the last step, and when.
+
+    Args:
+        kind: ``"F"``, ``"B"`` or ``"W"``.
+        stage: the stage the action ran.
+        microbatch: the micro-batch it ran.
+        start: wall-clock seconds (``time.time``) at its start, comparable across the ranks of one machine; on
+            CUDA from events on the stream, so the GPU's time, not the host's.
+        end: wall-clock seconds once the messages it made are posted (gloo writes a message whose receive is
+            posted in the sending thread: the rank's work, not idle time); a wait for a message header that
+            follows is not counted.
+        live_bytes: bytes of live tensors on the device right after the action (CUDA's caching allocator, or
+            ``torchdist_ext.cpu_memory``'s once ``track()`` has run; else None). Their largest over the step is
+            its peak between passes, what the planner's activation model counts (``peak_held_activations``),
+            without the transients inside a pass.
+    """
+
     kind: str
     stage: int
     microbatch: int
-    start: float  # wall-clock seconds (time.time), comparable across the ranks of one machine
+    start: float
     end: float
-    live_bytes: int | None = None  # live tensor bytes on the device right after the action, where counted
+    live_bytes: int | None = None
 
 
 class _PendingSend(NamedTuple):
@@ -157,11 +133,28 @@ def enable_weight_grad_split(module: nn.Module) -> nn.Module:
 
 
 class Pipeline:
-    """One pipeline rank's stages and its schedule (see the module docstring).
+    """One pipeline rank's stages, run in its schedule's action order by ``step``.
+
+    Between stages on different ranks, activations (forward) and their gradients (backward) travel as
+    point-to-point messages on ``pp_mesh``'s group; between stages on one rank (zb-v's turn) they pass in memory.
+    Under zb-h1 and zb-v the stages' linears are put in split mode in place (``enable_weight_grad_split``): B
+    computes the input gradients and queues the weight gradients, which the W actions run. ``timeline`` holds
+    the last step's ``TimedAction``s on this rank.
+
+    A stage's output tensor gives up its storage once sent (its backward needs only its ``grad_fn``): code that
+    keeps a reference to the very tensor a stage module returns (a forward hook, a module attribute, an op of the
+    stage that saved it as an input) sees an empty tensor after the send; compute from it inside the stage.
 
     Args:
-        stages: ``{stage index: module}`` for the stages this rank holds (``stages_of_rank``).
-        pp_mesh: 1-D DeviceMesh of the pipeline ranks (rank d of the mesh is pipeline rank d).
+        stages: ``{stage index: module}`` for the stages this rank holds (``stages_of_rank``). What is sent
+            between ranks (a stage's output, its input's gradient) has at most 6 dims and a float32, bfloat16,
+            float16, float64, int64 or int32 dtype. A stage sharded with FSDP2 must itself be the ``fully_shard``
+            root of its sharded blocks: it gathers its parameters once per step, at its first forward, keeps them
+            through the micro-batches and reduce-scatters its gradients right after its last B or W; after the
+            step FSDP2's defaults apply.
+        pp_mesh: 1-D DeviceMesh of the pipeline ranks (rank d of the mesh is pipeline rank d). On CUDA its group
+            must hold the NCCL backend (``"cpu:gloo,cuda:nccl"`` or ``"nccl"``) and every rank must have called
+            ``torch.cuda.set_device``.
         schedule: one of ``SCHEDULES``.
         num_microbatches: micro-batches per step (interleaved-1f1b: divisible by pp).
         loss_fn: ``loss_fn(output, targets) -> scalar`` of the last stage's output of a micro-batch.
@@ -169,7 +162,8 @@ class Pipeline:
         fixed_shapes: every step gives each stage inputs of the first step's shapes and dtypes (as
             ``torch.distributed.pipelining`` and Megatron-LM assume): only the first step's messages carry
             headers, so later steps post every receive one action ahead of its reader. False (variable
-            sequence lengths, say): every step's first message of each kind carries its header again.
+            sequence lengths, say): every step's first message of each kind carries its header again. Either
+            way the micro-batches of one step share their shapes (checked by the sender).
     """
 
     def __init__(self, stages: Mapping[int, nn.Module], *, pp_mesh: DeviceMesh, schedule: str,
@@ -337,6 +331,11 @@ class Pipeline:
     def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
         """One training step (forward and backward of every micro-batch; no optimizer step): returns the
         mean loss (0-d, the same on every rank) and leaves the gradients in the stages' parameters.
+
+        Every rank passes the same ``inputs`` and ``targets`` (only the first stage reads the inputs, only the last
+        the targets), split along dim 0 into ``num_microbatches`` equal micro-batches. The loss is
+        ``mean_i loss_fn(last_stage(...(inputs_i)), targets_i)``, so with a mean-reducing ``loss_fn`` the
+        gradients equal those of ``loss_fn(model(inputs), targets)`` in one process.
 
         A step that raises once its actions have begun (a stage's error, a peer's timeout) leaves the pipeline
         unusable: later calls raise RuntimeError, since that step's messages may still be in flight."""

@@ -1,30 +1,10 @@
-"""Persistent worlds: a set of worker processes with torch.distributed initialised that run many tests.
-
-Starting processes and importing torch costs seconds on a small machine; a
-world pays that once and then runs any number of functions on all its ranks::
+"""Persistent worlds: a set of worker processes with torch.distributed initialised that run many tests, so that
+starting processes and importing torch (seconds on a small machine) is paid once per world, not per test::
 
     with spawn_world(4) as world:
         results = world.run(my_test_fn, 3, scale=0.5)   # one result per rank
 
-``fn`` must be picklable by reference (a module-level function). It runs on
-every rank with ``torch.distributed`` initialised (gloo on CPU unless another
-backend is asked for; world size N) and returns any picklable value.
-
-Failure rules (nothing hangs, nothing is left behind):
-  * a rank that raises an ``Exception``: it is re-raised in the caller, with the
-    rank and that rank's traceback attached (as a note and as ``__cause__``).
-    If every rank raised, the world stays usable; otherwise the ranks still
-    running may be stuck in a collective and the world is shut down. A rank's
-    ``SystemExit`` or ``KeyboardInterrupt`` becomes a ``WorldError`` (it never
-    ends the caller).
-  * a rank that dies (crash, ``os._exit``, a signal): ``WorldError`` naming its
-    exit code or signal; the world is shut down.
-  * no reply from every rank within ``timeout`` seconds: ``WorldTimeoutError``;
-    the world is shut down.
-A shut-down world raises ``WorldError`` on ``run``; check ``world.alive``.
-Each rank runs in a process group of its own, which shutting down kills whole
-(the processes a rank started too); on Linux a rank also dies with the thread
-that started the world (the parent-death signal follows the creating thread).
+What happens when a rank raises, dies or hangs: ``World.run``.
 """
 
 from __future__ import annotations
@@ -147,6 +127,10 @@ class World:
         backend: ``init_process_group`` backend; the default gloo runs on CPU.
             ``"cpu:gloo,cuda:nccl"`` also gives each rank a GPU (rank % device count);
             ``torchdist_ext.ledger.backend(...)`` counts every group's communication.
+
+    Each rank runs in a process group of its own, which shutting the world down kills whole (the processes the
+    rank started too); on Linux a rank also dies with the thread that started the world (the parent-death
+    signal follows the creating thread).
     """
 
     def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int = 1,
@@ -183,7 +167,21 @@ class World:
         return self._alive
 
     def run(self, fn: Callable[..., Any], *args: Any, **kwargs: Any) -> list[Any]:
-        """Runs ``fn(*args, **kwargs)`` on every rank; returns the results in rank order."""
+        """Runs ``fn(*args, **kwargs)`` on every rank; returns the results in rank order.
+
+        ``fn`` must be picklable by reference (a module-level function) and return a picklable value; it runs
+        with ``torch.distributed`` initialised on every rank. Nothing hangs:
+
+        - a rank that raises an ``Exception``: it is re-raised here, with the rank and that rank's traceback
+          attached (as a note and as ``__cause__``). If every rank raised, the world stays usable; otherwise the
+          ranks still running may be stuck in a collective and the world is shut down. A rank's ``SystemExit``
+          or ``KeyboardInterrupt`` becomes a ``WorldError`` (it never ends the caller).
+        - a rank that dies (crash, ``os._exit``, a signal): ``WorldError`` naming its exit code or signal; the
+          world is shut down.
+        - no reply from every rank within ``timeout`` seconds: ``WorldTimeoutError``; the world is shut down.
+
+        A shut-down world raises ``WorldError`` here; check ``alive``.
+        """
         if not self._alive:
             raise WorldError("this world was shut down after an earlier failure; spawn a new one")
         request = pickle.dumps((list(sys.path), fn, args, kwargs))
