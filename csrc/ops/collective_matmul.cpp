@@ -239,10 +239,13 @@ void check_scaled_mm_operands(const char* op, const at::Tensor& x, const at::Ten
 }
 
 // dst (a [outer, rows, n] view) = (a @ b) * scale_a * scale_b in dst's dtype, written in place when dst is
-// contiguous.
+// contiguous. On the CPU the exact emulation that torchdist_ext/fp8/gemm.py describes: fp8 widens
+// to fp32 without rounding, so one fp32 GEMM times the scales.
 void scaled_mm_into(const at::Tensor& dst, const at::Tensor& a, const at::Tensor& b, const at::Tensor& scale_a,
                     const at::Tensor& scale_b) {
-  if (dst.is_contiguous()) {
+  if (a.is_cpu()) {
+    dst.copy_(at::mm(a.to(at::kFloat), b.to(at::kFloat)).mul_(scale_a * scale_b).view(dst.sizes()));
+  } else if (dst.is_contiguous()) {
     auto dst_2d = dst.view({a.size(0), b.size(1)});
     at::_scaled_mm_out(dst_2d, a, b, scale_a, scale_b, std::nullopt, std::nullopt, dst.scalar_type());
   } else {

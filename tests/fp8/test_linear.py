@@ -9,6 +9,7 @@ import torch.distributed as dist
 from torch import nn
 
 from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, Fp8Linear, convert_to_fp8, fp8_step
+from torchdist_ext.fp8.gemm import scaled_mm
 from torchdist_ext.fp8.scaling import FP8_MAX
 
 RECIPES = {
@@ -24,14 +25,14 @@ def saturating_cast(x, scale, dtype):
 
 
 def emulated_linear(x, weight, bias, scales, grad_out, grad_dtype):
-    """The casts in plain torch, the same torch._scaled_mm calls: (out, grad_x, grad_w, grad_bias)."""
+    """The casts in plain torch, the same fp8 GEMMs (``scaled_mm``, checked against ATen's in test_gemm.py):
+    (out, grad_x, grad_w, grad_bias)."""
     s_x, s_w, s_g = (torch.tensor([s]) for s in scales)
     x_fp8, w_fp8 = saturating_cast(x, s_x, torch.float8_e4m3fn), saturating_cast(weight, s_w, torch.float8_e4m3fn)
-    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=1 / s_x, scale_b=1 / s_w, out_dtype=x.dtype) + bias
+    out = scaled_mm(x_fp8, w_fp8.t(), 1 / s_x, 1 / s_w, x.dtype) + bias
     g_fp8 = saturating_cast(grad_out, s_g, grad_dtype)
-    grad_x = torch._scaled_mm(g_fp8, w_fp8.t().contiguous().t(), scale_a=1 / s_g, scale_b=1 / s_w, out_dtype=x.dtype)
-    grad_w = torch._scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(), scale_a=1 / s_g, scale_b=1 / s_x,
-                              out_dtype=weight.dtype)
+    grad_x = scaled_mm(g_fp8, w_fp8.t().contiguous().t(), 1 / s_g, 1 / s_w, x.dtype)
+    grad_w = scaled_mm(g_fp8.t().contiguous(), x_fp8.t().contiguous().t(), 1 / s_g, 1 / s_x, weight.dtype)
     return out, grad_x, grad_w, grad_out.sum(0)
 
 

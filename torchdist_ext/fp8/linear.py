@@ -1,4 +1,4 @@
-"""``Fp8Linear``: ``nn.Linear`` whose three GEMMs run in fp8 (``torch._scaled_mm``).
+"""``Fp8Linear``: ``nn.Linear`` whose three GEMMs run in fp8 (``fp8.gemm.scaled_mm``).
 
 Forward: the input and the weight are cast to e4m3 (``tdx::fp8_cast_amax``: one read each, their amaxes
 recorded; ``tdx::fp8_cast_transpose_amax`` also writes the transposed copy the backward's GEMMs take, from
@@ -18,6 +18,7 @@ import torch
 from torch import Tensor, nn
 
 from torchdist_ext.fp8.fsdp import GatheredFp8Weight
+from torchdist_ext.fp8.gemm import scaled_mm
 from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
@@ -107,7 +108,7 @@ def _forward_gemm(ctx, x_fp8: Tensor, x_fp8_t: Tensor | None, x_inverse: Tensor,
     """``x_fp8 [rows, in] @ cast(weight).T (+ bias)`` in out_dtype, and what the backward needs, on ctx
     (``x_fp8_t``: the input's transposed copy with its rows padded to 16, or None)."""
     w_fp8, w_fp8_t, w_inverse = _weight_operand(weight, scale, amax_history, recipe)
-    out = torch._scaled_mm(x_fp8, w_fp8.t(), scale_a=x_inverse, scale_b=w_inverse, out_dtype=out_dtype)
+    out = scaled_mm(x_fp8, w_fp8.t(), x_inverse, w_inverse, out_dtype)
     if bias is not None:
         out = out + bias.to(out_dtype)
     x_column_major = x_fp8_t.t() if x_fp8_t is not None else _column_major(_rows_padded_to_16(x_fp8))
@@ -128,7 +129,7 @@ def _weight_grad(ctx, g_fp8_t: Tensor, g_inverse: Tensor, x_column_major: Tensor
     """``g_fp8_t [out, rows_16] @ x [rows_16, in]`` in fp8, or in split mode the deferred W that adds it to
     the parameter's gradient (``torchdist_ext._weight_grad``); ``like``: a tensor of the weight's shape."""
     def weight_grad():
-        return torch._scaled_mm(g_fp8_t, x_column_major, scale_a=g_inverse, scale_b=x_inverse, out_dtype=ctx.w_dtype)
+        return scaled_mm(g_fp8_t, x_column_major, g_inverse, x_inverse, ctx.w_dtype)
 
     if ctx.param is None:
         return weight_grad()
@@ -140,7 +141,7 @@ def _backward_gemms(ctx, grad_out: Tensor, input_grad_gemm=None) -> tuple[Tensor
                                                                           Tensor | None]:
     """(grad_x [rows, in], grad_w, grad_bias), each None where autograd needs none: the output gradient cast
     to the recipe's gradient format, both GEMMs in fp8. ``input_grad_gemm(g_fp8, w_column_major, g_inverse,
-    w_inverse)``: the input gradient's GEMM (default ``torch._scaled_mm`` into the input's dtype)."""
+    w_inverse)``: the input gradient's GEMM (default ``scaled_mm`` into the input's dtype)."""
     x_column_major, w_column_major, x_inverse, w_inverse, scale = _saved_operands(ctx)
     g = grad_out.reshape(-1, grad_out.shape[-1])
     # One read of the gradient for both GEMMs: g_fp8 [rows, out] and g_fp8_t [out, rows_16].
@@ -149,8 +150,7 @@ def _backward_gemms(ctx, grad_out: Tensor, input_grad_gemm=None) -> tuple[Tensor
     grad_x = grad_w = grad_bias = None
     if ctx.needs_input_grad[0]:
         if input_grad_gemm is None:
-            grad_x = torch._scaled_mm(g_fp8, w_column_major, scale_a=g_inverse, scale_b=w_inverse,
-                                      out_dtype=ctx.x_dtype)
+            grad_x = scaled_mm(g_fp8, w_column_major, g_inverse, w_inverse, ctx.x_dtype)
         else:
             grad_x = input_grad_gemm(g_fp8, w_column_major, g_inverse, w_inverse)
     if ctx.needs_input_grad[1]:
@@ -287,11 +287,17 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, am
 
 
 class Fp8Linear(SplitsWeightGrad, Fp8State, nn.Linear):
-    """``nn.Linear`` in fp8 with the state of ``recipe`` (see the module docstring).
+    """``nn.Linear`` whose GEMMs run in fp8 under ``recipe``.
 
-    Shapes as ``nn.Linear``: ``[..., in_features] -> [..., out_features]``; both features divisible by 16
-    (the fp8 GEMMs' alignment). ``amax_reduction_mesh``: the ranks whose amaxes ``fp8_step`` reduces
-    (None: the default process group).
+    Shapes as ``nn.Linear``: ``[..., in_features] -> [..., out_features]``.
+
+    Args:
+        in_features, out_features: both divisible by 16 (the fp8 GEMMs' alignment).
+        bias: as ``nn.Linear``.
+        recipe: ``DelayedScaling`` or ``CurrentScaling``: formats, amax history and scale rule.
+        amax_reduction_mesh: the ranks whose amaxes ``fp8_step`` reduces (None: the default process group);
+            it must include the tensor-parallel ranks of a sharded weight.
+        device, dtype: of the weight and bias (the fp8 state stays fp32).
     """
 
     def __init__(self, in_features: int, out_features: int, bias: bool = True, *, recipe: Recipe,
