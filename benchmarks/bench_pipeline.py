@@ -34,18 +34,7 @@ import torch
 from torch import nn
 
 from benchmarks.report import arguments, emit, print_table
-from torchdist_ext.pipeline import (
-    SCHEDULES,
-    Pipeline,
-    gather_timelines,
-    measured_idle_fractions,
-    num_stages,
-    partition_layers,
-    plot_timeline,
-    pool_steps,
-    predicted_idle_fraction,
-    stages_of_rank,
-)
+from torchdist_ext import pipeline
 from torchdist_ext.planner import bubble_fraction
 
 WIDTH, LAYERS = 1024, 8
@@ -69,8 +58,8 @@ def stage_modules(placement: str, pp: int, rank: int) -> dict[int, nn.Module]:
     v = virtual_stages(placement)
     torch.manual_seed(0)
     blocks = [nn.Sequential(nn.Linear(WIDTH, WIDTH), nn.Tanh()) for _ in range(LAYERS)]
-    layers = partition_layers(LAYERS, num_stages(placement, pp, v))
-    return {s: nn.Sequential(*(blocks[i] for i in layers[s])) for s in stages_of_rank(placement, pp, rank, v)}
+    layers = pipeline.partition_layers(LAYERS, pipeline.num_stages(placement, pp, v))
+    return {s: nn.Sequential(*(blocks[i] for i in layers[s])) for s in pipeline.stages_of_rank(placement, pp, rank, v)}
 
 
 def slowest_rank_seconds(step) -> float:
@@ -96,7 +85,7 @@ def torch_step_seconds(name: str, placement: str, pp: int, microbatches: int, ba
 
     mesh = cached_mesh((pp,), ("pp",))
     rank = mesh.get_local_rank()
-    total = num_stages(placement, pp, virtual_stages(placement))
+    total = pipeline.num_stages(placement, pp, virtual_stages(placement))
     stages = [pipelining.PipelineStage(module, index, total, torch.device("cpu"), group=mesh.get_group())
               for index, module in sorted(stage_modules(placement, pp, rank).items())]
     cls = getattr(pipelining, name)
@@ -137,7 +126,7 @@ def measure(schedule: str, pp: int, microbatches: int, batch: int, steps: int, o
 
     mesh = cached_mesh((pp,), ("pp",))
     v = virtual_stages(schedule)
-    pipe = Pipeline(stage_modules(schedule, pp, mesh.get_local_rank()), pp_mesh=mesh, schedule=schedule,
+    pipe = pipeline.Pipeline(stage_modules(schedule, pp, mesh.get_local_rank()), pp_mesh=mesh, schedule=schedule,
                     num_microbatches=microbatches, loss_fn=nn.functional.mse_loss, virtual_stages=v)
     inputs, targets = torch.randn(batch, WIDTH), torch.randn(batch, WIDTH)
     ours = slowest_rank_seconds(lambda: pipe.step(inputs, targets))
@@ -148,18 +137,18 @@ def measure(schedule: str, pp: int, microbatches: int, batch: int, steps: int, o
         torch.distributed.barrier()
         pipe.step(inputs, targets)
         kept.append(pipe.timeline)
-    timed = gather_timelines(pipe, kept)
+    timed = pipeline.gather_timelines(pipe, kept)
     transfer = message_seconds(batch // microbatches, mesh.get_group())
-    pooled = pool_steps(timed)  # the stages' mean costs over every timed step
-    each_step = [measured_idle_fractions(timelines)[1] for timelines in timed]
+    pooled = pipeline.pool_steps(timed)  # the stages' mean costs over every timed step
+    each_step = [pipeline.measured_idle_fractions(timelines)[1] for timelines in timed]
     measured = statistics.mean(each_step)
-    predicted = predicted_idle_fraction(pipe, pooled)
-    with_messages = predicted_idle_fraction(pipe, pooled, transfer)
-    each_action = statistics.mean(predicted_idle_fraction(pipe, timelines, transfer, each_action=True)
+    predicted = pipeline.predicted_idle_fraction(pipe, pooled)
+    with_messages = pipeline.predicted_idle_fraction(pipe, pooled, transfer)
+    each_action = statistics.mean(pipeline.predicted_idle_fraction(pipe, timelines, transfer, each_action=True)
                                   for timelines in timed)
     closed = bubble_fraction(pp, microbatches, schedule=schedule, virtual_stages=v)
     if out and mesh.get_local_rank() == 0:
-        plot_timeline(Path(out) / f"pipeline_{schedule}_p{pp}_m{microbatches}.png", timed[-1],
+        pipeline.plot_timeline(Path(out) / f"pipeline_{schedule}_p{pp}_m{microbatches}.png", timed[-1],
                       title=f"{schedule}, p={pp}, m={microbatches}: measured bubble "
                             f"{each_step[-1]:.3f} (mean of {steps} steps {measured:.3f}), "
                             f"planner {predicted:.3f} (closed form {closed:.3f})")
@@ -218,7 +207,7 @@ def main() -> None:
     rows = []
     with spawn_world(args.pp, timeout=900.0) as world:
         for m in args.microbatches:
-            for schedule in SCHEDULES:
+            for schedule in pipeline.SCHEDULES:
                 emit(world.run(measure, schedule, args.pp, m, args.batch, args.steps,
                                str(args.out) if args.out else None)[0], rows)
     print()

@@ -42,11 +42,16 @@ class RMSNorm(SplitsWeightGrad, nn.Module):
     rank normalises its sequence block, so the weight gradient is all-reduced
     over the group (Megatron's rule for sequence-parallel parameters).
 
-    ``eps=None`` uses ``torch.finfo(x.dtype).eps``, as ``nn.RMSNorm`` does.
-
     Shapes: input ``[..., dim]`` (any sharding along other dims) -> output of the same shape.
     Parameters: ``weight`` DTensor ``[dim]`` ``Replicate()``, initialised to ones.
     ``split_weight_grad = True`` (a zero-bubble pipeline sets it) splits the weight gradient off the backward.
+
+    Args:
+        dim: the normalised (last) dimension, a positive int.
+        tp_mesh: the 1-D tensor-parallel mesh the weight is replicated over.
+        sequence_parallel: each rank holds a sequence block; the weight gradient is all-reduced over tp.
+        eps: added to the mean square; None uses ``torch.finfo(x.dtype).eps``, as ``nn.RMSNorm`` does.
+        device, dtype: of the weight.
     """
 
     def __init__(self, dim: int, *, tp_mesh: DeviceMesh, sequence_parallel: bool = False,

@@ -1,18 +1,11 @@
-"""Pipeline schedules as per-rank action lists, taken from the planner's simulator (``csrc/planner``), so the
-order the planner prices is the order that runs.
+"""Pipeline schedules as per-rank action lists from the planner's simulator, so the order the planner prices
+is the order that runs.
 
-    SCHEDULES                          gpipe, 1f1b, interleaved-1f1b, zb-h1, zb-v
-    num_stages(schedule, pp, v)        pipeline stages of the model: pp; pp * v (interleaved); 2 pp (zb-v)
-    stages_of_rank(schedule, pp, rank, v)   the stages rank holds, in chunk order
-    rank_of_stage(schedule, pp, stage, v)   the rank holding a stage
-    rank_actions(schedule, pp, m, rank, v)  [Action(kind, stage, microbatch)] in the order rank runs them
-    every_rank_timeline(schedule, pp, m, v) every rank's actions with their simulated start and end
+    stages_of_rank("zb-v", pp=4, rank=0)        # [0, 7]: zb-v's V places two chunks on each rank
+    rank_actions("zb-h1", pp=4, num_microbatches=8, rank=1)   # [Action("F", 1, 0), ...] in run order
 
-Placement: one stage per rank (gpipe, 1f1b, zb-h1); chunk c of rank d is stage ``c * pp + d`` (interleaved,
-Megatron's); rank d holds stage d on the way down and stage ``2 pp - 1 - d`` on the way back (zb-v's V).
-Actions: ``F`` forward, ``B`` backward (with the weight gradient, except in zb-h1 / zb-v where it is only the
-input gradient) and ``W`` the weight gradient (zb-h1 / zb-v). Each rank runs its simulated passes in the
-order of their simulated start times.
+Placement: ``torchdist_ext.planner.stage_of``. Each rank runs its simulated passes in the order of their
+simulated start times.
 """
 
 from typing import NamedTuple
@@ -24,7 +17,15 @@ __all__ = ["SCHEDULES", "Action", "every_rank_actions", "every_rank_timeline", "
 
 
 class Action(NamedTuple):
-    kind: str  # "F", "B" or "W"
+    """One action of a rank's step.
+
+    Args:
+        kind: "F" forward, "B" backward (with W unless the schedule splits it off) or "W" weight gradient.
+        stage: the pipeline stage (model chunk) it runs.
+        microbatch: the micro-batch it runs on.
+    """
+
+    kind: str
     stage: int
     microbatch: int
 

@@ -1,12 +1,11 @@
-"""Multi-rank testing on CPU: persistent gloo worlds and replicated-tensor helpers.
+"""Multi-rank testing on CPU: persistent gloo worlds and helpers for exact comparisons.
 
-    spawn_world(world_size, *, timeout=120.0) -> World     (see world.py)
-    World.run(fn, *args, **kwargs) -> list                 one result per rank
-    shard_replicated(x, *, mesh, dim) / gather_replicated(x, *, mesh, dim)   (see replicated.py)
-    cached_mesh(shape, names)                              a DeviceMesh built once per process
-    RetainedMemory()                                       bytes a forward keeps alive (see retained_memory.py)
-    pin_inductor_cpu_isa()                                 one inductor CPU vector ISA per machine (see inductor_isa.py)
-pytest fixtures ``world2`` / ``world4``: ``pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]``.
+    with spawn_world(4) as world:
+        results = world.run(fn, *args)     # one result per rank; a rank's error comes back with its traceback
+
+Also: ``shard_replicated`` / ``gather_replicated``, ``cached_mesh``, ``RetainedMemory`` and
+``pin_inductor_cpu_isa``; pytest fixtures ``world2`` / ``world4`` through
+``pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]``.
 """
 
 from torchdist_ext.testing.inductor_isa import pin_inductor_cpu_isa

@@ -35,7 +35,9 @@ def _plain(tensor: torch.Tensor) -> torch.Tensor | None:
 
 
 class RetainedMemory(TorchDispatchMode):
-    """Records the storages created by the ops run inside it (see the module docstring)."""
+    """Records the storages created by the ops run inside it; ``retained_bytes()`` is the bytes of those still
+    alive (what a forward keeps for its backward, its output included). Takes no arguments:
+    ``with RetainedMemory() as meter: out = layer(x)``, then ``meter.retained_bytes()``."""
 
     def __init__(self):
         super().__init__()
