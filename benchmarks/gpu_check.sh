@@ -21,7 +21,10 @@
 #      one fp32 process; then again with fp8 GEMMs (--fp8 delayed), and with
 #      FSDP2 gathering the weights in fp8 (--fp8-all-gather); with the
 #      communication ledger wrapping NCCL (--ledger: the planner's memory and
-#      bytes beside the measured ones); compiled (--compile).
+#      bytes beside the measured ones); compiled (--compile);
+#   4. the CPU tests that depend most on the CPU model (its ISA clones, the
+#      bytes ATen's kernels allocate, fp8 bits, inductor's vector ISA): the GPU
+#      host's CPU is another model than the CI machines'.
 # Writes gpu_check.log (everything) and build.log under the output folder.
 # Exits non-zero when the build, a test or a benchmark fails or runs out of time.
 set -uo pipefail
@@ -38,6 +41,7 @@ fi
 {
   nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
   python3 -c 'import torch; print("torch", torch.__version__, "cuda", torch.version.cuda)'
+  lscpu | grep -E "Model name|Flags" | cut -c1-400
   echo "TORCH_CUDA_ARCH_LIST=$TORCH_CUDA_ARCH_LIST"
 } 2>&1 | tee "$log"
 
@@ -76,4 +80,6 @@ step 90 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" e
   --device cuda --tp "$tp" --steps 5 --batch $((8 * gpus / tp)) --ledger
 step 180 python3 -m torch.distributed.run --standalone --nproc-per-node "$gpus" examples/train_llama.py \
   --device cuda --tp "$tp" --steps 10 --batch $((8 * gpus / tp)) --compile
+step 300 python3 -m pytest -q -p no:cacheprovider -m "not cuda" tests/test_cpu_isa.py \
+  tests/planner/test_activation_memory.py tests/ops/test_fp8.py tests/fp8 tests/testing/test_inductor_isa.py
 exit $status
