@@ -67,5 +67,8 @@ def test_each_action_records_the_live_bytes_after_it(world2):
     live = [b for _, _, b in actions]
     assert all(isinstance(b, int) for b in live)
     one_microbatch = 16 * 64 * 4
-    assert live[1] - live[0] >= one_microbatch and live[0] - before >= one_microbatch
+    # gloo's worker thread drops the previous step's all-reduced loss (a 4-byte fp32 scalar) a moment after that
+    # step returns: now and then inside this step, after `before` was read.
+    late_scalar = 4
+    assert live[1] - live[0] >= one_microbatch and live[0] - before >= one_microbatch - late_scalar
     assert live[2] < live[1]
