@@ -1,7 +1,7 @@
 // torchdist_ext._C: loading it registers every tdx op (csrc/torch_bindings.cpp
 // and the families' host code). Its Python members are the process-wide
 // switches of the native code, wrapped by torchdist_ext/cpu_isa.py and
-// torchdist_ext/index_checks.py:
+// torchdist_ext/_index_checks.py:
 //   cpu_isas() / supported_cpu_isas() / active_cpu_isa() / set_cpu_isa(name) -> previous
 //   index_checks() / set_index_checks(enabled) -> previous
 //   track_cpu_memory() / tracking_cpu_memory() / cpu_memory_stats() -> (allocated, peak) /

@@ -156,7 +156,7 @@ double embedding_weight_grad_input_bytes(const ModelSpec& model, const Layout& l
 double expected_ranks_per_token(int64_t num_experts, int64_t top_k, int64_t ep);
 
 // Bytes one layer keeps from a micro-batch's backward (B) to its deferred weight-gradient pass (W) under
-// the zero-bubble schedules: what torchdist_ext's split layers queue (weight_grad.py). A column-parallel
+// the zero-bubble schedules: what torchdist_ext's split layers queue (_weight_grad.py). A column-parallel
 // linear keeps its input (this rank's sequence block under SP: h R) and its output gradient; a row-parallel
 // one its input and its output gradient gathered over the sequence ([T, h]); an RMSNorm its input and its
 // output gradient (h R each). Per dense layer, at T e:

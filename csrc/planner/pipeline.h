@@ -54,7 +54,7 @@ struct ScheduledPass {
 // Qi et al.'s ZB-H1 for zb-h1 (stage s defers at most s weight gradients, so it holds at most 1F1B's p
 // micro-batches) and their ZB-V for zb-v with m > p (at most 2p chunk units, 1F1B's p stages; pipeline.cpp).
 // T_F = T_B = T_W = 1 for a whole stage (B = 2 when it includes W; a chunk of an interleaved stage costs 1/v
-// of it, a ZB-V chunk 1/2). Supported: gpipe, 1f1b, zb-h1, zb-v, interleaved (num_microbatches divisible by
+// of it, a ZB-V chunk 1/2). Supported: gpipe, 1f1b, zb-h1, zb-v, interleaved-1f1b (num_microbatches divisible by
 // pp); the simulated idle fraction equals bubble_fraction (tested).
 std::vector<ScheduledPass> simulate_schedule(long pp, long num_microbatches, Schedule schedule,
                                              long virtual_stages = 1);

@@ -94,7 +94,7 @@ def test_ulysses_attention_fp32(world, causal, order, heads, request):
     )
 
 
-def check_default_layouts_agree():
+def check_default_orders_agree():
     """shard_sequence and every attention with their default orders (zigzag) match SDPA."""
     q, k, v, _ = full_inputs(4, 2, 8 * dist.get_world_size(), torch.float32)
     expected = F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
@@ -107,8 +107,8 @@ def check_default_layouts_agree():
     return True
 
 
-def test_default_layouts_agree(world4):
-    assert all(world4.run(check_default_layouts_agree))
+def test_default_orders_agree(world4):
+    assert all(world4.run(check_default_orders_agree))
 
 
 @pytest.mark.parametrize("causal", CAUSAL)

@@ -1,6 +1,6 @@
 """The measured timeline of a pipeline step: every rank's F / B / W actions gathered on every rank, idle
 fractions over the step's makespan, the planner's prediction for the measured costs, and the PNG. (How close
-measured and predicted bubbles are is a timing figure: benchmarks/bench_pipeline.py reports it.)"""
+measured and predicted bubbles are is a timing figure: python -m benchmarks.bench_pipeline reports it.)"""
 
 from types import SimpleNamespace
 

@@ -250,9 +250,14 @@ FP32_TOKEN_HIDDEN = BATCH * SEQ * DIM * 4
 # A rerun's extra: the composite norms' fp32 temporaries (T h at tp 2 without SP: the gathered sequence), or
 # the attention kernel's repacked K and V (2 T h e in 16 bits, T h 4 bytes).
 RERUN_SLACK = 2 * FP32_TOKEN_HIDDEN
-# A backward's extra: the composite RMSNorm's backward (up to five fp32 [T, h R] temporaries, split mode at tp 2
-# without SP holding the most) and the 16-bit GEMMs' fp32 scratch. Measured on an AMX CPU: at most 3.5.
-BACKWARD_SLACK = 5 * FP32_TOKEN_HIDDEN
+# A backward's extra, by what runs inside ATen: in fp32 the CPU flash attention's per-thread scratch (a
+# [32, 64] block of scores and its [32, head_dim] accumulator: under a quarter of one [T, h] here), and in split
+# mode at tp 2 also the composite RMSNorm backward's fp32 [T, h R] temporaries, up to three [T, h] above the
+# MLP (measured 2.9 without SP, 1.0 with); in 16 bits also the GEMMs' fp32 scratch and repacked operands
+# (measured up to 3.5 on an AMX CPU).
+FP32_BACKWARD_SLACK = FP32_TOKEN_HIDDEN / 4
+FP32_SPLIT_BACKWARD_SLACK = 3 * FP32_TOKEN_HIDDEN
+BF16_BACKWARD_SLACK = 5 * FP32_TOKEN_HIDDEN
 
 
 def assert_bounded(measured: float, planned: float, slack: float, what) -> None:
@@ -291,7 +296,8 @@ def test_planner_rerun_against_what_recomputation_adds_to_a_backward(world_pool,
 def test_planner_backward_gradients_against_a_layers_backward(world_pool, world_size, sequence_parallel):
     """``layer_backward_bytes`` against the peak a backward of two stacked layers without recomputation allocates
     above its start, in fp32 and bf16, for the Llama layer, the same in split mode (the zero-bubble schedules'
-    B) and the MoE block: never below the planner, at most BACKWARD_SLACK above."""
+    B) and the MoE block: never below the planner, at most the slack of what ATen runs inside above (fp32: the
+    attention's per-thread scratch; split at tp 2 the composite norm's temporaries; 16 bits: the GEMMs' too)."""
     world = world_pool.get(world_size)
     for precision, dtype_name in (("fp32", "float32"), ("bf16-mixed", "bfloat16")):
         for region, split in (("layer", False), ("layer", True), ("moe block", False)):
@@ -299,8 +305,11 @@ def test_planner_backward_gradients_against_a_layers_backward(world_pool, world_
             layout = Layout(tp=world_size, sequence_parallel=sequence_parallel, norm="composite", seq_len=SEQ,
                             micro_batch=BATCH, precision=precision, **pipeline)
             planned = layer_backward_bytes(planner_model(), layout, moe_layer=region == "moe block")
+            slack = (BF16_BACKWARD_SLACK if precision != "fp32" else
+                     FP32_SPLIT_BACKWARD_SLACK if split and world_size > 1 else
+                     FP32_BACKWARD_SLACK)
             for measured in world.run(measured_backward_peak, region, "none", sequence_parallel, dtype_name, split):
-                assert_bounded(measured, planned, BACKWARD_SLACK, (region, "split" if split else "", precision))
+                assert_bounded(measured, planned, slack, (region, "split" if split else "", precision))
 
 
 def test_flash_attention_and_fused_norms_are_the_gpu_default():
@@ -509,7 +518,7 @@ def ends_measured(sequence_parallel: bool) -> tuple[int, int, int, int]:
 
 @pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
                          ids=["tp1", "tp2", "tp2-sp"])
-def test_planner_model_ends_equal_what_our_layers_keep(world_pool, world_size, sequence_parallel):
+def test_planner_model_ends_against_what_our_layers_keep(world_pool, world_size, sequence_parallel):
     """The last stage's end (head_activation_bytes, and under the zero-bubble schedules what the final norm and
     the LM head queue for W) and the first stage's embedding queue, against our layers in split mode; and what the
     end's backward allocates on top of its forward (head_backward_bytes, fp32), bounded as the layers' backward
@@ -526,4 +535,4 @@ def test_planner_model_ends_equal_what_our_layers_keep(world_pool, world_size, s
         assert 0 <= head - planned[0] <= 16, (head, planned)  # and the loss's 0-d count of targets
         assert (head_queued, embedding) == planned[1:], ((head_queued, embedding), planned)
         # and a 0-d scalar of the loss's; the composite norm's backward and the GEMMs are ATen's (bounded)
-        assert_bounded(backward + 4, planned_backward, BACKWARD_SLACK, "the end's backward")
+        assert_bounded(backward + 4, planned_backward, FP32_BACKWARD_SLACK, "the end's backward")

@@ -5,7 +5,7 @@
 - Context parallelism (``cp_mesh``; the sequence cut in ``order`` "zigzag" or "contiguous"):
   ``ring_attention``, ``ulysses_attention``, ``hybrid_attention``, ``shard_sequence``, ``unshard_sequence``.
 - Expert parallelism (``ep_mesh``): ``MoE``, ``fully_shard_moe``.
-- Activation recompute: ``recompute``.
+- Activation recompute: ``recompute(module, mode)``, ``mode`` in ``RECOMPUTE_MODES``.
 
 Example: ``ColumnParallelLinear.from_linear(linear, tp_mesh=tp_mesh)``. Signatures: docs/api.md.
 """
@@ -16,10 +16,11 @@ from torchdist_ext.parallel.embedding import VocabParallelEmbedding
 from torchdist_ext.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from torchdist_ext.parallel.moe import MoE, fully_shard_moe
 from torchdist_ext.parallel.norm import RMSNorm
-from torchdist_ext.parallel.recompute import recompute
+from torchdist_ext.parallel.recompute import RECOMPUTE_MODES, recompute
 from torchdist_ext.parallel.sequence_sharding import shard_sequence, unshard_sequence
 
 __all__ = [
+    "RECOMPUTE_MODES",
     "ColumnParallelLinear",
     "MoE",
     "RMSNorm",

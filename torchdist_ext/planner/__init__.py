@@ -4,7 +4,8 @@ The cost model is torch-free C++ (``csrc/planner``); this package is its Python 
 ``python -m torchdist_ext.planner`` its command line (``--help``).
 
     model, cluster = ModelSpec.preset("llama3-70b"), ClusterSpec.preset("h100-80gb", 32)
-    e = estimate(model, cluster, Layout(tp=8, dp=4, zero_stage=3, sequence_parallel=True))
+    layout = Layout(tp=8, dp=4, zero_stage=3, sequence_parallel=True)
+    e = estimate(model, cluster, layout)               # memory per GPU, step time, MFU, bytes per axis
     check(model, cluster, layout)                      # findings: what would fail, and why
     search(model, cluster, seq_len=4096, global_batch=32)   # the fastest layouts that fit
 
