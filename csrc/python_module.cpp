@@ -4,6 +4,8 @@
 // torchdist_ext/_index_checks.py:
 //   cpu_isas() / supported_cpu_isas() / active_cpu_isa() / set_cpu_isa(name) -> previous
 //   index_checks() / set_index_checks(enabled) -> previous
+//   agreement_checks() / set_agreement_checks(mode) -> previous /
+//   check_agreement(group_name, device, op, fields, error_kind, error)   (comm/agreement_mode.h)
 //   track_cpu_memory() / tracking_cpu_memory() / cpu_memory_stats() -> (allocated, peak) /
 //   reset_cpu_peak_memory()   (cpu_memory.h)
 // and the communication ledger's functions (comm/ledger_backend.h), wrapped by
@@ -11,8 +13,12 @@
 
 #include <Python.h>
 
-#include <stdexcept>
+#include <c10/util/Exception.h>
 
+#include <stdexcept>
+#include <string>
+
+#include "comm/agreement_mode.h"
 #include "comm/ledger_backend.h"
 #include "cpu_memory.h"
 #include "kernels/cpu/isa.h"
@@ -104,6 +110,43 @@ PyObject* reset_cpu_peak_memory(PyObject*, PyObject*) {
   Py_RETURN_NONE;
 }
 
+PyObject* agreement_checks(PyObject*, PyObject*) { return PyUnicode_FromString(tdx::comm::agreement_checks().c_str()); }
+
+PyObject* set_agreement_checks(PyObject*, PyObject* arg) {
+  const char* mode = PyUnicode_AsUTF8(arg);
+  if (mode == nullptr) return nullptr;
+  try {
+    return PyUnicode_FromString(tdx::comm::set_agreement_checks(mode).c_str());
+  } catch (const std::invalid_argument& e) {
+    PyErr_SetString(PyExc_ValueError, e.what());
+    return nullptr;
+  }
+}
+
+PyObject* check_agreement(PyObject*, PyObject* args) {
+  const char *group_name, *device, *op, *fields, *error;
+  int error_kind;
+  if (!PyArg_ParseTuple(args, "ssssis", &group_name, &device, &op, &fields, &error_kind, &error)) return nullptr;
+  PyObject* raised = nullptr;  // the Python exception type, with `message`
+  std::string message;
+  Py_BEGIN_ALLOW_THREADS  // the check waits on the group's collectives
+  try {
+    tdx::comm::check_agreement_of_group(group_name, device, op, fields, error_kind, error);
+  } catch (const c10::ValueError& e) {
+    raised = PyExc_ValueError, message = e.what_without_backtrace();
+  } catch (const c10::TypeError& e) {
+    raised = PyExc_TypeError, message = e.what_without_backtrace();
+  } catch (const c10::Error& e) {
+    raised = PyExc_RuntimeError, message = e.what_without_backtrace();
+  } catch (const std::exception& e) {
+    raised = PyExc_RuntimeError, message = e.what();
+  }
+  Py_END_ALLOW_THREADS
+  if (raised == nullptr) Py_RETURN_NONE;
+  PyErr_SetString(raised, message.c_str());
+  return nullptr;
+}
+
 PyMethodDef methods[] = {
     {"cpu_isas", cpu_isas, METH_NOARGS, "Every CPU kernel ISA, narrowest first."},
     {"supported_cpu_isas", supported_cpu_isas, METH_NOARGS, "The CPU kernel ISAs this CPU runs."},
@@ -111,6 +154,9 @@ PyMethodDef methods[] = {
     {"set_cpu_isa", set_cpu_isa, METH_O, "Makes an ISA the active one; returns the previous one."},
     {"index_checks", index_checks, METH_NOARGS, "Whether ops check index values."},
     {"set_index_checks", set_index_checks, METH_O, "Switches index checks; returns the previous setting."},
+    {"agreement_checks", agreement_checks, METH_NOARGS, "Which calls the rank-agreement check covers."},
+    {"set_agreement_checks", set_agreement_checks, METH_O, "Sets the agreement checks; returns the previous mode."},
+    {"check_agreement", check_agreement, METH_VARARGS, "The rank-agreement check of a Python layer's call."},
     {"track_cpu_memory", track_cpu_memory, METH_NOARGS, "Counts CPU tensor memory from now on (cpu_memory.h)."},
     {"tracking_cpu_memory", tracking_cpu_memory, METH_NOARGS, "Whether CPU tensor memory is counted."},
     {"cpu_memory_stats", cpu_memory_stats, METH_NOARGS, "(allocated, peak) bytes of counted CPU storages."},
@@ -125,6 +171,7 @@ PyMODINIT_FUNC PyInit__C(void) {
   // A bad TDX_CPU_ISA fails the import, naming the variable, instead of the first op call.
   try {
     tdx::kernels::active_cpu_isa();
+    tdx::comm::agreement_checks();  // likewise a bad TDX_AGREEMENT_CHECKS
   } catch (const std::invalid_argument& e) {
     PyErr_SetString(PyExc_ValueError, e.what());
     return nullptr;

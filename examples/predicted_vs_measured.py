@@ -114,9 +114,11 @@ def cublas_workspace_bytes(device: torch.device) -> int:
 
 def comm_totals(groups: dict) -> tuple[dict[str, float], dict[str, int]]:
     """Bytes sent and calls per axis label since the ledger's last reset (``groups`` as ``ledger.by_label``'s;
-    groups of no axis under "other")."""
+    groups of no axis under "other"), without the rank-agreement check's all-gathers (the planner prices a run
+    with the check off)."""
     tallies = ledger.by_label(groups, rest="other")
-    totals = {label: ledger.total(ops) for label, ops in tallies.items()}
+    totals = {label: ledger.total({op: t for op, t in ops.items() if op != "agreement_check"})
+              for label, ops in tallies.items()}
     return {k: t.sent_bytes for k, t in totals.items()}, {k: t.calls for k, t in totals.items()}
 
 

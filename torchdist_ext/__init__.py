@@ -15,6 +15,8 @@ Public API:
     clip_grad_norm_             clips by the whole model's gradient norm
     set_index_checks, index_checks_enabled
                                 whether ops raise on out-of-range indices
+    set_agreement_checks, agreement_checks
+                                which calls the rank-agreement check covers
 
 Signatures and details: docs/api.md.
 """
@@ -33,6 +35,8 @@ except ImportError as error:  # pragma: no cover - exercised only on a broken in
 from torchdist_ext import ops  # noqa: E402,F401  (registers fake impls and autograd)
 from torchdist_ext.grad_norm import clip_grad_norm_  # noqa: E402
 from torchdist_ext._index_checks import index_checks_enabled, set_index_checks  # noqa: E402
+from torchdist_ext.agreement import agreement_checks, set_agreement_checks  # noqa: E402
 
 __version__ = "0.1.0"
-__all__ = ["clip_grad_norm_", "index_checks_enabled", "ops", "set_index_checks", "__version__"]
+__all__ = ["agreement_checks", "clip_grad_norm_", "index_checks_enabled", "ops", "set_agreement_checks",
+           "set_index_checks", "__version__"]

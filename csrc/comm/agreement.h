@@ -1,35 +1,74 @@
 #pragma once
-// A debug check that every rank of a group is about to make the same exchange.
+// The rank-agreement check: before any payload travels, every rank of a group
+// shows the others what it is about to do (the op and every argument that must
+// agree: shapes, dtypes, flags, scales, orders, counts) and whether its own
+// input checks passed. A rank that disagrees, or that refused its input, makes
+// every rank raise the same error, naming the argument and two ranks' values,
+// or the refusing rank and its message: no rank reinterprets another's bytes,
+// and no rank waits out a timeout for a peer that has already raised.
 //
-// Point-to-point rings and all-to-alls move raw bytes: if ranks disagree on a
-// tensor's shape, or on a dtype of the same size, the receiver reinterprets the
-// sender's bytes silently. With TORCH_DISTRIBUTED_DEBUG=DETAIL (the setting
-// under which c10d checks its own collectives' shapes) the comm layer first
-// all-gathers a fingerprint of the exchange (the op's name, the tensor's dtype
-// and shape) and raises on every rank, naming this rank's values and those of
-// the first rank that differs. At any other debug level the check costs nothing.
-//
-// It lives here, in the ops' comm layer, and not in the communication ledger's
-// c10d backend (comm/ledger_backend.h), which also sees every exchange: the
-// check must hold whether or not a run counts its traffic, it compares what
-// the ranks are about to exchange as a whole (one all-gather before a ring of
-// many sends), and a backend would have to check each receive against its
-// sender's fingerprint by waiting inside an asynchronous irecv, which under
-// NCCL's grouped point-to-point calls would deadlock.
+// Cost: one all-gather of 4 int64 per checked call (a second, of the fields'
+// text, only when something is wrong); on a GPU also one device-to-host copy.
+// Which calls are checked (TDX_AGREEMENT_CHECKS at start-up, or
+// torchdist_ext.set_agreement_checks()):
+//   "auto" (default)  every call on the CPU; on other devices the first
+//                     kAutoCheckedCalls calls of each op (the first steps)
+//   "on"              every call (also under TORCH_DISTRIBUTED_DEBUG=DETAIL)
+//   "off"             none: the inputs are still checked on each rank alone
+// The check's all-gathers are entered in the communication ledger under
+// "agreement_check", apart from the op's traffic.
 
 #include <ATen/core/Tensor.h>
+#include <c10/util/string_view.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>
+
+#include <functional>
+#include <optional>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "comm/agreement_mode.h"
 
 namespace tdx::comm {
 
-// True when the agreement check runs (TORCH_DISTRIBUTED_DEBUG=DETAIL).
-bool checking_agreement();
+// What one rank is about to run: the op's name and its named fields, in order.
+class Agreement {
+ public:
+  explicit Agreement(const char* op);
 
-// Under checking_agreement(): raises unless every rank of `group` passes the
-// same `op` and a tensor of `exchanged`'s dtype and shape, from dim `from_dim`
-// on (1: the number of rows may differ, as in an all-to-all-v). `what` names
-// the tensor in the message (e.g. "k/v block").
-void check_ranks_agree(c10d::ProcessGroup& group, const char* op, const char* what, const at::Tensor& exchanged,
-                       int64_t from_dim = 0);
+  // dtype and shape; dims before `from_dim` are free to differ (shown as *).
+  Agreement& tensor(const char* name, const at::Tensor& t, int64_t from_dim = 0);
+  // As tensor(), or "none" when absent.
+  Agreement& tensor(const char* name, const std::optional<at::Tensor>& t);
+  Agreement& value(const char* name, int64_t v);
+  Agreement& value(const char* name, double v);
+  Agreement& flag(const char* name, bool v);
+  Agreement& text(const char* name, c10::string_view v);
+  // The value of a one-element tensor, read (on a GPU: copied to the host) only when the call is checked.
+  Agreement& scalar(const char* name, const at::Tensor& t);
+
+  // Runs `validate` (this rank's checks of its own inputs). When this call is
+  // checked, then makes sure that every rank of `group` passed its checks and
+  // describes the same call; else raises on every rank: this rank's own error
+  // as it was, another rank's error with the same type and that rank's message,
+  // or a ValueError naming the first field two ranks disagree on. `device`:
+  // where the group's collectives run (the op's tensors' device).
+  void check(c10d::ProcessGroup& group, const at::Device& device,
+             const std::function<void()>& validate = nullptr) const;
+
+  // "name=value\n" per field.
+  std::string fields() const;
+
+ private:
+  const char* op_;
+  std::string fields_;
+  std::vector<std::pair<const char*, at::Tensor>> scalars_;
+};
+
+// The check for callers outside ops (Python layers): `fields` as Agreement's text; `error_kind` (0 none,
+// 1 RuntimeError, 2 ValueError, 3 TypeError) and `error` are this rank's own refusal, if any.
+void check_agreement(c10d::ProcessGroup& group, const at::Device& device, const std::string& op,
+                     const std::string& fields, int error_kind, const std::string& error);
 
 }  // namespace tdx::comm

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
-#include "comm/agreement.h"
 
 namespace tdx::comm {
 namespace {
@@ -27,7 +26,6 @@ at::Tensor all_to_all_equal_blocks(c10d::ProcessGroup& group, const char* op, co
   TORCH_CHECK(
       send.dim() >= 1 && send.size(0) == group.getSize(), op, ": the ", what, " must be [group size = ",
       group.getSize(), ", ...], got ", send.sizes());
-  check_ranks_agree(group, op, what, send);
   auto input = send.contiguous();
   auto received = at::empty_like(input);
   std::vector<int64_t> equal_splits;
@@ -47,7 +45,6 @@ std::vector<at::Tensor> all_to_all_rows(c10d::ProcessGroup& group, const char* o
   std::vector<at::Tensor> inputs, outputs;
   std::vector<c10::intrusive_ptr<c10d::Work>> works;
   for (const auto& send : sends) {
-    check_ranks_agree(group, op, what, send, /*from_dim=*/1);
     inputs.push_back(send.contiguous());
     auto sizes = send.sizes().vec();
     sizes[0] = total;

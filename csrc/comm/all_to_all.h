@@ -1,5 +1,6 @@
 #pragma once
-// All-to-all over a process group, with the agreement check of comm/agreement.h.
+// All-to-all over a process group. The ops that call these check first that every
+// rank agrees on the call (comm/agreement.h).
 
 #include <ATen/core/Tensor.h>
 #include <torch/csrc/distributed/c10d/ProcessGroup.hpp>

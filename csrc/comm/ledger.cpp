@@ -25,4 +25,14 @@ void Ledger::reset() {
   tallies_.clear();
 }
 
+namespace {
+thread_local const char* current_label = nullptr;
+}  // namespace
+
+LedgerLabel::LedgerLabel(const char* label) : previous_(current_label) { current_label = label; }
+
+LedgerLabel::~LedgerLabel() { current_label = previous_; }
+
+const char* LedgerLabel::current() { return current_label; }
+
 }  // namespace tdx::comm

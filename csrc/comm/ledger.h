@@ -44,4 +44,20 @@ class Ledger {
   std::map<std::string, OpTally> tallies_;
 };
 
+// While alive, the calls this thread makes are entered under `label` instead of their op's name (the
+// rank-agreement check's all-gathers: comm/agreement.h). Nests: the innermost label wins.
+class LedgerLabel {
+ public:
+  explicit LedgerLabel(const char* label);
+  ~LedgerLabel();
+  LedgerLabel(const LedgerLabel&) = delete;
+  LedgerLabel& operator=(const LedgerLabel&) = delete;
+
+  // The label of this thread's innermost LedgerLabel, or nullptr.
+  static const char* current();
+
+ private:
+  const char* previous_;
+};
+
 }  // namespace tdx::comm

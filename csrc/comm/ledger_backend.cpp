@@ -253,6 +253,7 @@ class LedgerBackend final : public c10d::Backend {
 
   template <typename Call>
   WorkPtr enter(const char* op, double sent, double received, Call&& call, bool count_call = true) {
+    if (const char* label = LedgerLabel::current()) op = label;
     const auto start = Clock::now();
     WorkPtr work = call();  // a call that throws is not entered
     if (count_call) ledger_->add_call(op, sent, received);

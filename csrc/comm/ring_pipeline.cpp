@@ -2,14 +2,12 @@
 
 #include <ATen/ATen.h>
 
-#include "comm/agreement.h"
 
 namespace tdx::comm {
 
-void for_each_ring_block(Ring& ring, const char* op, const char* what, const at::Tensor& local,
+void for_each_ring_block(Ring& ring, const at::Tensor& local,
                          const std::function<void(const at::Tensor& block, int source)>& consume) {
   const int n = ring.size();
-  check_ranks_agree(ring.group(), op, what, local);
   at::Tensor buffers[2];
   if (n > 1) {
     buffers[0] = at::empty_like(local);
@@ -29,7 +27,7 @@ void for_each_ring_block(Ring& ring, const char* op, const char* what, const at:
   }
 }
 
-RingReduceScatter::RingReduceScatter(Ring& ring, const char* op, const char* what, at::IntArrayRef sizes,
+RingReduceScatter::RingReduceScatter(Ring& ring, at::IntArrayRef sizes,
                                      const at::TensorOptions& options, Order order)
     : ring_(ring), order_(order) {
   buffers_[0] = at::empty(sizes, options);
@@ -37,7 +35,6 @@ RingReduceScatter::RingReduceScatter(Ring& ring, const char* op, const char* wha
     buffers_[1] = at::empty(sizes, options);
     arriving_ = at::empty(sizes, options);
   }
-  check_ranks_agree(ring.group(), op, what, buffers_[0]);
 }
 
 int RingReduceScatter::block() const {

@@ -11,8 +11,8 @@
 //                         as it passes (matmul_reduce_scatter, ring attention's
 //                         dK/dV)
 //
-// Each checks first that every rank exchanges the same op, shape and dtype when
-// TORCH_DISTRIBUTED_DEBUG=DETAIL (comm/agreement.h).
+// The ops that call them check first that every rank agrees on the call
+// (comm/agreement.h).
 
 #include <ATen/core/Tensor.h>
 
@@ -26,8 +26,8 @@ namespace tdx::comm {
 // and dtype on every rank): this rank's own first (source = rank), then those
 // of rank - 1, rank - 2, ... as they arrive from prev(). The next block travels
 // while consume() works on the current one; a block is valid only during its
-// call. `op` and `what` name the exchange in error messages.
-void for_each_ring_block(Ring& ring, const char* op, const char* what, const at::Tensor& local,
+// call.
+void for_each_ring_block(Ring& ring, const at::Tensor& local,
                          const std::function<void(const at::Tensor& block, int source)>& consume);
 
 // Sums, over all ranks, one contribution per block, and leaves each rank with
@@ -46,7 +46,7 @@ class RingReduceScatter {
   enum class Order { kOwnBlockLast, kOwnBlockFirst };
 
   // Sums have `sizes` and `options` on every rank.
-  RingReduceScatter(Ring& ring, const char* op, const char* what, at::IntArrayRef sizes,
+  RingReduceScatter(Ring& ring, at::IntArrayRef sizes,
                     const at::TensorOptions& options, Order order);
 
   // The rank whose block the next contribution is for.

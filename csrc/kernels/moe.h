@@ -11,7 +11,9 @@
 // An expert id outside [-1, num_experts) (possible only with index checks off)
 // poisons what it touches: its token's sum comes back NaN (sum_rows), its slot's
 // row and weight gradient are NaN (sort_slots marks it kInvalidSlot), never a
-// plausible value.
+// plausible value. So does a token that capacity mode cannot send, its rank's
+// block being full (route_tokens marks it kOverflowRow): with index checks on,
+// moe_dispatch refuses such a token instead.
 //
 // Permutation (moe_permute, moe_unpermute): a rank holds `rows` received tokens, each with `top_k` slots naming a local
 // expert (0 <= e < num_experts) or none (-1). The expert-major order puts the
@@ -31,6 +33,9 @@ namespace tdx::kernels {
 
 // The position of a slot whose expert id lies outside [-1, num_experts).
 inline constexpr int64_t kInvalidSlot = -2;
+
+// send_rows of a token whose destination's block is full (capacity mode).
+inline constexpr int64_t kOverflowRow = -2;
 
 // Slots per block of the CUDA sort. Its scratch holds, for each block of
 // kSortBlockSlots slots, one count per expert, and one more row of totals.
@@ -101,8 +106,8 @@ struct SlotDotsArgs {
   void* dots;          // [rows, top_k] accumulator type
 };
 
-// send_rows[t, r] = the row of the send buffer carrying token t to rank r, or -1
-// (no expert of t on r, or rank r's block [starts[r], ends[r]) already full).
+// send_rows[t, r] = the row of the send buffer carrying token t to rank r, -1 (no
+// expert of t on r) or kOverflowRow (rank r's block [starts[r], ends[r]) already full).
 // Work items: ranks.
 struct RouteTokensArgs {
   const int64_t* experts;  // [tokens, top_k] global experts, -1: none
@@ -142,7 +147,7 @@ struct PackRowsArgs {
 
 // out[t] = the sum over r = 0..ranks-1 of rows[send_rows[t, r]], in the accumulator
 // type, in that order (0 for a token sent nowhere; NaN for a token with an expert
-// id out of range); out_weights[t, j] = row_weights[send_rows[t, rank of the slot's
+// id out of range or a kOverflowRow); out_weights[t, j] = row_weights[send_rows[t, rank of the slot's
 // expert], j] (0 without one, NaN out of range; skipped when row_weights is
 // nullptr). Work items: tokens.
 struct SumRowsArgs {

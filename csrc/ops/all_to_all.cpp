@@ -7,6 +7,7 @@
 
 #include <ATen/ATen.h>
 
+#include "comm/agreement.h"
 #include "comm/all_to_all.h"
 #include "comm/group.h"
 #include "ops/device.h"
@@ -25,15 +26,19 @@ void check_4d(const char* op, const at::Tensor& x) {
 // x [B, H, S/N, D], rank r holding its `order` shard of the sequence -> [B, H/N, S, D], rank r holding
 // heads block r of the whole sequence, in order.
 at::Tensor all_to_all_seq_to_heads(const at::Tensor& x, c10::string_view group_name, c10::string_view order_name) {
-  check_4d(kSeqToHeads, x);
-  const auto order = parse_sequence_order(kSeqToHeads, order_name);
   auto group = comm::group_by_name(group_name);
   const int64_t n = group->getSize();
+  auto order = SequenceOrder::kContiguous;
+  comm::Agreement(kSeqToHeads).tensor("x", x).text("order", order_name).check(*group, x.device(), [&] {
+    check_4d(kSeqToHeads, x);
+    order = parse_sequence_order(kSeqToHeads, order_name);
+    TORCH_CHECK(x.size(1) % n == 0, kSeqToHeads, ": heads (", x.size(1), ") must be divisible by the group size ",
+                n);
+    TORCH_CHECK(
+        order == SequenceOrder::kContiguous || x.size(2) % 2 == 0, kSeqToHeads,
+        ": the zigzag order needs an even local sequence (two chunks per rank), got ", x.size(2));
+  });
   const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), dim = x.size(3);
-  TORCH_CHECK(heads % n == 0, kSeqToHeads, ": heads (", heads, ") must be divisible by the group size ", n);
-  TORCH_CHECK(
-      order == SequenceOrder::kContiguous || seq % 2 == 0, kSeqToHeads,
-      ": the zigzag order needs an even local sequence (two chunks per rank), got ", seq);
   // pack: [N (destination = head block), B, H/N, S/N, D]
   const auto send = x.reshape({batch, n, heads / n, seq, dim}).permute({1, 0, 2, 3, 4}).contiguous();
   // [N (source = sequence shard), B, H/N, S/N, D]
@@ -52,15 +57,19 @@ at::Tensor all_to_all_seq_to_heads(const at::Tensor& x, c10::string_view group_n
 
 // x [B, H/N, S, D] (the whole sequence in order) -> [B, H, S/N, D] in `order`: the inverse.
 at::Tensor all_to_all_heads_to_seq(const at::Tensor& x, c10::string_view group_name, c10::string_view order_name) {
-  check_4d(kHeadsToSeq, x);
-  const auto order = parse_sequence_order(kHeadsToSeq, order_name);
   auto group = comm::group_by_name(group_name);
   const int64_t n = group->getSize();
+  auto order = SequenceOrder::kContiguous;
+  comm::Agreement(kHeadsToSeq).tensor("x", x).text("order", order_name).check(*group, x.device(), [&] {
+    check_4d(kHeadsToSeq, x);
+    order = parse_sequence_order(kHeadsToSeq, order_name);
+    const int64_t parts = order == SequenceOrder::kZigzag ? 2 * n : n;
+    TORCH_CHECK(
+        x.size(2) % parts == 0, kHeadsToSeq, ": seq (", x.size(2), ") must be divisible by ", parts,
+        " (the group size ", n, order == SequenceOrder::kZigzag ? ", times 2 for the zigzag order)" : ")");
+  });
   const int64_t batch = x.size(0), heads = x.size(1), seq = x.size(2), dim = x.size(3);
   const int64_t parts = order == SequenceOrder::kZigzag ? 2 * n : n;
-  TORCH_CHECK(
-      seq % parts == 0, kHeadsToSeq, ": seq (", seq, ") must be divisible by ", parts, " (the group size ", n,
-      order == SequenceOrder::kZigzag ? ", times 2 for the zigzag order)" : ")");
   // pack: [N (destination = sequence shard), B, H/N, S/N, D]
   at::Tensor send;
   if (order == SequenceOrder::kContiguous) {

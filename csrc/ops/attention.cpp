@@ -261,20 +261,20 @@ void check_document_ids(const char* op, const at::Tensor& ids, const at::Tensor&
 
 // The document ids of every ring rank, [ring size, batch, seq_local] int64 on the host (one small all-gather;
 // a GPU's ids are copied to the host, which waits for them).
-at::Tensor gather_ring_document_ids(comm::Ring& ring, const char* op, const at::Tensor& ids) {
+at::Tensor gather_ring_document_ids(comm::Ring& ring, const at::Tensor& ids) {
   auto local = ids.to(at::kLong).contiguous();
-  comm::check_ranks_agree(ring.group(), op, "document_ids", local);
   auto all = at::empty({ring.size() * local.size(0), local.size(1)}, local.options());  // rank-major rows
   ring.group()._allgather_base(all, local)->wait();
   return all.to(at::kCPU).contiguous().view({ring.size(), local.size(0), local.size(1)});
 }
 
-// Under TORCH_DISTRIBUTED_DEBUG=DETAIL: every rank passes document ids, or none does (else one rank's
-// all-gather of the ids would meet another's first K/V exchange).
-void check_ids_given_everywhere(comm::Ring& ring, const char* op, bool given) {
-  if (!comm::checking_agreement()) return;
-  const std::string named = std::string(op) + (given ? " with document_ids" : " without document_ids");
-  comm::check_ranks_agree(ring.group(), named.c_str(), "document_ids", at::empty({0}, at::kLong));
+// What every rank of the ring must agree on: every argument but the tensors' values.
+comm::Agreement ring_call(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
+                          double scale, c10::string_view order, const std::optional<at::Tensor>& document_ids) {
+  comm::Agreement call(op);
+  call.tensor("q", q).tensor("k", k).tensor("v", v).flag("causal", causal).value("scale", scale);
+  call.text("order", order).tensor("document_ids", document_ids);
+  return call;
 }
 
 // The tasks of the key block of ring rank `source`, cut by documents when `ids` (gathered) is defined.
@@ -292,18 +292,20 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_fwd(const at::Tensor& q, const
                                                       c10::string_view group_name, bool causal, double scale,
                                                       c10::string_view order_name,
                                                       const std::optional<at::Tensor>& document_ids) {
-  const Order order = parse_sequence_order(kForward, order_name);
-  check_qkv(kForward, q, k, v, order);
-  if (document_ids) check_document_ids(kForward, *document_ids, q);
+  comm::Ring ring(group_name);
+  Order order = Order::kContiguous;
+  ring_call(kForward, q, k, v, causal, scale, order_name, document_ids).check(ring.group(), q.device(), [&] {
+    order = parse_sequence_order(kForward, order_name);
+    check_qkv(kForward, q, k, v, order);
+    if (document_ids) check_document_ids(kForward, *document_ids, q);
+  });
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto out = at::zeros(q.sizes(), acc_options);
   auto lse = at::full({q.size(0), q.size(1), seq}, -std::numeric_limits<double>::infinity(), acc_options);
   if (q.numel() == 0) return {out.to(q.scalar_type()), lse};  // no rows (the ATen kernels reject them)
-  comm::Ring ring(group_name);
-  check_ids_given_everywhere(ring, kForward, document_ids.has_value());
-  const auto ids = document_ids ? gather_ring_document_ids(ring, kForward, *document_ids) : at::Tensor();
-  comm::for_each_ring_block(ring, kForward, "k/v block", at::stack({k, v}), [&](const at::Tensor& kv, int source) {
+  const auto ids = document_ids ? gather_ring_document_ids(ring, *document_ids) : at::Tensor();
+  comm::for_each_ring_block(ring, at::stack({k, v}), [&](const at::Tensor& kv, int source) {
     for (const auto& task : ring_block_tasks(ring, source, causal, order, seq, ids)) {
       attend(task, q, kv[0], kv[1], out, lse, scale);
     }
@@ -325,21 +327,24 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, c10::string_view group_name, bool causal, double scale, c10::string_view order_name,
     const std::optional<at::Tensor>& document_ids) {
-  const Order order = parse_sequence_order(kBackward, order_name);
-  check_qkv(kBackward, q, k, v, order);
-  check_backward_operands(kBackward, grad_out, q, out, lse);
-  if (document_ids) check_document_ids(kBackward, *document_ids, q);
-  if (q.numel() == 0) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
   comm::Ring ring(group_name);
-  check_ids_given_everywhere(ring, kBackward, document_ids.has_value());
-  const auto ids = document_ids ? gather_ring_document_ids(ring, kBackward, *document_ids) : at::Tensor();
+  Order order = Order::kContiguous;
+  auto call = ring_call(kBackward, q, k, v, causal, scale, order_name, document_ids);
+  call.tensor("grad_out", grad_out).tensor("out", out).tensor("lse", lse).check(ring.group(), q.device(), [&] {
+    order = parse_sequence_order(kBackward, order_name);
+    check_qkv(kBackward, q, k, v, order);
+    check_backward_operands(kBackward, grad_out, q, out, lse);
+    if (document_ids) check_document_ids(kBackward, *document_ids, q);
+  });
+  if (q.numel() == 0) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
+  const auto ids = document_ids ? gather_ring_document_ids(ring, *document_ids) : at::Tensor();
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto dq = at::zeros(q.sizes(), acc_options);
   const auto kv_local = at::stack({k, v});
-  comm::RingReduceScatter dkv(ring, kBackward, "dk/dv sum", kv_local.sizes(), acc_options,
+  comm::RingReduceScatter dkv(ring, kv_local.sizes(), acc_options,
                               comm::RingReduceScatter::Order::kOwnBlockFirst);
-  comm::for_each_ring_block(ring, kBackward, "k/v block", kv_local, [&](const at::Tensor& kv, int source) {
+  comm::for_each_ring_block(ring, kv_local, [&](const at::Tensor& kv, int source) {
     const auto& partial = dkv.contribution();
     partial.zero_();
     for (const auto& task : ring_block_tasks(ring, source, causal, order, seq, ids)) {

@@ -11,6 +11,7 @@
 
 #include <functional>
 
+#include "comm/agreement.h"
 #include "comm/ring_pipeline.h"
 #include "ops/device.h"
 
@@ -47,6 +48,15 @@ int64_t sharded_dim(const char* op, const at::Tensor& t, int64_t dim) {
       wrapped < t.dim() - 1, op, ": the sharded dim must not be the feature (last) dim, got dim=", dim,
       " for shape ", t.sizes());
   return wrapped;
+}
+
+// The sharded dim of x for a reduce-scatter over `ranks` ranks: it must split evenly.
+int64_t scatter_dim_checked(const char* op, const at::Tensor& x, int64_t scatter_dim, int ranks) {
+  const int64_t dim = sharded_dim(op, x, scatter_dim);
+  TORCH_CHECK(
+      x.size(dim) % ranks == 0, op, ": x.size(", dim, ")=", x.size(dim), " must be divisible by the group size ",
+      ranks);
+  return dim;
 }
 
 void check_same_kind(const char* op, const at::Tensor& a, const char* a_name, const at::Tensor& b,
@@ -88,11 +98,9 @@ bool is_fp8(at::ScalarType type) {
 // `dim` (already checked). Returns (out [..., S, ..., out_features] in out_dtype, each arriving block's GEMM
 // written into its rows; the gathered x if return_gathered, else an empty tensor). fp8 blocks travel as bytes
 // (c10d backends need not know the fp8 dtypes).
-std::tuple<at::Tensor, at::Tensor> all_gather_gemm(const char* op, const at::Tensor& x, int64_t dim,
-                                                   c10::string_view group_name, int64_t out_features,
-                                                   at::ScalarType out_dtype, bool return_gathered,
-                                                   const BlockGemm& gemm) {
-  comm::Ring ring(group_name);
+std::tuple<at::Tensor, at::Tensor> all_gather_gemm(comm::Ring& ring, const at::Tensor& x, int64_t dim,
+                                                   int64_t out_features, at::ScalarType out_dtype,
+                                                   bool return_gathered, const BlockGemm& gemm) {
   const int64_t n = ring.size();
   const auto shard = x.contiguous();
   const auto shape = block_shape(shard, dim, 1);
@@ -104,7 +112,7 @@ std::tuple<at::Tensor, at::Tensor> all_gather_gemm(const char* op, const at::Ten
   auto gathered = at::empty(return_gathered ? gathered_sizes : std::vector<int64_t>{0}, shard.options());
   const auto out_blocks = out.view({shape.outer, n * shape.rows, out_features});
   const auto travelling = is_fp8(shard.scalar_type()) ? shard.view(at::kByte) : shard;
-  comm::for_each_ring_block(ring, op, "x block", travelling, [&](const at::Tensor& arrived, int owner) {
+  comm::for_each_ring_block(ring, travelling, [&](const at::Tensor& arrived, int owner) {
     const auto block = arrived.view(shard.scalar_type()).view({shape.outer, shape.rows, shape.features});
     gemm(out_blocks.narrow(1, owner * shape.rows, shape.rows),
          block.view({shape.outer * shape.rows, shape.features}));
@@ -118,22 +126,19 @@ std::tuple<at::Tensor, at::Tensor> all_gather_gemm(const char* op, const at::Ten
 }
 
 // The reduce-scatter ring of matmul_reduce_scatter and scaled_mm_reduce_scatter. x: [..., S, ..., k] with S
-// divisible by the group size, `dim` already checked. Returns this rank's block [..., S/n, ..., out_features]
+// divisible by the group size, `dim` already checked (check_scatter_dim). Returns this rank's block [..., S/n, ..., out_features]
 // of the sum over ranks of the GEMMs, summed in out_dtype: each step's GEMM writes this rank's contribution to
 // one block while the previous block's running sum is in flight; this rank's own block comes last.
-at::Tensor gemm_reduce_scatter(const char* op, const at::Tensor& x, int64_t dim, c10::string_view group_name,
-                               int64_t out_features, at::ScalarType out_dtype, const BlockGemm& gemm) {
-  comm::Ring ring(group_name);
+at::Tensor gemm_reduce_scatter(comm::Ring& ring, const at::Tensor& x, int64_t dim, int64_t out_features,
+                               at::ScalarType out_dtype, const BlockGemm& gemm) {
   const int n = ring.size();
-  TORCH_CHECK(
-      x.size(dim) % n == 0, op, ": x.size(", dim, ")=", x.size(dim), " must be divisible by the group size ", n);
   const auto input = x.contiguous();
   const auto shape = block_shape(input, dim, n);
   const auto in_blocks = input.view({shape.outer, n * shape.rows, shape.features});
   auto out_sizes = input.sizes().vec();
   out_sizes[dim] /= n;
   out_sizes.back() = out_features;
-  comm::RingReduceScatter sums(ring, op, "partial sum", out_sizes, input.options().dtype(out_dtype),
+  comm::RingReduceScatter sums(ring, out_sizes, input.options().dtype(out_dtype),
                                comm::RingReduceScatter::Order::kOwnBlockLast);
   for (int step = 0; step < n; ++step) {
     gemm(sums.contribution(), in_blocks.narrow(1, sums.block() * shape.rows, shape.rows)
@@ -149,10 +154,14 @@ at::Tensor gemm_reduce_scatter(const char* op, const at::Tensor& x, int64_t dim,
 std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
     const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
     int64_t gather_dim, bool return_gathered) {
-  const int64_t dim = sharded_dim(kAllGatherMatmul, x, gather_dim);
-  check_matmul_operands(kAllGatherMatmul, x, weight);
+  comm::Ring ring(group_name);
+  int64_t dim = 0;
+  comm::Agreement(kAllGatherMatmul).tensor("x", x).value("gather_dim", gather_dim).check(ring.group(), x.device(), [&] {
+    dim = sharded_dim(kAllGatherMatmul, x, gather_dim);
+    check_matmul_operands(kAllGatherMatmul, x, weight);
+  });
   const auto weight_t = weight.t();
-  return all_gather_gemm(kAllGatherMatmul, x, dim, group_name, weight.size(0), x.scalar_type(), return_gathered,
+  return all_gather_gemm(ring, x, dim, weight.size(0), x.scalar_type(), return_gathered,
                          [&](const at::Tensor& dst, const at::Tensor& rows) { matmul_into(dst, rows, weight_t); });
 }
 
@@ -161,10 +170,16 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
 at::Tensor matmul_reduce_scatter(
     const at::Tensor& x, const at::Tensor& weight, c10::string_view group_name,
     int64_t scatter_dim) {
-  const int64_t dim = sharded_dim(kMatmulReduceScatter, x, scatter_dim);
-  check_matmul_operands(kMatmulReduceScatter, x, weight);
+  comm::Ring ring(group_name);
+  int64_t dim = 0;
+  comm::Agreement call(kMatmulReduceScatter);
+  call.tensor("x", x).tensor("weight", weight).value("scatter_dim", scatter_dim);
+  call.check(ring.group(), x.device(), [&] {
+    dim = scatter_dim_checked(kMatmulReduceScatter, x, scatter_dim, ring.size());
+    check_matmul_operands(kMatmulReduceScatter, x, weight);
+  });
   const auto weight_t = weight.t();
-  return gemm_reduce_scatter(kMatmulReduceScatter, x, dim, group_name, weight.size(0), x.scalar_type(),
+  return gemm_reduce_scatter(ring, x, dim, weight.size(0), x.scalar_type(),
                              [&](const at::Tensor& dst, const at::Tensor& rows) { matmul_into(dst, rows, weight_t); });
 }
 
@@ -173,20 +188,23 @@ at::Tensor matmul_reduce_scatter(
 at::Tensor all_gather_weight_grad(
     const at::Tensor& dense, const at::Tensor& shard, c10::string_view group_name,
     int64_t gather_dim) {
-  const int64_t dim = sharded_dim(kWeightGrad, shard, gather_dim);
-  check_same_kind(kWeightGrad, dense, "dense", shard, "shard");
   comm::Ring ring(group_name);
   const int64_t n = ring.size();
-  TORCH_CHECK(
-      dense.dim() == shard.dim(), kWeightGrad, ": dense and shard must have the same number ",
-      "of dims, got shapes ", dense.sizes(), " and ", shard.sizes());
-  for (int64_t d = 0; d < shard.dim() - 1; ++d) {
-    const int64_t expected = d == dim ? shard.size(d) * n : shard.size(d);
+  int64_t dim = 0;
+  comm::Agreement(kWeightGrad).tensor("shard", shard).value("gather_dim", gather_dim).check(ring.group(), shard.device(), [&] {
+    dim = sharded_dim(kWeightGrad, shard, gather_dim);
+    check_same_kind(kWeightGrad, dense, "dense", shard, "shard");
     TORCH_CHECK(
-        dense.size(d) == expected, kWeightGrad, ": dense.size(", d, ")=", dense.size(d),
-        " must be ", expected, " for shard shape ", shard.sizes(), " gathered over ", n, " ranks on dim ",
-        dim);
-  }
+        dense.dim() == shard.dim(), kWeightGrad, ": dense and shard must have the same number ",
+        "of dims, got shapes ", dense.sizes(), " and ", shard.sizes());
+    for (int64_t d = 0; d < shard.dim() - 1; ++d) {
+      const int64_t expected = d == dim ? shard.size(d) * n : shard.size(d);
+      TORCH_CHECK(
+          dense.size(d) == expected, kWeightGrad, ": dense.size(", d, ")=", dense.size(d),
+          " must be ", expected, " for shard shape ", shard.sizes(), " gathered over ", n, " ranks on dim ",
+          dim);
+    }
+  });
   const auto shard_c = shard.contiguous();
   const auto shape = block_shape(shard_c, dim, 1);
   const int64_t a = dense.size(-1);
@@ -194,7 +212,7 @@ at::Tensor all_gather_weight_grad(
   // Half-precision inputs accumulate the n block products in fp32.
   const bool reduced = at::isReducedFloatingType(dense.scalar_type());
   auto acc = at::zeros({a, shape.features}, dense.options().dtype(reduced ? at::kFloat : dense.scalar_type()));
-  comm::for_each_ring_block(ring, kWeightGrad, "shard block", shard_c, [&](const at::Tensor& block, int owner) {
+  comm::for_each_ring_block(ring, shard_c, [&](const at::Tensor& block, int owner) {
     const auto dense_rows = dense_blocks.narrow(1, owner * shape.rows, shape.rows)
                                 .reshape({shape.outer * shape.rows, a});
     const auto shard_rows = block.view({shape.outer * shape.rows, shape.features});
@@ -258,9 +276,15 @@ void scaled_mm_into(const at::Tensor& dst, const at::Tensor& a, const at::Tensor
 std::tuple<at::Tensor, at::Tensor> all_gather_scaled_mm(
     const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x, const at::Tensor& scale_mat2,
     at::ScalarType out_dtype, c10::string_view group_name, int64_t gather_dim) {
-  const int64_t dim = sharded_dim(kAllGatherScaledMm, x, gather_dim);
-  check_scaled_mm_operands(kAllGatherScaledMm, x, mat2, scale_x, scale_mat2, out_dtype);
-  return all_gather_gemm(kAllGatherScaledMm, x, dim, group_name, mat2.size(1), out_dtype, /*return_gathered=*/true,
+  comm::Ring ring(group_name);
+  int64_t dim = 0;
+  comm::Agreement call(kAllGatherScaledMm);  // every block is multiplied by this rank's scale_x: one for all
+  call.tensor("x", x).scalar("scale_x", scale_x).value("gather_dim", gather_dim);
+  call.check(ring.group(), x.device(), [&] {
+    dim = sharded_dim(kAllGatherScaledMm, x, gather_dim);
+    check_scaled_mm_operands(kAllGatherScaledMm, x, mat2, scale_x, scale_mat2, out_dtype);
+  });
+  return all_gather_gemm(ring, x, dim, mat2.size(1), out_dtype, /*return_gathered=*/true,
                          [&](const at::Tensor& dst, const at::Tensor& rows) {
                            scaled_mm_into(dst, rows, mat2, scale_x, scale_mat2);
                          });
@@ -272,9 +296,15 @@ std::tuple<at::Tensor, at::Tensor> all_gather_scaled_mm(
 at::Tensor scaled_mm_reduce_scatter(const at::Tensor& x, const at::Tensor& mat2, const at::Tensor& scale_x,
                                     const at::Tensor& scale_mat2, at::ScalarType out_dtype,
                                     c10::string_view group_name, int64_t scatter_dim) {
-  const int64_t dim = sharded_dim(kScaledMmReduceScatter, x, scatter_dim);
-  check_scaled_mm_operands(kScaledMmReduceScatter, x, mat2, scale_x, scale_mat2, out_dtype);
-  return gemm_reduce_scatter(kScaledMmReduceScatter, x, dim, group_name, mat2.size(1), out_dtype,
+  comm::Ring ring(group_name);
+  int64_t dim = 0;
+  comm::Agreement call(kScaledMmReduceScatter);
+  call.tensor("x", x).tensor("mat2", mat2).text("out_dtype", c10::toString(out_dtype));
+  call.value("scatter_dim", scatter_dim).check(ring.group(), x.device(), [&] {
+    dim = scatter_dim_checked(kScaledMmReduceScatter, x, scatter_dim, ring.size());
+    check_scaled_mm_operands(kScaledMmReduceScatter, x, mat2, scale_x, scale_mat2, out_dtype);
+  });
+  return gemm_reduce_scatter(ring, x, dim, mat2.size(1), out_dtype,
                              [&](const at::Tensor& dst, const at::Tensor& rows) {
                                scaled_mm_into(dst, rows, mat2, scale_x, scale_mat2);
                              });

@@ -66,12 +66,11 @@ void raise_on_out_of_range(const at::Tensor& bad, const at::Tensor& target, int6
 // Per-row loss and log-sum-exp from every rank's statistics:
 // lse = M + log(sum_r s_r * exp(m_r - M)) with M = max_r m_r; the target's
 // logit comes from the one rank whose shard holds it (the others give 0).
-std::tuple<at::Tensor, at::Tensor> combine_over_ranks(const at::Tensor& stats, c10::string_view group_name) {
-  auto group = comm::group_by_name(group_name);
-  const int64_t n = group->getSize();
+std::tuple<at::Tensor, at::Tensor> combine_over_ranks(const at::Tensor& stats, c10d::ProcessGroup& group) {
+  const int64_t n = group.getSize();
   auto gathered = at::empty({n * stats.size(0), stats.size(1)}, stats.options());
   auto local = stats;
-  group->_allgather_base(gathered, local)->wait();
+  group._allgather_base(gathered, local)->wait();
   const auto all = gathered.view({n, stats.size(0), stats.size(1)});  // [ranks, 3, rows]
   const auto maxes = all.select(1, 0);
   const auto global_max = std::get<0>(maxes.max(0));
@@ -82,15 +81,23 @@ std::tuple<at::Tensor, at::Tensor> combine_over_ranks(const at::Tensor& stats, c
 std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd(
     const at::Tensor& logits, const at::Tensor& target, int64_t vocab_start, int64_t vocab_size,
     int64_t ignore_index, c10::string_view group_name, bool /*inplace_backward: autograd's concern*/) {
-  check_logits_and_target(kForward, logits, target);
+  auto group = comm::group_by_name(group_name);
+  at::Tensor logits_2d, target_1d, bad;
+  comm::Agreement call(kForward);
+  call.tensor("target", target).text("logits dtype", c10::toString(logits.scalar_type()));
+  call.value("vocab_size", vocab_size).value("ignore_index", ignore_index);
+  call.check(*group, logits.device(), [&] {
+    check_logits_and_target(kForward, logits, target);
+    const int64_t vocab_local = logits.size(-1);
+    TORCH_CHECK(
+        vocab_start >= 0 && vocab_start + vocab_local <= vocab_size, kForward, ": the shard [vocab_start=",
+        vocab_start, ", vocab_start + ", vocab_local, ") must lie inside [0, vocab_size=", vocab_size, ")");
+    logits_2d = logits.reshape({-1, vocab_local}).contiguous();
+    target_1d = target.reshape(-1).contiguous();
+    bad = out_of_range(target_1d, vocab_size, ignore_index);
+    if (index_checks_enabled()) raise_on_out_of_range(bad, target_1d, vocab_size, ignore_index);
+  });
   const int64_t vocab_local = logits.size(-1);
-  TORCH_CHECK(
-      vocab_start >= 0 && vocab_start + vocab_local <= vocab_size, kForward, ": the shard [vocab_start=",
-      vocab_start, ", vocab_start + ", vocab_local, ") must lie inside [0, vocab_size=", vocab_size, ")");
-  const auto logits_2d = logits.reshape({-1, vocab_local}).contiguous();
-  const auto target_1d = target.reshape(-1).contiguous();
-  const auto bad = out_of_range(target_1d, vocab_size, ignore_index);
-  if (index_checks_enabled()) raise_on_out_of_range(bad, target_1d, vocab_size, ignore_index);
 
   const int64_t rows = logits_2d.size(0);
   auto stats = at::empty({3, rows}, logits.options().dtype(accumulation_dtype(logits.scalar_type())));
@@ -99,7 +106,7 @@ std::tuple<at::Tensor, at::Tensor> vocab_parallel_cross_entropy_fwd(
   launch(kernels_for<CrossEntropyKernels>(kForward, logits.device()).shard_stats, args, logits.device(), rows,
          32768 / std::max<int64_t>(1, vocab_local));
 
-  auto [loss, lse] = combine_over_ranks(stats, group_name);
+  auto [loss, lse] = combine_over_ranks(stats, *group);
   loss.masked_fill_(target_1d == ignore_index, 0);
   const double nan = std::numeric_limits<double>::quiet_NaN();
   loss.masked_fill_(bad, nan);

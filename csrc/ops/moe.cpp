@@ -22,6 +22,7 @@
 
 #include <limits>
 
+#include "comm/agreement.h"
 #include "comm/all_to_all.h"
 #include "comm/group.h"
 #include "kernels/moe.h"
@@ -97,13 +98,14 @@ at::Tensor route(const char* op, const at::Tensor& expert_ids, int64_t experts_p
 
 int64_t row_grain(int64_t dim) { return std::max<int64_t>(1, 4096 / std::max<int64_t>(1, dim)); }
 
-// [n, 1 + experts_per_rank]: per rank, the rows this rank sends it and the slots per expert of it.
+// [n, 1 + experts_per_rank]: per rank, the rows this rank sends it and the slots per expert of it. An id out
+// of range (index checks off) goes nowhere: moe_combine makes its token NaN.
 at::Tensor send_counts(const at::Tensor& expert_ids, int64_t ranks, int64_t num_experts) {
-  const auto destinations = at::where(expert_ids >= 0, at::div(expert_ids, num_experts / ranks, "floor"), -1);
+  const auto valid = (expert_ids >= 0) & (expert_ids < num_experts);
+  const auto destinations = at::where(valid, at::div(expert_ids, num_experts / ranks, "floor"), -1);
   const auto present = (destinations.unsqueeze(-1) == at::arange(ranks, expert_ids.options())).any(1);
   auto slots = at::zeros({num_experts + 1}, expert_ids.options());
-  const auto ids = expert_ids.reshape(-1);
-  slots.scatter_add_(0, at::where(ids >= 0, ids, num_experts), at::ones_like(ids));
+  slots.scatter_add_(0, at::where(valid, expert_ids, num_experts).reshape(-1), at::ones_like(expert_ids).reshape(-1));
   return at::cat({present.sum(0).unsqueeze(1), slots.narrow(0, 0, num_experts).view({ranks, -1})}, 1);
 }
 
@@ -112,21 +114,51 @@ std::vector<int64_t> column(const at::Tensor& counts, int64_t side) {
   return {rows.data_ptr<int64_t>(), rows.data_ptr<int64_t>() + rows.numel()};
 }
 
+// Capacity mode: raises unless the rows this rank sends each rank fit in rows_per_rank.
+void check_rows_fit(const at::Tensor& expert_ids, int64_t ranks, int64_t num_experts, int64_t rows_per_rank) {
+  const auto rows = send_counts(expert_ids, ranks, num_experts).select(1, 0).cpu();
+  for (int64_t r = 0; r < ranks; ++r) {
+    TORCH_CHECK_VALUE(
+        rows[r].item<int64_t>() <= rows_per_rank, kDispatch, ": this rank sends ", rows[r].item<int64_t>(),
+        " rows to rank ", r, ", more than rows_per_rank=", rows_per_rank, " (capacity mode drops nothing: the ",
+        "caller keeps each (rank, expert) pair within its capacity; torchdist_ext.set_index_checks(False) skips ",
+        "this check: such tokens then come out NaN)");
+  }
+}
+
+void check_weights_finite(const at::Tensor& weights) {
+  if (weights.numel() == 0 || !weights.isnan().any().item<bool>()) return;
+  const int64_t at = weights.isnan().reshape(-1).nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK_VALUE(
+      false, kDispatch, ": the router weights hold NaN, at (flattened) [", at, "]: the router's input or gate ",
+      "weight holds NaN or inf (torchdist_ext.set_index_checks(False) skips this check)");
+}
+
 std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(
     const at::Tensor& x, const at::Tensor& expert_ids, const at::Tensor& weights, int64_t num_experts,
     int64_t rows_per_rank, c10::string_view group_name, const std::optional<at::Tensor>& given_counts) {
-  TORCH_CHECK(x.dim() == 2, kDispatch, ": x must be [tokens, dim], got ", x.sizes());
-  element_type(kDispatch, x.scalar_type());
   auto group = comm::group_by_name(group_name);
-  const int64_t n = group_checked(kDispatch, *group, num_experts, rows_per_rank);
-  check_expert_ids(kDispatch, expert_ids, x.size(0), num_experts);
-  TORCH_CHECK(weights.sizes() == expert_ids.sizes(), kDispatch, ": weights ", weights.sizes(),
-              " must have expert_ids' shape ", expert_ids.sizes());
-  TORCH_CHECK_TYPE(
-      weights.scalar_type() == accumulation_dtype(x.scalar_type()), kDispatch, ": weights must be ",
-      accumulation_dtype(x.scalar_type()), " for ", x.scalar_type(), " tokens, got ", weights.scalar_type());
-  TORCH_CHECK(x.device() == expert_ids.device() && x.device() == weights.device(), kDispatch,
-              ": x, expert_ids and weights must be on one device");
+  const int64_t n = group->getSize();
+  comm::Agreement call(kDispatch);
+  call.tensor("x", x, /*from_dim=*/1).tensor("expert_ids", expert_ids, 1).value("num_experts", num_experts);
+  call.value("rows_per_rank", rows_per_rank).flag("counts given", given_counts.has_value());
+  call.check(*group, x.device(), [&] {
+    TORCH_CHECK(x.dim() == 2, kDispatch, ": x must be [tokens, dim], got ", x.sizes());
+    element_type(kDispatch, x.scalar_type());
+    group_checked(kDispatch, *group, num_experts, rows_per_rank);
+    check_expert_ids(kDispatch, expert_ids, x.size(0), num_experts);
+    TORCH_CHECK(weights.sizes() == expert_ids.sizes(), kDispatch, ": weights ", weights.sizes(),
+                " must have expert_ids' shape ", expert_ids.sizes());
+    TORCH_CHECK_TYPE(
+        weights.scalar_type() == accumulation_dtype(x.scalar_type()), kDispatch, ": weights must be ",
+        accumulation_dtype(x.scalar_type()), " for ", x.scalar_type(), " tokens, got ", weights.scalar_type());
+    TORCH_CHECK(x.device() == expert_ids.device() && x.device() == weights.device(), kDispatch,
+                ": x, expert_ids and weights must be on one device");
+    if (index_checks_enabled()) {
+      check_weights_finite(weights);
+      if (rows_per_rank >= 0 && !given_counts.has_value()) check_rows_fit(expert_ids, n, num_experts, rows_per_rank);
+    }
+  });
   const int64_t experts_per_rank = num_experts / n;
 
   at::Tensor counts;  // [2 (sent, received), n, 1 + experts_per_rank], on the host
@@ -172,30 +204,39 @@ std::tuple<at::Tensor, at::Tensor> moe_combine(const at::Tensor& y, const std::o
                                                const at::Tensor& expert_ids, const at::Tensor& counts,
                                                int64_t num_experts, int64_t rows_per_rank,
                                                c10::string_view group_name) {
-  TORCH_CHECK(y.dim() == 2, kCombine, ": y must be [rows, dim], got ", y.sizes());
-  element_type(kCombine, y.scalar_type());
-  TORCH_CHECK(expert_ids.dim() >= 2, kCombine, ": expert_ids must be [..., top_k], got ", expert_ids.sizes());
+  auto group = comm::group_by_name(group_name);
+  const int64_t n = group->getSize();
+  comm::Agreement call(kCombine);
+  call.tensor("y", y, /*from_dim=*/1).tensor("expert_ids", expert_ids, expert_ids.dim() - 1);
+  call.flag("weights given", weights.has_value()).value("num_experts", num_experts);
+  call.value("rows_per_rank", rows_per_rank).check(*group, y.device(), [&] {
+    TORCH_CHECK(y.dim() == 2, kCombine, ": y must be [rows, dim], got ", y.sizes());
+    element_type(kCombine, y.scalar_type());
+    TORCH_CHECK(expert_ids.dim() >= 2, kCombine, ": expert_ids must be [..., top_k], got ", expert_ids.sizes());
+    if (weights.has_value()) {
+      TORCH_CHECK(
+          weights->dim() == 2 && weights->size(0) == y.size(0) && weights->size(1) == expert_ids.size(-1),
+          kCombine, ": weights ", weights->sizes(), " must be [rows of y = ", y.size(0), ", top_k = ",
+          expert_ids.size(-1), "]");
+      TORCH_CHECK_TYPE(
+          weights->scalar_type() == accumulation_dtype(y.scalar_type()), kCombine, ": weights must be ",
+          accumulation_dtype(y.scalar_type()), " for ", y.scalar_type(), " rows, got ", weights->scalar_type());
+    }
+    TORCH_CHECK(y.device() == expert_ids.device() && (!weights.has_value() || weights->device() == y.device()),
+                kCombine, ": y, weights and expert_ids must be on one device");
+    group_checked(kCombine, *group, num_experts, rows_per_rank);
+    TORCH_CHECK(counts.dim() == 3 && counts.size(0) == 2 && counts.size(1) == n && counts.device().is_cpu(),
+                kCombine, ": counts must be moe_dispatch's [2, ", n, ", 1 + experts per rank] host tensor, got ",
+                counts.sizes());
+    int64_t delivered = 0;
+    for (const int64_t rows : column(counts, 1)) delivered += rows;
+    TORCH_CHECK(y.size(0) == delivered, kCombine, ": y has ", y.size(0), " rows; moe_dispatch delivered ",
+                delivered);
+  });
   auto token_shape = expert_ids.sizes().vec();
   token_shape.back() = y.size(1);  // out: the tokens' leading dims, then the rows' width
   const auto ids = expert_ids.reshape({-1, expert_ids.size(-1)});
-  if (weights.has_value()) {
-    TORCH_CHECK(
-        weights->dim() == 2 && weights->size(0) == y.size(0) && weights->size(1) == expert_ids.size(1), kCombine,
-        ": weights ", weights->sizes(), " must be [rows of y = ", y.size(0), ", top_k = ", expert_ids.size(1), "]");
-    TORCH_CHECK_TYPE(
-        weights->scalar_type() == accumulation_dtype(y.scalar_type()), kCombine, ": weights must be ",
-        accumulation_dtype(y.scalar_type()), " for ", y.scalar_type(), " rows, got ", weights->scalar_type());
-  }
-  TORCH_CHECK(y.device() == expert_ids.device() && (!weights.has_value() || weights->device() == y.device()),
-              kCombine, ": y, weights and expert_ids must be on one device");
-  auto group = comm::group_by_name(group_name);
-  const int64_t n = group_checked(kCombine, *group, num_experts, rows_per_rank);
-  TORCH_CHECK(counts.dim() == 3 && counts.size(0) == 2 && counts.size(1) == n && counts.device().is_cpu(), kCombine,
-              ": counts must be moe_dispatch's [2, ", n, ", 1 + experts per rank] host tensor, got ", counts.sizes());
   const auto received_rows = column(counts, 1);
-  int64_t total = 0;
-  for (const int64_t rows : received_rows) total += rows;
-  TORCH_CHECK(y.size(0) == total, kCombine, ": y has ", y.size(0), " rows; moe_dispatch delivered ", total);
 
   const auto slots = ids.contiguous();
   const auto send_rows = route(kCombine, slots, num_experts / n, column(counts, 0));
@@ -229,6 +270,18 @@ void check_slots(const char* op, const at::Tensor& positions, const std::optiona
     TORCH_CHECK_TYPE(weights->scalar_type() == accumulation_dtype(type), op, ": weights must be ",
                      accumulation_dtype(type), " for ", type, " rows, got ", weights->scalar_type());
   }
+}
+
+// Under index checks: every position names a row of `rows` rows, or none (-1, or moe_permute's kInvalidSlot).
+void check_positions(const char* op, const at::Tensor& positions, int64_t rows) {
+  if (!index_checks_enabled() || positions.numel() == 0) return;
+  const auto bad = (positions < kernels::kInvalidSlot) | (positions >= rows);
+  if (!bad.any().item<bool>()) return;
+  const int64_t at = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
+  TORCH_CHECK_VALUE(
+      false, op, ": every position must name a row of sorted (0 <= position < ", rows, ") or be -1 (none); ",
+      "positions (flattened) [", at, "] = ", positions.reshape(-1)[at].item<int64_t>(),
+      " (torchdist_ext.set_index_checks(False) skips this check)");
 }
 
 kernels::SlotRows slot_rows(const char* op, const at::Tensor& rows_like, const at::Tensor& positions,
@@ -315,6 +368,7 @@ at::Tensor moe_unpermute(const at::Tensor& sorted, const at::Tensor& positions,
   element_type(kUnpermute, sorted.scalar_type());
   check_slots(kUnpermute, positions, weights, sorted);
   const auto rows = sorted.reshape({-1, sorted.size(-1)}).contiguous();
+  check_positions(kUnpermute, positions, rows.size(0));
   const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
   const auto slots = positions.contiguous();
   auto y = at::empty({positions.size(0), rows.size(1)}, sorted.options());
@@ -335,6 +389,7 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_bwd(const at::Tensor& grad, con
   check_slots(kUnpermuteBwd, positions, weights, grad);
   const auto g = grad.contiguous();
   const auto rows = sorted.contiguous();  // its leading dims are rows (sorted may be [experts, capacity, dim])
+  check_positions(kUnpermuteBwd, positions, rows.numel() / std::max<int64_t>(1, rows.size(-1)));
   const auto slots = positions.contiguous();
   const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
   const auto& table = kernels_for<MoeKernels>(kUnpermuteBwd, grad.device());

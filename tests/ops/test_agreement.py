@@ -1,66 +1,153 @@
-"""With TORCH_DISTRIBUTED_DEBUG=DETAIL the ring and all-to-all exchanges refuse ranks that disagree.
+"""The rank-agreement check: ranks that disagree on a call, or a rank that refuses its input, make every rank
+raise the same clear error before any payload travels (no crash, no silent garbage, no one-rank hang)."""
 
-Ranks whose tensors differ in shape (or in a dtype of the same size) but not in bytes would
-otherwise exchange and reinterpret each other's data silently.
-"""
+import re
 
 import pytest
 import torch
 import torch.distributed as dist
 
-import torchdist_ext  # noqa: F401
+import torchdist_ext
+from torchdist_ext import ledger
+from torchdist_ext.agreement import check_agreement
 
 
-def disagreeing_exchange(op):
-    """Rank 0 and rank 1 pass tensors of equal byte size but different shapes to `op`."""
-    name = dist.group.WORLD.group_name
-    shape = (1, 2, 4, 8) if dist.get_rank() == 0 else (1, 4, 2, 8)
-    x = torch.randn(*shape)
-    previous = dist.get_debug_level()
-    dist.set_debug_level(dist.DebugLevel.DETAIL)
+def raised_on_every_rank(call) -> str:
+    """Runs ``call`` on this rank; returns "TypeName: message" of what it raised (fails if nothing)."""
     try:
-        if op == "ring_attention":
-            torch.ops.tdx.ring_attention_fwd(x, x, x, name, False, 0.5, "contiguous")
-        elif op == "matmul_reduce_scatter":
-            torch.ops.tdx.matmul_reduce_scatter(x.flatten(0, 1), torch.randn(4, 8), name, 1)
-        else:
-            torch.ops.tdx.all_to_all_seq_to_heads(x, name, "contiguous")
-    finally:
-        dist.set_debug_level(previous)
+        call()
+    except (ValueError, TypeError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    raise AssertionError("nothing was raised")
 
 
-def ids_on_one_rank_only():
-    """Rank 0 passes document_ids to ring attention, rank 1 does not."""
+def ring(rank_arguments: dict) -> str:
+    """ring_attention_fwd with q = k = v [1, 2, 4, 8] float32, causal, scale 0.5, contiguous, unless
+    ``rank_arguments`` (per rank) says otherwise."""
+    args = dict(shape=(1, 2, 4, 8), dtype=torch.float32, causal=True, scale=0.5, order="contiguous", ids=False)
+    args.update(rank_arguments.get(dist.get_rank(), {}))
+    q = torch.randn(*args["shape"]).to(args["dtype"])
+    ids = torch.zeros(args["shape"][0], args["shape"][2], dtype=torch.long) if args["ids"] else None
     name = dist.group.WORLD.group_name
-    q = torch.randn(1, 2, 4, 8)
-    ids = torch.zeros(1, 4, dtype=torch.long) if dist.get_rank() == 0 else None
-    previous = dist.get_debug_level()
-    dist.set_debug_level(dist.DebugLevel.DETAIL)
-    try:
-        torch.ops.tdx.ring_attention_fwd(q, q, q, name, True, 0.5, "zigzag", ids)
-    finally:
-        dist.set_debug_level(previous)
+    return raised_on_every_rank(lambda: torch.ops.tdx.ring_attention_fwd(q, q, q, name, args["causal"],
+                                                                         args["scale"], args["order"], ids))
 
 
-def test_document_ids_on_one_rank_only_are_refused_under_detail(world2):
-    with pytest.raises(RuntimeError, match=r"rank \d runs ring_attention_fwd with document_ids with Long \[0\], "
-                                           r"rank \d runs ring_attention_fwd without document_ids"):
-        world2.run(ids_on_one_rank_only)
-    assert world2.alive
+@pytest.mark.parametrize(
+    "rank_arguments, message",
+    [
+        ({1: dict(shape=(1, 2, 2, 8))}, r"must agree on q: rank \d has Float \[1, 2, [42], 8\], rank \d has Float"),
+        ({0: dict(dtype=torch.float16), 1: dict(dtype=torch.bfloat16)},
+         r"must agree on q: rank \d has (Half|BFloat16) \[1, 2, 4, 8\], rank \d has (BFloat16|Half)"),
+        ({1: dict(causal=False)}, r"must agree on causal: rank \d has (true|false), rank \d has (false|true)"),
+        ({1: dict(scale=0.25)}, r"must agree on scale: rank \d has 0.(5|25), rank \d has 0.(25|5)"),
+        ({1: dict(order="zigzag")}, r"must agree on order: rank \d has (contiguous|zigzag), rank \d has"),
+        ({0: dict(ids=True)}, r"must agree on document_ids: rank \d has (Long \[1, 4\]|none), rank \d has"),
+    ],
+    ids=["local-sequence", "dtype", "causal", "scale", "order", "document-ids-on-one-rank"],
+)
+def test_ring_attention_refuses_ranks_that_disagree(world2, rank_arguments, message):
+    for text in world2.run(ring, rank_arguments):
+        assert text.startswith("ValueError: ring_attention_fwd: the ranks of the group must agree on")
+        assert re.search(message, text), text
+
+
+def test_a_rank_that_refuses_its_input_stops_every_rank(world2):
+    # rank 1 alone: an odd local sequence, which the zigzag order cannot split (its shape differs too: the
+    # refusal is what every rank reports)
+    texts = world2.run(ring, {0: dict(order="zigzag"), 1: dict(order="zigzag", shape=(1, 2, 3, 8))})
+    assert texts[1] == ("RuntimeError: ring_attention_fwd: the zigzag order needs an even local sequence (two "
+                        "chunks per rank), got 3")
+    assert texts[0] == ("RuntimeError: ring_attention_fwd: rank 1 of the group refused its input, so every rank "
+                        "stops: ring_attention_fwd: the zigzag order needs an even local sequence (two chunks per "
+                        "rank), got 3")
+    texts = world2.run(ring, {1: dict(order="spiral")})
+    assert texts[1].startswith("ValueError: ring_attention_fwd: order must be 'contiguous' or 'zigzag'")
+    assert texts[0].startswith("ValueError: ring_attention_fwd: rank 1 of the group refused its input")
+
+
+def other_ops(op: str) -> str:
+    """Rank 0 passes float32, rank 1 bfloat16 (or another expert count) to ``op``."""
+    name = dist.group.WORLD.group_name
+    rank = dist.get_rank()
+    dtype = torch.float32 if rank == 0 else torch.bfloat16
+    x = torch.randn(1, 2, 4, 8, dtype=dtype)
+    if op == "ulysses":
+        return raised_on_every_rank(lambda: torch.ops.tdx.all_to_all_seq_to_heads(x, name, "contiguous"))
+    if op == "all_gather_matmul":
+        return raised_on_every_rank(
+            lambda: torch.ops.tdx.all_gather_matmul(x[0, 0], torch.randn(4, 8, dtype=dtype), name, 0, False))
+    if op == "matmul_reduce_scatter":
+        weight = torch.randn(4 if rank == 0 else 6, 8)
+        return raised_on_every_rank(
+            lambda: torch.ops.tdx.matmul_reduce_scatter(torch.randn(4, 8), weight, name, 0))
+    experts = 4 if rank == 0 else 8
+    tokens = torch.randn(3, 8)
+    ids = torch.zeros(3, 1, dtype=torch.long)
+    return raised_on_every_rank(
+        lambda: torch.ops.tdx.moe_dispatch(tokens, ids, torch.ones(3, 1), experts, -1, name))
 
 
 @pytest.mark.parametrize(
     "op, message",
     [
-        ("ring_attention", r"ring_attention_fwd: the ranks of the group disagree on the k/v block they exchange: "
-                           r"rank \d runs ring_attention_fwd with Float \[2, 1, 2, 4, 8\], rank \d runs "
-                           r"ring_attention_fwd with Float \[2, 1, 4, 2, 8\]"),
-        ("matmul_reduce_scatter", r"disagree on the partial sum they exchange: rank \d runs matmul_reduce_scatter "
-                                  r"with Float \[2, 2, 4\], rank \d runs matmul_reduce_scatter with Float \[4, 1, 4\]"),
-        ("all_to_all", r"disagree on the head blocks they exchange"),
+        ("ulysses", r"all_to_all_seq_to_heads: the ranks of the group must agree on x: rank \d has "
+                    r"(Float|BFloat16) \[1, 2, 4, 8\]"),
+        ("all_gather_matmul", r"all_gather_matmul: the ranks of the group must agree on x"),
+        ("matmul_reduce_scatter", r"matmul_reduce_scatter: the ranks of the group must agree on weight: "
+                                  r"rank \d has Float \[(4|6), 8\]"),
+        ("moe_dispatch", r"moe_dispatch: the ranks of the group must agree on num_experts: rank \d has (4|8)"),
     ],
 )
-def test_disagreeing_ranks_are_refused_under_detail(world2, op, message):
-    with pytest.raises(RuntimeError, match=message):
-        world2.run(disagreeing_exchange, op)
-    assert world2.alive  # every rank raised: nothing hangs
+def test_communicating_ops_refuse_ranks_that_disagree(world2, op, message):
+    for text in world2.run(other_ops, op):
+        assert re.search(message, text), text
+    assert world2.alive
+
+
+def python_layer_check(bad_rank: int | None, value_of_rank1) -> str:
+    """check_agreement from Python: rank 1's field may differ; ``bad_rank``'s validate raises."""
+    def validate():
+        if dist.get_rank() == bad_rank:
+            raise TypeError("width must be an int, got 'x'")
+
+    fields = {"width": 4 if dist.get_rank() == 0 else value_of_rank1, "name": "mlp"}
+    return raised_on_every_rank(lambda: check_agreement(dist.group.WORLD, "Layer", fields, validate))
+
+
+def test_python_layers_check_their_fields_and_share_a_refusal(world2):
+    texts = world2.run(python_layer_check, None, 8)
+    assert all(t == f"ValueError: Layer: the ranks of the group must agree on width: rank {r} has "
+                    f"{4 if r == 0 else 8}, rank {1 - r} has {8 if r == 0 else 4} (the rank-agreement check: "
+                    "torchdist_ext.set_agreement_checks)" for r, t in enumerate(texts)), texts
+    texts = world2.run(python_layer_check, 0, 4)
+    assert texts[0] == "TypeError: width must be an int, got 'x'"
+    assert texts[1] == ("TypeError: Layer: rank 0 of the group refused its input, so every rank stops: "
+                        "width must be an int, got 'x'")
+
+
+def test_agreement_checks_switch():
+    assert torchdist_ext.agreement_checks() == "auto"
+    assert torchdist_ext.set_agreement_checks("off") == "auto"
+    assert torchdist_ext.set_agreement_checks("auto") == "off"
+    with pytest.raises(ValueError, match=r"mode must be one of \('auto', 'on', 'off'\), got 'always'"):
+        torchdist_ext.set_agreement_checks("always")
+
+
+def checked_calls_in_the_ledger(mode: str):
+    """One ring attention call on a ledger group; returns its tallies' op names."""
+    group = dist.new_group(backend=ledger.backend("gloo"))
+    previous = torchdist_ext.set_agreement_checks(mode)
+    try:
+        q = torch.randn(1, 2, 4, 8)
+        ledger.reset(group)
+        torch.ops.tdx.ring_attention_fwd(q, q, q, group.group_name, True, 0.5, "contiguous")
+        return sorted(ledger.read(group))
+    finally:
+        torchdist_ext.set_agreement_checks(previous)
+        dist.destroy_process_group(group)
+
+
+def test_the_ledger_enters_the_check_apart_from_the_ops_traffic(world2):
+    assert world2.run(checked_calls_in_the_ledger, "on")[0] == ["agreement_check", "recv", "send"]
+    assert world2.run(checked_calls_in_the_ledger, "off")[0] == ["recv", "send"]

@@ -135,6 +135,14 @@ def ulysses_sequence_does_not_divide():
     return tdx.all_to_all_heads_to_seq, (randn(1, 2, 6, 8), group(), "zigzag")
 
 
+def grouped_mm_tokens_per_expert_length():
+    return tdx.moe_grouped_mm, (randn(5, 8), randn(3, 4, 8), torch.tensor([2, 3]))
+
+
+def unpermute_int32_positions():
+    return tdx.moe_unpermute, (randn(4, 8), torch.zeros(3, 2, dtype=torch.int32), None)
+
+
 CASES = [
     (ring_q_not_4d, RuntimeError, r"q, k, v must be \[batch, heads, seq, head_dim\]"),
     (ring_kv_length_mismatch, RuntimeError, "must agree in batch, local sequence and head_dim"),
@@ -161,6 +169,8 @@ CASES = [
     (ulysses_heads_do_not_divide, RuntimeError, r"heads \(3\) must be divisible by the group size 2"),
     (ulysses_odd_zigzag, RuntimeError, "the zigzag order needs an even local sequence"),
     (ulysses_sequence_does_not_divide, RuntimeError, r"seq \(6\) must be divisible by 4"),
+    (grouped_mm_tokens_per_expert_length, RuntimeError, r"tokens_per_expert must be a host int64 \[experts=3\]"),
+    (unpermute_int32_positions, TypeError, "positions must be int64, got"),
 ]
 
 

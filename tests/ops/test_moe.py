@@ -1,6 +1,8 @@
 """tdx::moe_dispatch / moe_combine / moe_permute / moe_unpermute: values, adjointness, float64 gradcheck,
 opcheck, compile, bad input."""
 
+import math
+
 import pytest
 import torch
 import torch.distributed as dist
@@ -234,7 +236,7 @@ def unchecked_expert_ids_poison_their_tokens():
     ids, weights = routing(dist.get_rank())
     x = torch.randn(T, D, generator=torch.Generator().manual_seed(dist.get_rank()), requires_grad=True)
     bad = ids.clone()
-    bad[3, 1] = E if dist.get_rank() == 0 else -5
+    bad[3, 1] = E + 3 if dist.get_rank() == 0 else -5  # past the count buckets as well
     previous = torchdist_ext.set_index_checks(False)
     try:
         rows, row_ids, row_weights, counts = moe_dispatch(x, bad, weights, E, -1, group())
@@ -263,6 +265,59 @@ def unchecked_expert_ids_poison_their_tokens():
 
 def test_unchecked_expert_ids_poison_their_tokens(world2):
     world2.run(unchecked_expert_ids_poison_their_tokens)
+
+
+def test_unpermute_refuses_positions_out_of_range():
+    sorted_rows, weights = torch.randn(8, D), torch.ones(2, 2)
+    for position in (8, 10**12, -3):
+        positions = torch.tensor([[0, 1], [2, position]])
+        for call in (lambda: moe_unpermute(sorted_rows, positions, weights),
+                     lambda: torch.ops.tdx.moe_unpermute_bwd(torch.randn(2, D), sorted_rows, positions, weights)):
+            with pytest.raises(ValueError, match=rf"every position must name a row of sorted \(0 <= position < 8\) "
+                                                 rf"or be -1 \(none\); positions \(flattened\) \[3\] = {position}"):
+                call()
+
+
+def rows_past_rows_per_rank(checks: bool):
+    """Rank 0 sends its 4 tokens to rank 1's experts, more than rows_per_rank = 2 (rank 1 sends 2 and drops
+    2); returns what each rank raised (index checks on) or the combined tokens (off)."""
+    x = torch.arange(1.0, 5.0).view(4, 1).expand(4, D).contiguous()
+    ids = torch.full((4, 1), E - 1) if dist.get_rank() == 0 else torch.tensor([[0], [0], [-1], [-1]])
+    weights = torch.ones(4, 1)
+    previous = torchdist_ext.set_index_checks(checks)
+    try:
+        rows, _, row_weights, counts = moe_dispatch(x, ids, weights, E, 2, group())
+        return moe_combine(rows, row_weights, ids, counts, E, 2, group())[0][:, 0].tolist()
+    except ValueError as error:
+        return str(error)
+    finally:
+        torchdist_ext.set_index_checks(previous)
+
+
+def test_dispatch_refuses_rows_past_rows_per_rank_and_never_drops_them_silently(world2):
+    rank0, rank1 = world2.run(rows_past_rows_per_rank, True)
+    assert rank0.startswith("moe_dispatch: this rank sends 4 rows to rank 1, more than rows_per_rank=2")
+    assert rank1 == f"moe_dispatch: rank 0 of the group refused its input, so every rank stops: {rank0}"
+    rank0, rank1 = world2.run(rows_past_rows_per_rank, False)
+    assert rank0[:2] == [1.0, 2.0] and all(math.isnan(v) for v in rank0[2:])  # dropped tokens come out NaN
+    assert rank1 == [1.0, 2.0, 0.0, 0.0]
+
+
+def bad_expert_id_on_one_rank():
+    ids, weights = routing(0)
+    if dist.get_rank() == 1:
+        ids[5, 0] = -7
+    try:
+        moe_dispatch(torch.randn(T, D), ids, weights, E, -1, group())
+    except ValueError as error:
+        return str(error)
+
+
+def test_a_bad_expert_id_on_one_rank_stops_every_rank(world2):
+    rank0, rank1 = world2.run(bad_expert_id_on_one_rank)
+    assert rank1.startswith("moe_dispatch: every expert id must lie in [0, num_experts=8) or be -1 (dropped); "
+                            "expert_ids (flattened) [10] = -7")
+    assert rank0 == f"moe_dispatch: rank 1 of the group refused its input, so every rank stops: {rank1}"
 
 
 def test_grouped_mm_matches_a_loop_with_an_idle_expert():

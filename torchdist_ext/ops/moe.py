@@ -151,6 +151,7 @@ def _(x, expert_ids, tokens_per_expert, num_experts, capacity):
 
 def _check_slots(op: str, positions: Tensor, weights, dtype: torch.dtype) -> None:
     torch._check(positions.dim() == 2, lambda: f"{op}: positions must be [rows, top_k], got {tuple(positions.shape)}")
+    torch._check_type(positions.dtype == torch.int64, lambda: f"{op}: positions must be int64, got {positions.dtype}")
     if weights is not None:
         torch._check(
             weights.shape == positions.shape,
@@ -192,11 +193,27 @@ def _(x, weight, tokens_per_expert):
     )
     torch._check_type(x.dtype == weight.dtype, lambda: f"{op}: x and weight must have one dtype, got {x.dtype} and "
                       f"{weight.dtype}")
+    _check_tokens_per_expert(op, tokens_per_expert, weight.shape[0])
     return x.new_empty(x.shape[0], weight.shape[1])
+
+
+def _check_tokens_per_expert(op: str, tokens_per_expert: Tensor, experts) -> None:
+    torch._check(
+        tokens_per_expert.dim() == 1 and tokens_per_expert.shape[0] == experts
+        and tokens_per_expert.dtype == torch.int64 and tokens_per_expert.device.type == "cpu",
+        lambda: f"{op}: tokens_per_expert must be a host int64 [experts={experts}], got "
+                f"{tuple(tokens_per_expert.shape)} {tokens_per_expert.dtype} on {tokens_per_expert.device}",
+    )
 
 
 @torch.library.register_fake("tdx::moe_grouped_mm_wgrad")
 def _(grad, x, tokens_per_expert):
+    op = "moe_grouped_mm_wgrad"
+    torch._check(
+        grad.dim() == 2 and x.dim() == 2 and grad.shape[0] == x.shape[0],
+        lambda: f"{op}: grad {tuple(grad.shape)} and x {tuple(x.shape)} must be [rows, N] and [rows, K]",
+    )
+    _check_tokens_per_expert(op, tokens_per_expert, tokens_per_expert.shape[0] if tokens_per_expert.dim() == 1 else 0)
     return x.new_empty(tokens_per_expert.shape[0], grad.shape[1], x.shape[1])
 
 

@@ -33,7 +33,7 @@ void route_tokens(const RouteTokensArgs& args, const Launch& launch) {
     int64_t next = args.starts[r];
     for (int64_t t = 0; t < args.tokens; ++t) {
       const bool sent = has_expert_on(args.experts + t * args.top_k, args.top_k, args.experts_per_rank, r);
-      args.send_rows[t * args.ranks + r] = sent && next < args.ends[r] ? next++ : -1;
+      args.send_rows[t * args.ranks + r] = !sent ? -1 : next < args.ends[r] ? next++ : kOverflowRow;
     }
   }
 }
@@ -80,6 +80,7 @@ void sum_rows(const SumRowsArgs& args, const Launch& launch) {
       const int64_t* send_rows = e.send_rows + t * e.ranks;
       bool poisoned = false;
       for (int64_t j = 0; j < e.top_k; ++j) poisoned |= out_of_range(e.experts[t * e.top_k + j], num_experts);
+      for (int64_t r = 0; r < e.ranks; ++r) poisoned |= send_rows[r] == kOverflowRow;
       for (int64_t begin = 0; begin < e.dim; begin += kChunk) {
         const int64_t n = e.dim - begin < kChunk ? e.dim - begin : kChunk;
         for (int64_t d = 0; d < n; ++d) sum[d] = poisoned ? kNaN : Acc(0);
@@ -96,7 +97,9 @@ void sum_rows(const SumRowsArgs& args, const Launch& launch) {
         const int64_t r = rank_of(expert, e.experts_per_rank);
         const int64_t row = out_of_range(expert, num_experts) || r < 0 ? -1 : send_rows[r];
         out_weights[t * e.top_k + j] =
-            out_of_range(expert, num_experts) ? kNaN : row >= 0 ? row_weights[row * e.top_k + j] : Acc(0);
+            out_of_range(expert, num_experts) || row == kOverflowRow ? kNaN
+            : row >= 0                                              ? row_weights[row * e.top_k + j]
+                                                                    : Acc(0);
       }
     }
   });

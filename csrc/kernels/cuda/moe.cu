@@ -84,7 +84,7 @@ __global__ void route_tokens_kernel(const int64_t* __restrict__ experts, int64_t
         }
         return false;
       },
-      [&](int64_t t, int64_t n) { send_rows[t * ranks + r] = first + n < end ? first + n : -1; },
+      [&](int64_t t, int64_t n) { send_rows[t * ranks + r] = first + n < end ? first + n : kOverflowRow; },
       [&](int64_t t) { send_rows[t * ranks + r] = -1; });
 }
 
@@ -119,6 +119,7 @@ __global__ void sum_rows_kernel(const T* __restrict__ rows, const Acc* __restric
   const int64_t num_experts = ranks * experts_per_rank;
   bool poisoned = false;
   for (int64_t j = 0; j < top_k; ++j) poisoned |= out_of_range(experts[t * top_k + j], num_experts);
+  for (int64_t r = 0; r < ranks; ++r) poisoned |= send_rows[t * ranks + r] == kOverflowRow;
   for (int64_t d = threadIdx.x; d < dim; d += blockDim.x) {
     Acc sum = poisoned ? Acc(NAN) : Acc(0);
     for (int64_t r = 0; r < ranks; ++r) {
@@ -133,7 +134,9 @@ __global__ void sum_rows_kernel(const T* __restrict__ rows, const Acc* __restric
     const int64_t r = rank_of(expert, experts_per_rank);
     const int64_t row = out_of_range(expert, num_experts) || r < 0 ? -1 : send_rows[t * ranks + r];
     out_weights[t * top_k + j] =
-        out_of_range(expert, num_experts) ? Acc(NAN) : row >= 0 ? row_weights[row * top_k + j] : Acc(0);
+        out_of_range(expert, num_experts) || row == kOverflowRow ? Acc(NAN)
+        : row >= 0                                               ? row_weights[row * top_k + j]
+                                                                 : Acc(0);
   }
 }
 
