@@ -187,6 +187,22 @@ def test_out_of_range_ids_give_nan_rows_without_index_checks(world2):
     assert all(world2.run(out_of_range_ids_without_index_checks))
 
 
+def bad_id_on_one_rank():
+    """Only rank 1's ids (which should be replicated) hold an id outside the vocabulary."""
+    embedding = VocabParallelEmbedding(32, 8, tp_mesh=tp())
+    ids = torch.tensor([[3, 40 if dist.get_rank() == 1 else 4]])
+    try:
+        embedding(ids)
+    except ValueError as error:
+        return str(error)
+
+
+def test_a_bad_id_on_one_rank_stops_every_rank(world2):
+    rank0, rank1 = world2.run(bad_id_on_one_rank)
+    assert rank1.startswith("input ids must lie in [0, num_embeddings=32); input (flattened)[1] = 40")
+    assert rank0 == f"VocabParallelEmbedding: rank 1 of the group refused its input, so every rank stops: {rank1}"
+
+
 def empty_local_sequence():
     """No tokens on any rank: an empty output and empty gradients, not a crash of the block kernel."""
     q = torch.randn(1, 2, 0, 8, requires_grad=True)

@@ -55,13 +55,14 @@ def reference_routing(x, gate, top_k, score_func):
     return logits, distribution, top_ids, weights
 
 
-def reference_kept(top_ids, weights, num_experts, capacity_factor, drop_policy):
-    """[T, k] bool: the documented rule, expert by expert (a plain loop)."""
+def reference_kept(top_ids, weights, num_experts, capacity_factor, drop_policy, capacity_tokens=None):
+    """[T, k] bool: the documented rule, expert by expert (a plain loop); the capacity follows
+    ``capacity_tokens`` (the most tokens of any rank), by default T."""
     tokens, k = top_ids.shape
     keep = torch.ones_like(top_ids, dtype=torch.bool)
     if capacity_factor is None:
         return keep
-    capacity = math.ceil(capacity_factor * tokens * k / num_experts)
+    capacity = math.ceil(capacity_factor * (capacity_tokens or tokens) * k / num_experts)
     for e in range(num_experts):
         slots = [(t, j) for t in range(tokens) for j in range(k) if top_ids[t, j] == e]
         if drop_policy == "probs":
@@ -71,11 +72,13 @@ def reference_kept(top_ids, weights, num_experts, capacity_factor, drop_policy):
     return keep
 
 
-def reference_moe(x, gate, w1, w3, w2, shared, top_k, score_func, capacity_factor, drop_policy):
+def reference_moe(x, gate, w1, w3, w2, shared, top_k, score_func, capacity_factor, drop_policy,
+                  capacity_tokens=None):
     """One rank's chunk through the MoE with a loop over experts; returns (out, aux, z)."""
     num_experts = gate.shape[0]
     logits, distribution, top_ids, weights = reference_routing(x, gate, top_k, score_func)
-    keep = reference_kept(top_ids.detach(), weights.detach(), num_experts, capacity_factor, drop_policy)
+    keep = reference_kept(top_ids.detach(), weights.detach(), num_experts, capacity_factor, drop_policy,
+                          capacity_tokens)
     out = torch.zeros(x.shape, dtype=torch.float64)
     for e in range(num_experts):
         for j in range(top_k):
@@ -185,6 +188,46 @@ def test_bf16(world2, capacity_factor, drop_policy):
     world2.run(check_against_reference, 4, 2, "softmax", capacity_factor, drop_policy, 1, torch.bfloat16)
 
 
+def check_unequal_token_counts(counts):
+    """Rank r holds counts[r] tokens (0 allowed): out and every gradient against the reference, whose capacity
+    C = ceil(c T k / E) follows the most tokens any rank holds (what the ranks agree on)."""
+    r = dist.get_rank()
+    gate, w1, w3, w2, _ = full_weights(4, 0)
+    gen = torch.Generator().manual_seed(2)
+    xs = [torch.randn(c, DIM, generator=gen, dtype=torch.float64) for c in counts]
+    upstream = [torch.randn(c, DIM, generator=gen, dtype=torch.float64) for c in counts]
+    moe = MoE.from_experts(gate, w1, w3, w2, ep_mesh=ep_mesh(), top_k=2, capacity_factor=1.0)
+    x = xs[r].float().requires_grad_(True)
+    (moe(x) * upstream[r].float()).sum().backward()
+    out = moe(x).detach()
+
+    params = [t.double().requires_grad_(True) for t in (gate, w1, w3, w2)]
+    refs = [chunk.clone().requires_grad_(True) for chunk in xs]
+    total, dropped = 0.0, 0
+    for chunk, (x_ref, up) in enumerate(zip(refs, upstream)):
+        ref, _, _, kept = reference_moe(x_ref, *params, None, 2, "softmax", 1.0, "probs", capacity_tokens=max(counts))
+        total = total + (ref * up).sum()
+        dropped += int((kept < 0).sum())
+        if chunk == r:
+            ref_out = ref.detach()
+    total.backward()
+    if counts[r]:
+        assert_close_to_scale(out, ref_out, torch.float32, "out")
+        assert_close_to_scale(x.grad, refs[r].grad, torch.float32, "x grad")
+    assert x.grad.shape == (counts[r], DIM)
+    gate_grad = moe.gate.grad.clone()
+    dist.all_reduce(gate_grad)
+    assert_close_to_scale(gate_grad, params[0].grad, torch.float32, "gate grad")
+    for name, ref in zip(("w1", "w3", "w2"), params[1:]):
+        assert_close_to_scale(getattr(moe.experts, name).grad.full_tensor(), ref.grad, torch.float32, f"{name} grad")
+    return dropped
+
+
+@pytest.mark.parametrize("counts", [(6, 4), (5, 0)], ids=["6-and-4", "5-and-0"])
+def test_capacity_with_unequal_token_counts(world2, counts):
+    assert sum(world2.run(check_unequal_token_counts, counts)) > 0, "nothing dropped: the test would not see C"
+
+
 def run_compiled(capacity_factor):
     """A residual block with the MoE, compiled whole: equal to eager in output and gradients over 5 steps whose
     routing differs, on one graph (no recompile after the first step)."""
@@ -250,6 +293,39 @@ def nan_router_logits():
     MoE(DIM, FFN, 4, ep_mesh=ep_mesh())(x)
 
 
+def raised(call) -> str:
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("nothing was raised")
+
+
+def nan_router_input_on_one_rank():
+    """Rank 1's tokens hold a NaN; rank 0's are fine: both must raise (rank 0 with rank 1's message)."""
+    moe = MoE(DIM, FFN, 4, ep_mesh=ep_mesh())
+    x = torch.randn(2, 3, DIM)
+    if dist.get_rank() == 1:
+        x[1, 2, 5] = float("nan")
+    return raised(lambda: moe(x))
+
+
+def test_nan_router_input_on_one_rank_stops_every_rank(world2):
+    mine, theirs = world2.run(nan_router_input_on_one_rank)[::-1]
+    assert mine.startswith("moe_dispatch: the router weights hold NaN, at (flattened) [10]")
+    assert theirs == f"moe_dispatch: rank 1 of the group refused its input, so every rank stops: {mine}"
+
+
+def expert_counts_that_differ():
+    return raised(lambda: MoE(DIM, FFN, 4 if dist.get_rank() == 0 else 8, ep_mesh=ep_mesh()))
+
+
+def test_constructor_refuses_ranks_whose_configurations_differ(world2):
+    for rank, text in enumerate(world2.run(expert_counts_that_differ)):
+        assert text.startswith(f"MoE: the ranks of the group must agree on num_experts: rank {rank} has "
+                               f"{4 if rank == 0 else 8}, rank {1 - rank} has {8 if rank == 0 else 4}")
+
+
 def wrong_width():
     MoE(DIM, FFN, 4, ep_mesh=ep_mesh())(torch.randn(2, 3, DIM + 1))
 
@@ -261,7 +337,7 @@ BAD = [
     (capacity_not_positive, ValueError, "capacity_factor must be None .* or a positive number, got 0.0"),
     (unknown_drop_policy, ValueError, "drop_policy must be one of .* got 'random'"),
     (unknown_score_func, ValueError, "score_func must be one of .* got 'relu'"),
-    (nan_router_logits, ValueError, "router logits contain NaN"),
+    (nan_router_logits, ValueError, r"moe_dispatch: the router weights hold NaN, at \(flattened\) \[10\]"),
     (wrong_width, ValueError, r"its last dim must be 16 \(dim\)"),
 ]
 

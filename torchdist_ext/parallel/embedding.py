@@ -7,6 +7,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from torchdist_ext._index_checks import index_checks_enabled
+from torchdist_ext.agreement import check_agreement
 from torchdist_ext.parallel.input_checks import check_divisible, check_floating_dtype, sequence_dim
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
@@ -110,21 +111,31 @@ class VocabParallelEmbedding(SplitsWeightGrad, nn.Module):
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
         checked = not torch.compiler.is_compiling() and index_checks_enabled()
         invalid = (ids < 0) | (ids >= self.num_embeddings)
-        if checked and invalid.any():
+        if not torch.compiler.is_compiling():  # every tp rank learns of one rank's bad input
+            check_agreement(None if self.tp.size == 1 else self.tp.mesh.get_group(), "VocabParallelEmbedding",
+                            {"input": f"{ids.dtype} {tuple(ids.shape)}"},
+                            lambda: self._check_input(ids, invalid if checked else None))
+        if not checked and self.tp.rank == 0:
+            # An id outside the vocabulary is outside every rank's rows: NaN on one rank makes the sum NaN.
+            rows = rows.masked_fill(invalid.unsqueeze(-1), float("nan"))
+        if self.sequence_parallel:
+            dim = sequence_dim(rows, self.seq_dim)
+            return reduce_scatter_to_sequence_region(rows, self.tp, dim)
+        return reduce_from_region(rows, self.tp)
+
+    def _check_input(self, ids: Tensor, invalid: Tensor | None) -> None:
+        """Raises ValueError for an id out of the vocabulary (``invalid``: where, when index checks are on) or,
+        with sequence parallelism, a sequence the tp ranks cannot split."""
+        if invalid is not None and invalid.any():
             position = invalid.flatten().nonzero()[0].item()
             raise ValueError(
                 f"input ids must lie in [0, num_embeddings={self.num_embeddings}); input (flattened)[{position}] "
                 f"= {ids.flatten()[position].item()} (torchdist_ext.set_index_checks(False) skips this check: "
                 "such rows then come out NaN)"
             )
-        if not checked and self.tp.rank == 0:
-            # An id outside the vocabulary is outside every rank's rows: NaN on one rank makes the sum NaN.
-            rows = rows.masked_fill(invalid.unsqueeze(-1), float("nan"))
         if self.sequence_parallel:
-            dim = sequence_dim(rows, self.seq_dim)
+            dim = sequence_dim(ids.unsqueeze(-1), self.seq_dim)
             check_divisible(f"input.size({dim})", ids.shape[dim], self.tp)
-            return reduce_scatter_to_sequence_region(rows, self.tp, dim)
-        return reduce_from_region(rows, self.tp)
 
     def extra_repr(self) -> str:
         padding = "" if self.padding_idx is None else f", padding_idx={self.padding_idx}"

@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from torchdist_ext import ops
-from torchdist_ext._index_checks import index_checks_enabled
+from torchdist_ext.agreement import _collective_device, check_agreement
 from torchdist_ext.parallel.input_checks import check_features, check_floating_dtype, check_floating_input
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
@@ -58,6 +58,31 @@ class _ScaleGradient(torch.autograd.Function):
 def _positive_int(arg: str, value) -> None:
     if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
         raise ValueError(f"{arg} must be a positive int, got {value!r}")
+
+
+def _check_configuration(ep_size: int, *, dim, ffn_dim, num_experts, top_k, capacity_factor, drop_policy,
+                         score_func, aux_loss_coef, z_loss_coef, num_shared_experts, dtype) -> None:
+    """Raises ValueError / TypeError for an MoE argument out of its documented range."""
+    for arg, value in (("dim", dim), ("ffn_dim", ffn_dim), ("num_experts", num_experts)):
+        _positive_int(arg, value)
+    if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
+        raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
+    if capacity_factor is not None and (isinstance(capacity_factor, bool) or
+                                        not isinstance(capacity_factor, (int, float)) or
+                                        not capacity_factor > 0 or not math.isfinite(capacity_factor)):
+        raise ValueError(f"capacity_factor must be None (dropless) or a positive number, got {capacity_factor!r}")
+    if drop_policy not in DROP_POLICIES:
+        raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
+    if score_func not in SCORE_FUNCS:
+        raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    for arg, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
+            raise ValueError(f"{arg} must be a number >= 0, got {value!r}")
+    if not isinstance(num_shared_experts, int) or isinstance(num_shared_experts, bool) or num_shared_experts < 0:
+        raise ValueError(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
+    check_floating_dtype(dtype)
+    if num_experts % ep_size:
+        raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel size {ep_size}")
 
 
 class GroupedExperts(nn.Module):
@@ -144,27 +169,14 @@ class MoE(nn.Module):
                  aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, num_shared_experts: int = 0,
                  device=None, dtype=None):
         super().__init__()
-        for arg, value in (("dim", dim), ("ffn_dim", ffn_dim), ("num_experts", num_experts)):
-            _positive_int(arg, value)
-        if not isinstance(top_k, int) or isinstance(top_k, bool) or not 1 <= top_k <= num_experts:
-            raise ValueError(f"top_k must be an int in [1, num_experts={num_experts}], got {top_k!r}")
-        if capacity_factor is not None and (isinstance(capacity_factor, bool) or
-                                            not isinstance(capacity_factor, (int, float)) or
-                                            not capacity_factor > 0 or not math.isfinite(capacity_factor)):
-            raise ValueError(f"capacity_factor must be None (dropless) or a positive number, got {capacity_factor!r}")
-        if drop_policy not in DROP_POLICIES:
-            raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
-        if score_func not in SCORE_FUNCS:
-            raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
-        for arg, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
-                raise ValueError(f"{arg} must be a number >= 0, got {value!r}")
-        if not isinstance(num_shared_experts, int) or isinstance(num_shared_experts, bool) or num_shared_experts < 0:
-            raise ValueError(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
-        check_floating_dtype(dtype)
         self.ep = MeshGroup.of(ep_mesh, "ep_mesh")
-        if num_experts % self.ep.size:
-            raise ValueError(f"num_experts={num_experts} must be divisible by the expert-parallel size {self.ep.size}")
+        configuration = dict(dim=dim, ffn_dim=ffn_dim, num_experts=num_experts, top_k=top_k,
+                             capacity_factor=capacity_factor, drop_policy=drop_policy, score_func=score_func,
+                             aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                             num_shared_experts=num_shared_experts, dtype=dtype)
+        # Every ep rank refuses, or none does: the ranks then exchange the weights' first draw.
+        check_agreement(None if self.ep.size == 1 else self.ep.mesh.get_group(), "MoE", configuration,
+                        lambda: _check_configuration(self.ep.size, **configuration))
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.drop_policy, self.score_func = drop_policy, score_func
@@ -234,19 +246,17 @@ class MoE(nn.Module):
         check_floating_input(x, "input", self.gate.dtype)
         check_features(x, "input", self.dim, "dim")
         tokens = x.reshape(-1, self.dim)
-        expert_ids, weights, auxiliary = self._route(tokens)
-        out = self._experts(tokens, expert_ids, weights, auxiliary, x.shape[:-1])  # [..., dim], not a view
+        capacity = -1 if self.capacity_factor is None else self._capacity(tokens)
+        expert_ids, weights, auxiliary = self._route(tokens, capacity)
+        out = self._experts(tokens, expert_ids, weights, auxiliary, x.shape[:-1], capacity)  # [..., dim], not a view
         if self.num_shared_experts:
             out = out + F.linear(F.silu(F.linear(x, self.shared_w1)) * F.linear(x, self.shared_w3), self.shared_w2)
         return out
 
-    def _route(self, tokens: Tensor) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _route(self, tokens: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """(expert_ids [T, k] int64, -1 where dropped; weights [T, k] in the accumulator type; the weighted
         auxiliary losses when they have a gradient to add, else None)."""
-        logits = F.linear(tokens.float(), self.gate.float())
-        if not torch.compiler.is_compiling() and index_checks_enabled() and logits.isnan().any():
-            raise ValueError("router logits contain NaN (the input or the gate weight holds NaN or inf); "
-                             "torchdist_ext.set_index_checks(False) skips this check")
+        logits = F.linear(tokens.float(), self.gate.float())  # NaN here: moe_dispatch refuses it on every rank
         if self.score_func == "softmax":
             scores = logits.softmax(-1)
             distribution = scores
@@ -258,7 +268,7 @@ class MoE(nn.Module):
         if self.score_func == "sigmoid" or self.top_k > 1:
             weights = top_scores / top_scores.sum(-1, keepdim=True)
         auxiliary = self._losses(logits, distribution, top_ids)
-        kept = top_ids if self.capacity_factor is None else self._drop_over_capacity(top_ids, weights)
+        kept = top_ids if capacity < 0 else self._drop_over_capacity(top_ids, weights, capacity)
         self.last_tokens_per_expert = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=kept.device)
         self.last_tokens_per_expert.scatter_add_(0, torch.where(kept >= 0, kept, self.num_experts).flatten(),
                                                  torch.ones_like(kept).flatten())
@@ -280,10 +290,22 @@ class MoE(nn.Module):
             return None
         return self.aux_loss_coef * aux + self.z_loss_coef * z
 
-    def _drop_over_capacity(self, top_ids: Tensor, weights: Tensor) -> Tensor:
-        """top_ids with the slots past each expert's capacity set to -1 (the documented rule)."""
+    def _capacity(self, tokens: Tensor) -> int:
+        """C = ceil(c * T * k / E), T the most tokens any ep rank holds (one all-reduce of one number over the
+        ep group, so that ranks holding different token counts agree on the exchange's sizes). Under
+        torch.compile T is this rank's count, and moe_dispatch refuses ranks whose counts differ."""
+        num_tokens = tokens.shape[0]
+        if self.ep.size > 1 and not torch.compiler.is_compiling():
+            group = self.ep.mesh.get_group()
+            most = torch.tensor([num_tokens], dtype=torch.int64,
+                                device="cpu" if _collective_device(group) == "cpu" else tokens.device)
+            dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
+            num_tokens = int(most.item())
+        return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
+
+    def _drop_over_capacity(self, top_ids: Tensor, weights: Tensor, capacity: int) -> Tensor:
+        """top_ids with the slots past each expert's ``capacity`` set to -1 (the documented rule)."""
         num_tokens, k = top_ids.shape
-        capacity = math.ceil(self.capacity_factor * num_tokens * k / self.num_experts)
         experts = top_ids.flatten()
         order = torch.arange(experts.numel(), device=experts.device)  # token-major: lower token first
         if self.drop_policy == "probs":
@@ -297,10 +319,9 @@ class MoE(nn.Module):
         return torch.where(rank < capacity, experts, -1).view(num_tokens, k)
 
     def _experts(self, tokens: Tensor, expert_ids: Tensor, weights: Tensor, auxiliary: Tensor | None,
-                 token_shape: torch.Size) -> Tensor:
+                 token_shape: torch.Size, capacity: int) -> Tensor:
         n, local = self.ep.size, self.num_experts // self.ep.size
-        dropless = self.capacity_factor is None
-        capacity = -1 if dropless else math.ceil(self.capacity_factor * tokens.shape[0] * self.top_k / self.num_experts)
+        dropless = capacity < 0
         rows_per_rank = -1 if dropless else capacity * local
         rows, row_ids, row_weights, counts = ops.moe_dispatch(tokens, expert_ids, weights, self.num_experts,
                                                               rows_per_rank, self.ep.name)
