@@ -139,3 +139,52 @@ def test_clip_grad_norm_refuses_a_nonfinite_norm_when_asked():
     layer(torch.tensor([[math.inf, 1.0]])).sum().backward()
     with pytest.raises(RuntimeError, match="error_if_nonfinite=True"):
         torchdist_ext.clip_grad_norm_(layer, 1.0, error_if_nonfinite=True)
+
+
+def inf_norm_with_a_nan_on_rank_1(parallelism: str) -> tuple[float, float, str]:
+    """Rank 1's gradient holds a NaN: under tensor parallelism in its shard of a ColumnParallelLinear's weight,
+    under pipeline parallelism in its own stage's layer. Returns (the norm, the single-process reference's norm,
+    what clip_grad_norm_(error_if_nonfinite=True) raised on this rank)."""
+    torch.manual_seed(0)
+    reference = nn.Linear(4, 8)
+    x = torch.randn(3, 4, generator=torch.Generator().manual_seed(1))
+    if parallelism == "tp":
+        mesh, pp_mesh = cached_mesh((2,), ("tp",)), None
+        layer = ColumnParallelLinear.from_linear(reference, tp_mesh=mesh)
+    else:
+        pp_mesh = mesh = cached_mesh((2,), ("pp",))
+        layer = nn.Linear(4, 8)
+        layer.load_state_dict(reference.state_dict())
+    layer(x).square().mean().backward()
+    if mesh.get_local_rank() == 1:
+        with torch.no_grad():
+            weight_grad = layer.weight.grad
+            (weight_grad.to_local() if isinstance(weight_grad, DTensor) else weight_grad)[0, 1] = math.nan
+    # The reference: one process holding every gradient (the full tensors, or both stages' layers).
+    grads = [p.grad.full_tensor() if isinstance(p.grad, DTensor) else p.grad for p in layer.parameters()]
+    if pp_mesh is not None:
+        gathered = [[torch.empty_like(g) for _ in range(2)] for g in grads]
+        for g, into in zip(grads, gathered):
+            torch.distributed.all_gather(into, g, group=pp_mesh.get_group())
+        grads = [g for into in gathered for g in into]
+    params = [nn.Parameter(torch.zeros_like(g)) for g in grads]
+    for param, grad in zip(params, grads):
+        param.grad = grad.clone()
+    expected = torch.nn.utils.clip_grad_norm_(params, 1.0, math.inf).item()
+    try:
+        torchdist_ext.clip_grad_norm_(layer, 1.0, norm_type=math.inf, pp_mesh=pp_mesh, error_if_nonfinite=True)
+        refused = "nothing raised"
+    except RuntimeError as error:
+        refused = str(error)
+    norm = torchdist_ext.clip_grad_norm_(layer, 1.0, norm_type=math.inf, pp_mesh=pp_mesh).item()
+    return norm, expected, refused
+
+
+@pytest.mark.parametrize("parallelism", ["tp", "pp"])
+def test_inf_norm_keeps_a_nan_held_by_one_rank(world2, parallelism):
+    """A NaN in one rank's gradient makes the inf-norm NaN on every rank, as torch's in one process (gloo's MAX
+    alone drops a NaN: both ranks saw the other elements' max), and error_if_nonfinite raises on every rank."""
+    for norm, expected, refused in world2.run(inf_norm_with_a_nan_on_rank_1, parallelism):
+        assert not math.isfinite(expected)
+        assert norm == pytest.approx(expected, nan_ok=True), (norm, expected)
+        assert "error_if_nonfinite=True" in refused and "is nan" in refused, refused

@@ -68,8 +68,18 @@ def _mesh_max(grads: list[Tensor]) -> Tensor:
             largest = torch.maximum(largest, tensor.detach().abs().max().to(torch.float32))
     mesh = grads[0].device_mesh
     for dim in range(mesh.ndim):
-        dist.all_reduce(largest, op=dist.ReduceOp.MAX, group=mesh.get_group(dim))
+        largest = _all_reduce_max(largest, mesh.get_group(dim))
     return largest
+
+
+def _all_reduce_max(value: Tensor, group: dist.ProcessGroup) -> Tensor:
+    """The MAX of the 0-d fp32 ``value`` over ``group``'s ranks, NaN where any rank's is NaN (torch's inf-norm
+    in one process propagates a NaN gradient element). Collectives' MAX may drop a NaN (gloo's does), so a
+    NaN travels as +inf (as ``fp8_step`` sends a NaN amax) beside a flag that restores it: one all-reduce."""
+    nan = value.isnan()
+    packed = torch.stack([torch.where(nan, math.inf, value), nan.to(value.dtype)])
+    dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=group)
+    return torch.where(packed[1] > 0, math.nan, packed[0])
 
 
 def total_grad_norm(grads: Iterable[Tensor], norm_type: float = 2.0, *, pp_mesh: DeviceMesh | None = None) -> Tensor:
@@ -96,7 +106,7 @@ def total_grad_norm(grads: Iterable[Tensor], norm_type: float = 2.0, *, pp_mesh:
              else torch.zeros((), device=device, dtype=torch.float32))
     if pp_mesh is not None and pp_mesh.size() > 1:
         if math.isinf(norm_type):
-            dist.all_reduce(total, op=dist.ReduceOp.MAX, group=pp_mesh.get_group())
+            total = _all_reduce_max(total, pp_mesh.get_group())
         else:
             powered = total.pow(norm_type)
             dist.all_reduce(powered, group=pp_mesh.get_group())
