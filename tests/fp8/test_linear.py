@@ -176,6 +176,32 @@ def test_convert_swaps_eligible_linears_keeping_their_parameters_and_state_dict_
     assert restored[0].scale.eq(7.0).all()
 
 
+def test_converting_again_keeps_the_same_settings_and_refuses_others():
+    """A second convert_to_fp8 with the recipe a module has leaves it as it is (and converts what the first call
+    left); with another recipe, or another fp8_all_gather, it used to keep the first silently: now it is refused,
+    naming both, before anything changes."""
+    recipe = DelayedScaling(amax_history_len=8)
+    model = nn.Sequential(nn.Linear(32, 64), nn.Linear(64, 32))
+    convert_to_fp8(model, recipe, filter_fn=lambda name, module: name == "0")
+    first = model[0]
+    has = (r"DelayedScaling\(margin=0, amax_history_len=8, amax_compute_algo='max', fp8_format='hybrid', "
+           r"reduce_amax=True\)")
+    with pytest.raises(ValueError, match=rf"convert_to_fp8: module '0' \(Fp8Linear\) is already converted with "
+                                         rf"recipe={has}, and was asked again with recipe=CurrentScaling\("):
+        convert_to_fp8(model, CurrentScaling())
+    with pytest.raises(ValueError, match=r"module '0' \(Fp8Linear\) is already converted with fp8_all_gather=False, "
+                                         r"and was asked again with fp8_all_gather=True"):
+        convert_to_fp8(model, recipe, fp8_all_gather=True)
+    assert model[0] is first and first.fp8_recipe == recipe and type(model[1]) is nn.Linear  # nothing changed
+    convert_to_fp8(model, DelayedScaling(amax_history_len=8))  # an equal recipe
+    assert model[0] is first and isinstance(model[1], Fp8Linear) and model[1].fp8_recipe == recipe
+    convert_to_fp8(model, DelayedScaling(margin=1), filter_fn=lambda name, module: False)  # excluded: allowed
+    with pytest.raises(ValueError, match=r"convert_to_fp8: the model \(Fp8Linear\) is already converted with "
+                                         rf"recipe={has}, and was asked again with recipe=DelayedScaling\(margin=1,"):
+        convert_to_fp8(first, DelayedScaling(margin=1))
+    assert first.fp8_recipe == recipe
+
+
 def test_bad_input():
     with pytest.raises(ValueError, match="in_features must be a positive multiple of 16 .fp8 GEMMs., got 24"):
         Fp8Linear(24, 16, recipe=DelayedScaling())

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from torchdist_ext.fp8 import FP8_MAX, CurrentScaling, DelayedScaling, current_scale, update_delayed_scales_
+from torchdist_ext.ops import fp8_cast_amax
 
 FLOAT32_MAX = torch.finfo(torch.float32).max
 
@@ -66,8 +67,8 @@ def test_current_scale():
 
 
 @pytest.mark.parametrize("kwargs, error, message", [
-    (dict(margin=-1), ValueError, "margin must be an int >= 0, got -1"),
-    (dict(margin=1.5), TypeError, "margin must be an int >= 0, got 1.5"),
+    (dict(margin=-1), ValueError, r"margin must be an int in \[0, 8\], got -1"),
+    (dict(margin=1.5), TypeError, r"margin must be an int in \[0, 8\], got 1.5"),
     (dict(amax_history_len="4"), TypeError, "amax_history_len must be an int >= 1, got '4'"),
     (dict(amax_history_len=0), ValueError, "amax_history_len must be an int >= 1, got 0"),
     (dict(amax_compute_algo="mean"), ValueError, r"amax_compute_algo must be one of \('max', 'most_recent'\)"),
@@ -84,3 +85,36 @@ def test_current_scaling_refuses_bad_arguments():
         CurrentScaling(eps=0)
     with pytest.raises(ValueError, match="fp8_format must be one of"):
         CurrentScaling(fp8_format="fp8")
+
+
+MARGIN_RULE = (r"margin must be an int in \[0, 8\], got {}: the scale is fp8_max / amax / 2\*\*margin, and "
+               r"fp8_format='{}' casts to float8_e4m3fn \(max 448\), where a larger margin scales the amax below 1")
+
+
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+@pytest.mark.parametrize("margin, error", [(9, ValueError), (30, ValueError), (200, ValueError), (2000, ValueError),
+                                           (-1, ValueError), (True, TypeError), (8.0, TypeError)])
+def test_a_margin_that_scales_the_amax_below_1_is_refused(margin, error, fp8_format):
+    """scale = fp8_max / amax / 2**margin: past margin 8 the amax scales below 1 in e4m3 (max 448), which both
+    formats cast the forward tensors to; margin 30 rounded every cast to 0, 200 gave zero scales and NaN, 2000
+    a bare OverflowError."""
+    with pytest.raises(error, match=MARGIN_RULE.format(margin, fp8_format)):
+        DelayedScaling(margin=margin, fp8_format=fp8_format)
+
+
+@pytest.mark.parametrize("fp8_format", ["hybrid", "e4m3"])
+def test_the_largest_margin_still_casts_with_precision(fp8_format):
+    """At margin 8 the delayed rule's scales still cast a tensor (each role's format) with more than 20 dB of
+    SQNR through tdx::fp8_cast_amax."""
+    recipe = DelayedScaling(margin=8, fp8_format=fp8_format, amax_history_len=1)
+    dtypes = (torch.float8_e4m3fn, torch.float8_e4m3fn, recipe.grad_dtype)  # input, weight, grad_output
+    x = torch.randn(64, 64, generator=torch.Generator().manual_seed(0)) * 3
+    history, scale = x.abs().max().expand(1, len(dtypes)).clone(), torch.ones(len(dtypes))
+    update_delayed_scales_(history, scale, torch.tensor([FP8_MAX[d] for d in dtypes]), recipe.margin,
+                           recipe.amax_compute_algo)
+    for role, dtype in enumerate(dtypes):
+        assert scale[role].item() == pytest.approx(FP8_MAX[dtype] / x.abs().max().item() / 2**8)
+        x_fp8, _ = fp8_cast_amax(x, scale[role:role + 1], dtype)
+        error = x_fp8.float() / scale[role] - x
+        sqnr = (20 * torch.log10(x.norm() / error.norm())).item()
+        assert sqnr > 20, f"role {role} ({dtype}): SQNR {sqnr:.1f} dB"

@@ -16,8 +16,10 @@ from collections.abc import Callable
 import torch
 import torch.distributed as dist
 from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor
 
+from torchdist_ext.agreement import check_agreement
 from torchdist_ext.fp8.fsdp import enable_fp8_all_gather, fold_gathered_weight_amax_
 from torchdist_ext.fp8.linear import Fp8Linear
 from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
@@ -39,6 +41,28 @@ def _local_features(module: nn.Module) -> tuple[int, int] | None:
     return None
 
 
+def _converted_settings(module: nn.Module) -> dict[str, object] | None:
+    """The conversion settings of a module that already has fp8 state (an earlier ``convert_to_fp8``, or an
+    ``Fp8Linear`` built as one), else None."""
+    if not isinstance(module, Fp8State) or module.fp8_recipe is None:
+        return None
+    return {"recipe": module.fp8_recipe, "amax_reduction_mesh": module.amax_reduction_mesh,
+            "fp8_all_gather": getattr(module, "gathered_weight_amax", None) is not None}
+
+
+def _refuse_another_conversion(name: str, module: nn.Module, asked: dict[str, object]) -> None:
+    """Converting a module that already has fp8 state with the settings it has changes nothing; with others it is
+    refused: its state (amax history, scales, fp8 weight) was built for the first ones, and keeping them would
+    leave the new ones silently unapplied."""
+    has = _converted_settings(module)
+    where = f"module {name!r}" if name else "the model"
+    for key, value in asked.items():
+        if has[key] != value:
+            raise ValueError(f"convert_to_fp8: {where} ({type(module).__name__}) is already converted "
+                             f"with {key}={has[key]!r}, and was asked again with {key}={value!r}: a module is "
+                             f"converted once (pass the same {key}, or exclude it with filter_fn)")
+
+
 def convert_to_fp8(model: nn.Module, recipe: Recipe, *, amax_reduction_mesh=None,
                    filter_fn: Callable[[str, nn.Module], bool] | None = None,
                    fp8_all_gather: bool = False) -> nn.Module:
@@ -55,20 +79,43 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, amax_reduction_mesh=None
     bytes cast with its delayed scale (``torchdist_ext.fp8.fsdp``); needs ``DelayedScaling(reduce_amax=True)``
     and an ``amax_reduction_mesh`` that includes the FSDP ranks (the default does). The weights become new
     Parameter objects (same values and placements): build the optimizer after ``fully_shard``, as FSDP2
-    asks anyway."""
-    if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-        raise TypeError(f"recipe must be a DelayedScaling or a CurrentScaling, got {type(recipe).__name__}")
-    if filter_fn is not None and not callable(filter_fn):
-        raise TypeError(f"filter_fn must be callable(name, module) -> bool, got {type(filter_fn).__name__}")
-    if not isinstance(fp8_all_gather, bool):
-        raise TypeError(f"fp8_all_gather must be a bool, got {fp8_all_gather!r}")
-    if fp8_all_gather and not (isinstance(recipe, DelayedScaling) and recipe.reduce_amax):
-        raise ValueError(f"fp8_all_gather=True needs DelayedScaling(reduce_amax=True): every FSDP rank must cast "
-                         f"its shard with the same scale, known before the gather; got {recipe}")
+    asks anyway.
+
+    A module converted before (by an earlier call) is left as it is when this call asks for its settings
+    (``recipe``, ``amax_reduction_mesh``, ``fp8_all_gather``), and refused with a ValueError, before anything
+    changes, when it asks for others (``filter_fn`` may exclude it)."""
+    def validate():
+        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+            raise TypeError(f"recipe must be a DelayedScaling or a CurrentScaling, got {type(recipe).__name__}")
+        if filter_fn is not None and not callable(filter_fn):
+            raise TypeError(f"filter_fn must be callable(name, module) -> bool, got {type(filter_fn).__name__}")
+        if not isinstance(fp8_all_gather, bool):
+            raise TypeError(f"fp8_all_gather must be a bool, got {fp8_all_gather!r}")
+        if fp8_all_gather and not (isinstance(recipe, DelayedScaling) and recipe.reduce_amax):
+            raise ValueError(f"fp8_all_gather=True needs DelayedScaling(reduce_amax=True): every FSDP rank must "
+                             f"cast its shard with the same scale, known before the gather; got {recipe}")
+        asked = {"recipe": recipe, "amax_reduction_mesh": amax_reduction_mesh, "fp8_all_gather": fp8_all_gather}
+        for name, module in model.named_modules():
+            if _converted_settings(module) is not None and (filter_fn is None or filter_fn(name, module)):
+                _refuse_another_conversion(name, module, asked)
+
+    def chosen(name: str, module: nn.Module) -> bool:
+        features = _local_features(module)
+        return not (features is None or any(f % 16 for f in features)
+                    or (filter_fn is not None and not filter_fn(name, module)))
+
+    # The ranks that reduce amaxes together agree on the recipe and on which modules turn fp8 (fp8_step stacks
+    # their amaxes into one buffer), or all refuse.
+    if isinstance(amax_reduction_mesh, DeviceMesh) and amax_reduction_mesh.ndim == 1:
+        group = amax_reduction_mesh.get_group()
+    else:  # the default process group (a bad mesh is refused below, by enable_fp8)
+        group = dist.group.WORLD if dist.is_available() and dist.is_initialized() else None
+    check_agreement(group, "convert_to_fp8", lambda: {
+        "recipe": recipe, "fp8_all_gather": fp8_all_gather,
+        "converted modules": [name for name, module in model.named_modules() if chosen(name, module)]}, validate)
 
     def converted(name: str, module: nn.Module) -> nn.Module | None:
-        features = _local_features(module)
-        if features is None or any(f % 16 for f in features) or (filter_fn is not None and not filter_fn(name, module)):
+        if not chosen(name, module):
             return None
         if type(module) is nn.Linear:
             module = Fp8Linear.from_linear(module, recipe, amax_reduction_mesh=amax_reduction_mesh)

@@ -14,10 +14,14 @@ from dataclasses import dataclass
 
 import torch
 
+from torchdist_ext.fp8.scaling import FP8_MAX, max_margin
+
 __all__ = ["AMAX_COMPUTE_ALGOS", "CurrentScaling", "DelayedScaling", "FP8_FORMATS", "Recipe"]
 
 FP8_FORMATS = ("hybrid", "e4m3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
+# The formats each fp8_format casts to: the forward tensors' (input, weight), then the gradients'.
+_FORMAT_DTYPES = {"hybrid": (torch.float8_e4m3fn, torch.float8_e5m2), "e4m3": (torch.float8_e4m3fn,)}
 
 
 def _check_format(fp8_format) -> None:
@@ -25,12 +29,31 @@ def _check_format(fp8_format) -> None:
         raise ValueError(f"fp8_format must be one of {FP8_FORMATS}, got {fp8_format!r}")
 
 
+def _check_margin(margin, fp8_format: str) -> None:
+    """Refuses a ``margin`` that is not an int in [0, max_margin] for the formats ``fp8_format`` casts to: past
+    that bound the scale ``fp8_max / amax / 2**margin`` maps the amax below 1 in the narrowest format, and every
+    cast loses its precision, then rounds to 0."""
+    dtypes = _FORMAT_DTYPES[fp8_format]
+    limit = max_margin(dtypes)
+    narrowest = min(dtypes, key=lambda dtype: FP8_MAX[dtype])
+    rule = (f"margin must be an int in [0, {limit}], got {margin!r}: the scale is fp8_max / amax / 2**margin, and "
+            f"fp8_format={fp8_format!r} casts to {str(narrowest).removeprefix('torch.')} (max "
+            f"{FP8_MAX[narrowest]:g}), where a larger margin scales the amax below 1 (the casts lose their precision, "
+            f"then round to 0) and a negative one saturates")
+    if isinstance(margin, bool) or not isinstance(margin, int):
+        raise TypeError(rule)
+    if not 0 <= margin <= limit:
+        raise ValueError(rule)
+
+
 @dataclass(frozen=True)
 class DelayedScaling:
     """Delayed scaling with an amax history of ``amax_history_len`` steps per tensor role.
 
     Args:
-        margin: the scale is divided by ``2**margin`` (headroom against growth between updates), an int >= 0.
+        margin: the scale is divided by ``2**margin`` (headroom against growth between updates), an int in
+            [0, 8]: the amax must still scale to at least 1 in e4m3 (max 448), which both formats cast the
+            forward tensors to (``torchdist_ext.fp8.scaling.max_margin``).
         amax_history_len: steps of amax kept, an int >= 1.
         amax_compute_algo: ``"max"`` (the largest amax in the history) or ``"most_recent"`` (this step's).
         fp8_format: ``"hybrid"`` or ``"e4m3"``.
@@ -45,14 +68,15 @@ class DelayedScaling:
     reduce_amax: bool = True
 
     def __post_init__(self):
-        for name, value, least in (("margin", self.margin, 0), ("amax_history_len", self.amax_history_len, 1)):
-            if isinstance(value, bool) or not isinstance(value, int):
-                raise TypeError(f"{name} must be an int >= {least}, got {value!r}")
-            if value < least:
-                raise ValueError(f"{name} must be an int >= {least}, got {value!r}")
+        _check_format(self.fp8_format)
+        _check_margin(self.margin, self.fp8_format)
+        value = self.amax_history_len
+        if isinstance(value, bool) or not isinstance(value, int):
+            raise TypeError(f"amax_history_len must be an int >= 1, got {value!r}")
+        if value < 1:
+            raise ValueError(f"amax_history_len must be an int >= 1, got {value!r}")
         if self.amax_compute_algo not in AMAX_COMPUTE_ALGOS:
             raise ValueError(f"amax_compute_algo must be one of {AMAX_COMPUTE_ALGOS}, got {self.amax_compute_algo!r}")
-        _check_format(self.fp8_format)
         if not isinstance(self.reduce_amax, bool):
             raise TypeError(f"reduce_amax must be a bool, got {self.reduce_amax!r}")
 

@@ -7,13 +7,24 @@ can hold them): delayed scaling (``update_delayed_scales_``, TransformerEngine's
 Where the delayed rule follows TransformerEngine and where it differs: docs/architecture.md, "fp8".
 """
 
+import math
+
 import torch
 from torch import Tensor
 
-__all__ = ["FP8_MAX", "current_scale", "update_delayed_scales_"]
+__all__ = ["FP8_MAX", "current_scale", "max_margin", "update_delayed_scales_"]
 
 FP8_MAX = {torch.float8_e4m3fn: 448.0, torch.float8_e5m2: 57344.0}
 _FLOAT32_MAX = torch.finfo(torch.float32).max
+
+
+def max_margin(fp8_dtypes) -> int:
+    """The largest ``margin`` the delayed rule can take for casts to ``fp8_dtypes``: the one at which a tensor's
+    amax still scales to at least 1 (``fp8_max / 2**margin >= 1``) in the narrowest of them, i.e.
+    ``floor(log2(fp8_max))``: 8 for e4m3 (448), 15 for e5m2 (57344). Past it the values crowd into the
+    subnormals, a few margins on they round to 0, then the scale itself underflows to 0 (NaN after the cast's
+    0 * inf) and at last ``2.0**margin`` overflows."""
+    return min(math.floor(math.log2(FP8_MAX[dtype])) for dtype in fp8_dtypes)
 
 
 def update_delayed_scales_(amax_history: Tensor, scale: Tensor, fp8_max: Tensor, margin: int,
