@@ -1,6 +1,8 @@
 """Bad pipeline input: a clear ValueError / TypeError naming the argument, raised before any collective; and a
 step that raises midway, after which the pipeline refuses further steps."""
 
+import re
+
 import pytest
 import torch
 from torch import nn
@@ -27,6 +29,25 @@ from torchdist_ext.testing import cached_mesh, spawn_world
 def test_refused_before_any_process_group(call, message):
     with pytest.raises(ValueError, match=message):
         call()
+
+
+def schedules_that_differ(field: str):
+    """Rank 1 builds its pipeline with another schedule or micro-batch count; returns what this rank raised."""
+    mesh = cached_mesh((2,), ("pp",))
+    arguments = dict(schedule="1f1b", num_microbatches=2)
+    if mesh.get_local_rank() == 1:
+        arguments[field] = {"schedule": "gpipe", "num_microbatches": 4}[field]
+    try:
+        Pipeline({mesh.get_local_rank(): nn.Linear(4, 4)}, pp_mesh=mesh, loss_fn=nn.functional.mse_loss, **arguments)
+    except ValueError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("field", ["schedule", "num_microbatches"])
+def test_ranks_whose_schedules_differ_are_refused_on_every_rank(world2, field):
+    for rank, text in enumerate(world2.run(schedules_that_differ, field)):
+        assert text.startswith(f"PipelineSchedule: the ranks of the group must agree on {field}: rank {rank} has ")
+    assert world2.alive
 
 
 def pipeline_refusals():
@@ -164,3 +185,70 @@ def test_a_step_after_one_that_raised_is_refused_and_the_group_still_works():
             assert second.startswith(f"RuntimeError: an earlier step() raised ({first}): messages of that step "
                                      "may still be in flight"), second
             assert total == 2.0
+
+
+class ReturnsATuple(nn.Module):
+    """A stage returning (output, an auxiliary value) instead of one Tensor."""
+
+    def __init__(self):
+        super().__init__()
+        self.linear = nn.Linear(4, 4)
+
+    def forward(self, x):
+        out = self.linear(x)
+        return out, out.sum()
+
+
+def per_sample_loss(out, targets):
+    return (out - targets).square().mean(0)  # [4]: not reduced to a scalar
+
+
+def float_loss(out, targets):
+    return nn.functional.mse_loss(out, targets).item()
+
+
+def a_step_with_a_bad_stage_or_loss(case: str) -> tuple[str, float]:
+    """A 1f1b step on 2 ranks whose stage 0 returns a tuple, or whose loss_fn returns a non-scalar or a float:
+    what this rank raised, then an all-reduce over the pipeline ranks (the group still works)."""
+    mesh = cached_mesh((2,), ("pp",))
+    rank = mesh.get_local_rank()
+    stage = ReturnsATuple() if case == "tuple" and rank == 0 else nn.Linear(4, 4)
+    loss_fn = {"tuple": nn.functional.mse_loss, "vector": per_sample_loss, "float": float_loss}[case]
+    pipe = Pipeline({rank: stage}, pp_mesh=mesh, schedule="1f1b", num_microbatches=2, loss_fn=loss_fn)
+    try:
+        pipe.step(torch.randn(4, 4), torch.randn(4, 4))
+        raised = "nothing"
+    except (TypeError, ValueError) as error:
+        raised = f"{type(error).__name__}: {error}"
+    total = torch.ones(())
+    torch.distributed.all_reduce(total, group=mesh.get_group())
+    return raised, total.item()
+
+
+def world_size_sum() -> float:
+    total = torch.ones(())
+    torch.distributed.all_reduce(total)
+    return total.item()
+
+
+@pytest.mark.parametrize("case, failing_rank, message", [
+    ("tuple", 0, r"TypeError: stages\[0\] must return a Tensor \(stage 0's output, the input of stage 1\), got a "
+                 r"tuple of 2 \(Tensor, Tensor\)"),
+    ("vector", 1, r"ValueError: loss_fn must return a 0-d floating-point Tensor \(the micro-batch's loss, which its "
+                  r"backward pass starts from\), got a torch.float32 Tensor of shape \(4,\)"),
+    ("float", 1, r"TypeError: loss_fn must return a 0-d floating-point Tensor \(the micro-batch's loss, which its "
+                 r"backward pass starts from\), got float \d"),
+])
+def test_a_bad_stage_output_or_loss_is_refused_on_every_rank(case, failing_rank, message):
+    """The failing rank raises an error naming the stage or loss_fn and what came back; its peer, which waited
+    for its message, raises the same error at once (not at its timeout) from the failure header sent in that
+    message's place; the world and the group stay usable."""
+    with spawn_world(2, timeout=60.0) as world:
+        results = world.run(a_step_with_a_bad_stage_or_loss, case)
+        for rank, (raised, total) in enumerate(results):
+            assert re.match(message, raised), (rank, raised)
+            if rank != failing_rank:
+                assert raised.endswith(f"(raised on pipeline rank {failing_rank}; rank {rank} learned of it from "
+                                       f"rank {failing_rank} and ended its step too)"), raised
+            assert total == 2.0
+        assert world.alive and world.run(world_size_sum) == [2.0, 2.0]

@@ -9,6 +9,7 @@ between the ranks as point-to-point messages in ``torchdist_ext.pipeline.message
 Why messages, buffers and FSDP2 stages are handled this way: docs/architecture.md, "Pipeline parallelism".
 """
 
+import builtins
 import time
 from collections.abc import Callable, Mapping
 from contextlib import nullcontext
@@ -22,6 +23,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, fully_shard
 
 from torchdist_ext import cpu_memory
+from torchdist_ext.agreement import check_agreement
 from torchdist_ext.pipeline.messages import BACKWARD, FORWARD, PostedOp, message_plan
 from torchdist_ext._weight_grad import SplitLinear, WeightGradStore, give_weight_grad_slot
 from torchdist_ext.pipeline.schedule import (
@@ -37,6 +39,7 @@ __all__ = ["Pipeline", "TimedAction", "enable_weight_grad_split"]
 
 _DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32)
 _MAX_DIMS = 6
+_FAILED = -1  # a header's number of dims announcing that the sender's step failed, instead of a message
 _PASS_OF = ("F", "B")  # the pass that sends, and the one that receives, a message of each direction
 
 
@@ -118,6 +121,61 @@ def _header(tensor: Tensor) -> Tensor:
     return torch.tensor(values, dtype=torch.int64, pin_memory=True).to(tensor.device, non_blocking=True)
 
 
+def _failure_header(origin: int, length: int, device: torch.device) -> Tensor:
+    """A header (``_header``'s layout) announcing that pipeline rank ``origin``'s step failed: its message,
+    ``length`` utf-8 bytes, follows on the data's tag."""
+    return torch.tensor([_FAILED, origin, length] + [-1] * (_MAX_DIMS - 1), dtype=torch.int64, device=device)
+
+
+def _failure_error(text: str, origin: int, via: int, rank: int) -> Exception:
+    """The exception a rank raises for the failure ``text`` (``"TypeError: ..."``) of pipeline rank ``origin``,
+    learned from ``via``'s message: of the same class where it is a builtin exception, else a RuntimeError.
+    ``_pipeline_failure`` on it: (origin, text, the ranks known to have failed), for ``_notify_peers``."""
+    name, _, message = text.partition(": ")
+    where = f"raised on pipeline rank {origin}; rank {rank} learned of it from rank {via} and ended its step too"
+    cls = getattr(builtins, name, None)
+    error = None
+    if isinstance(cls, type) and issubclass(cls, Exception):
+        try:
+            error = cls(f"{message} ({where})")
+        except Exception:  # a builtin exception that takes other arguments
+            error = None
+    if error is None:
+        error = RuntimeError(f"{text} ({where})")
+    error._pipeline_failure = (origin, text, {origin, via})
+    return error
+
+
+def _describe(value) -> str:
+    """What a stage or ``loss_fn`` returned, for an error message."""
+    if isinstance(value, Tensor):
+        return f"a {value.dtype} Tensor of shape {tuple(value.shape)}"
+    if isinstance(value, (tuple, list)):
+        return f"a {type(value).__name__} of {len(value)} ({', '.join(type(v).__name__ for v in value)})"
+    if isinstance(value, (bool, int, float, complex)):
+        return f"{type(value).__name__} {value!r}"
+    return f"a {type(value).__name__}"
+
+
+def _check_stage_output(stage: int, out) -> None:
+    """Refuses the output of a stage other than the last that is not one Tensor: it is the next stage's input,
+    sent as one message (or handed over in memory)."""
+    if not isinstance(out, Tensor):
+        raise TypeError(f"stages[{stage}] must return a Tensor (stage {stage}'s output, the input of stage "
+                        f"{stage + 1}), got {_describe(out)}")
+
+
+def _check_loss(loss) -> None:
+    """Refuses a ``loss_fn`` return that is not a 0-d floating-point Tensor: the micro-batch's loss, which its
+    backward pass starts from and the step's mean loss adds up."""
+    rule = (f"loss_fn must return a 0-d floating-point Tensor (the micro-batch's loss, which its backward pass starts "
+            f"from), got {_describe(loss)}")
+    if not isinstance(loss, Tensor) or not loss.is_floating_point():
+        raise TypeError(rule)
+    if loss.dim() != 0:
+        raise ValueError(rule)
+
+
 def enable_weight_grad_split(module: nn.Module) -> nn.Module:
     """Puts ``module``'s linears in split mode, in place: our tensor-parallel linears get
     ``split_weight_grad = True``; every plain ``nn.Linear`` becomes a ``SplitLinear`` (the same object, its
@@ -140,6 +198,11 @@ class Pipeline:
     Under zb-h1 and zb-v the stages' linears are put in split mode in place (``enable_weight_grad_split``): B
     computes the input gradients and queues the weight gradients, which the W actions run. ``timeline`` holds
     the last step's ``TimedAction``s on this rank.
+
+    A step in which a stage raises (or returns what the runtime refuses: a stage other than the last must return a
+    Tensor, ``loss_fn`` a 0-d floating-point one) raises on every rank where the message order lets the failing rank
+    tell its peers, with its message (``_notify_peers``): in the first step (its messages carry headers) when the
+    failure comes before a stage's first message to a peer, as such errors do on the first micro-batch.
 
     A stage's output tensor gives up its storage once sent (its backward needs only its ``grad_fn``): code that
     keeps a reference to the very tensor a stage module returns (a forward hook, a module attribute, an op of the
@@ -171,30 +234,37 @@ class Pipeline:
                  fixed_shapes: bool = True):
         if not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1:
             raise TypeError(f"pp_mesh must be a 1-D DeviceMesh, got {pp_mesh!r}")
-        if not isinstance(fixed_shapes, bool):
-            raise TypeError(f"fixed_shapes must be a bool, got {type(fixed_shapes).__name__}")
-        if not callable(loss_fn):
-            raise TypeError(f"loss_fn must be callable(output, targets) -> loss, got {type(loss_fn).__name__}")
         self.pp, self.rank = pp_mesh.size(), pp_mesh.get_local_rank()
-        self.schedule, self.virtual_stages, self.num_microbatches = schedule, virtual_stages, num_microbatches
-        self.num_stages = num_stages(schedule, self.pp, virtual_stages)
-        every_rank = every_rank_actions(schedule, self.pp, num_microbatches, virtual_stages)
-        self.actions = every_rank[self.rank]
-        # Each action's position in its rank's order, every rank's: when a message from a peer arrives, the
-        # peer has received every message of ours that the action sending it, or an earlier one, consumed.
-        self._position = {(a.kind, a.stage, a.microbatch): i for actions in every_rank for i, a in enumerate(actions)}
-        expected = stages_of_rank(schedule, self.pp, self.rank, virtual_stages)
-        if not isinstance(stages, Mapping) or sorted(stages) != sorted(expected):
-            got = sorted(stages) if isinstance(stages, Mapping) else type(stages).__name__
-            raise ValueError(f"stages must map this rank's stage indices {expected} ({schedule}, pp={self.pp}, "
-                             f"rank {self.rank}) to modules, got {got}")
-        for index, module in stages.items():
-            if not isinstance(module, nn.Module):
-                raise TypeError(f"stages[{index}] must be an nn.Module, got {type(module).__name__}")
-            if not isinstance(module, FSDPModule) and any(isinstance(m, FSDPModule) for m in module.modules()):
-                raise ValueError(f"stages[{index}] holds fully_shard-ed modules but is not itself fully_shard-ed: "
-                                 f"call fully_shard on the stage module too (its root), so that its gradients are "
-                                 f"reduced once per step, after its last backward pass")
+
+        def validate():  # and the schedule's plan for this rank
+            if not isinstance(fixed_shapes, bool):
+                raise TypeError(f"fixed_shapes must be a bool, got {type(fixed_shapes).__name__}")
+            if not callable(loss_fn):
+                raise TypeError(f"loss_fn must be callable(output, targets) -> loss, got {type(loss_fn).__name__}")
+            self.schedule, self.virtual_stages, self.num_microbatches = schedule, virtual_stages, num_microbatches
+            self.num_stages = num_stages(schedule, self.pp, virtual_stages)
+            every_rank = every_rank_actions(schedule, self.pp, num_microbatches, virtual_stages)
+            self.actions = every_rank[self.rank]
+            # Each action's position in its rank's order, every rank's: when a message from a peer arrives, the
+            # peer has received every message of ours that the action sending it, or an earlier one, consumed.
+            self._position = {(a.kind, a.stage, a.microbatch): i
+                              for actions in every_rank for i, a in enumerate(actions)}
+            expected = stages_of_rank(schedule, self.pp, self.rank, virtual_stages)
+            if not isinstance(stages, Mapping) or sorted(stages) != sorted(expected):
+                got = sorted(stages) if isinstance(stages, Mapping) else type(stages).__name__
+                raise ValueError(f"stages must map this rank's stage indices {expected} ({schedule}, "
+                                 f"pp={self.pp}, rank {self.rank}) to modules, got {got}")
+            for index, module in stages.items():
+                if not isinstance(module, nn.Module):
+                    raise TypeError(f"stages[{index}] must be an nn.Module, got {type(module).__name__}")
+                if not isinstance(module, FSDPModule) and any(isinstance(m, FSDPModule) for m in module.modules()):
+                    raise ValueError(f"stages[{index}] holds fully_shard-ed modules but is not itself "
+                                     f"fully_shard-ed: call fully_shard on the stage module too (its root), so that "
+                                     f"its gradients are reduced once per step, after its last backward pass")
+        # Every pipeline rank refuses, or none does: the ranks then exchange messages by the schedule's plan.
+        check_agreement(pp_mesh.get_group() if self.pp > 1 else None, "PipelineSchedule",
+                        {"schedule": schedule, "num_microbatches": num_microbatches,
+                         "virtual_stages": virtual_stages, "fixed_shapes": fixed_shapes}, validate)
         self.split = splits_weight_grad(schedule)
         self.stages = {i: enable_weight_grad_split(m) if self.split else m for i, m in stages.items()}
         self.group = pp_mesh.get_group()
@@ -258,17 +328,55 @@ class Pipeline:
                 for message, message_tag in ([(_header(data), tag)] if op.with_header else []) + [(data, tag + 1)]:
                     work = dist.isend(message, group=self.group, group_dst=m.dst, tag=message_tag)
                     self._sends.append(_PendingSend(work, message, m.dst, consumer))
+                self._posted_sends.add(key)
                 continue
             if op.with_header:
                 header = torch.empty(2 + _MAX_DIMS, dtype=torch.int64, device=self.device)
                 waiting_from = clock.now() if waiting_from is None else waiting_from
                 dist.irecv(header, group=self.group, group_src=m.src, tag=tag).wait()
                 dims, dtype, *shape = header.tolist()
+                if dims == _FAILED:  # the peer's step failed: dtype holds the failing rank, shape[0] the text's size
+                    raise self._peer_failure(m.src, dtype, shape[0], tag + 1)
                 self._received_meta[kind] = (shape[:dims], _DTYPES[dtype])
             shape, dtype = self._received_meta[kind]
             data = torch.empty(shape, dtype=dtype, device=self.device)
             self._inbox[key] = (m.src, dist.irecv(data, group=self.group, group_src=m.src, tag=tag + 1), data)
         return waiting_from
+
+    def _peer_failure(self, src: int, origin: int, length: int, tag: int) -> Exception:
+        """The error announced by a failure header from ``src``: pipeline rank ``origin``'s message, whose
+        ``length`` bytes follow on ``tag``."""
+        text = torch.empty(length, dtype=torch.uint8, device=self.device)
+        dist.irecv(text, group=self.group, group_src=src, tag=tag).wait()
+        return _failure_error(bytes(text.tolist()).decode(errors="replace"), origin, src, self.rank)
+
+    def _notify_peers(self, origin: int, text: str, failed: set[int]) -> None:
+        """Tells each peer not in ``failed`` that this step failed (``text``, first raised on pipeline rank
+        ``origin``) in place of the first send to it in the plan that this rank has not posted, where that send
+        carries a header (the first message of its kind in a step whose messages carry headers): the peer waits
+        for a header before it posts the data's receive, so it reads a failure header there, raises the same
+        error (``_peer_failure``) and tells its own peers. Where that send carries no header, the peer's receive
+        is posted for data of a known size, which cannot say it: that peer waits for its timeout, as before.
+        The messages stay in flight like the step's others (``_abandon_step``); one to a rank that failed too
+        is never read. Best effort: an error while telling (a broken group) is dropped, the step's own is raised."""
+        encoded, told = text.encode(), set(failed)
+        posts = self._posts[self._headers]
+        try:
+            for op in (op for boundary in sorted(posts) for op in posts[boundary]):
+                m = op.message
+                key = (m.direction, m.stage, m.microbatch)
+                if not op.is_send or m.dst in told or key in self._posted_sends:
+                    continue
+                told.add(m.dst)
+                if op.with_header:
+                    tag = self._tag(*key)
+                    body = torch.tensor(list(encoded), dtype=torch.uint8, device=self.device)
+                    for message, message_tag in ((_failure_header(origin, len(encoded), self.device), tag),
+                                                 (body, tag + 1)):
+                        work = dist.isend(message, group=self.group, group_dst=m.dst, tag=message_tag)
+                        _KEPT_AFTER_A_FAILED_STEP.append(work)
+        except Exception:  # telling is best effort: the caller re-raises the step's own error
+            pass
 
     def _release_sends(self, peer: int, before: int) -> None:
         """Waits for (at once: they were received) and drops the sends to ``peer`` that its actions up to
@@ -309,10 +417,13 @@ class Pipeline:
             x.requires_grad_(x.is_floating_point())
         out = self.stages[stage](x)
         if stage == self.num_stages - 1:
-            loss = self.loss_fn(out, self._targets[microbatch]) / self.num_microbatches
+            loss = self.loss_fn(out, self._targets[microbatch])
+            _check_loss(loss)
+            loss = loss / self.num_microbatches
             self._losses.append(loss.detach())
             self._saved[(stage, microbatch)] = (x, loss)
         else:
+            _check_stage_output(stage, out)
             self._saved[(stage, microbatch)] = (x, out)
             self._send(out.detach(), FORWARD, stage + 1, microbatch)
             _release_storage(out)
@@ -338,7 +449,8 @@ class Pipeline:
         gradients equal those of ``loss_fn(model(inputs), targets)`` in one process.
 
         A step that raises once its actions have begun (a stage's error, a peer's timeout) leaves the pipeline
-        unusable: later calls raise RuntimeError, since that step's messages may still be in flight."""
+        unusable: later calls raise RuntimeError, since that step's messages may still be in flight. Its peers
+        raise the same error where the message order lets this rank tell them (see the class docstring)."""
         for name, t in (("inputs", inputs), ("targets", targets)):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
@@ -352,7 +464,7 @@ class Pipeline:
         self.device = inputs.device
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
         self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
-        self._sends, self._losses = [], []
+        self._sends, self._losses, self._posted_sends = [], [], set()
         self._headers = not (self.fixed_shapes and self.timeline)  # a step ran: the receivers know the shapes
         if self._headers:
             self._received_meta, self._sent_meta = {}, {}
@@ -368,10 +480,12 @@ class Pipeline:
         (a message of another rank, still in flight, would be read as a later step's), and keeps this rank's
         posted messages (their works, which hold the buffers) for the rest of the process. Gloo reads a message
         into its receive buffer from its own thread: a buffer freed before its data arrives would be written
-        after the free, or wedge the link for every later message."""
+        after the free, or wedge the link for every later message. Then tells the peers (``_notify_peers``)."""
         self._failed_step = f"{type(error).__name__}: {error}"
         _KEPT_AFTER_A_FAILED_STEP.extend(work for _, work, _ in self._inbox.values())
         _KEPT_AFTER_A_FAILED_STEP.extend(send.work for send in self._sends)
+        origin, text, failed = getattr(error, "_pipeline_failure", (self.rank, self._failed_step, set()))
+        self._notify_peers(origin, text, failed | {self.rank})
 
     def _run_actions(self) -> Tensor:
         run = {"F": self._forward, "B": self._backward, "W": lambda s, i, _: self.weight_grads.run((s, i))}
