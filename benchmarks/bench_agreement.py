@@ -55,7 +55,7 @@ def run_case(seq: int, repeats: int, warmup: int) -> dict[str, float]:
 
 
 def main() -> None:
-    parser = arguments(__doc__, worlds=[2, 4], repeats=30, warmup=5, quick=True)
+    parser = arguments(__doc__, worlds=[2, 4], repeats=30, warmup=5, sizes=SIZES, quick=True)
     args = parser.parse_args()
     sizes, repeats = sizes_and_repeats(args, SIZES)
     rows = []
