@@ -3,6 +3,8 @@ split of the same model (here one part holding both), parameters and Adam state 
 The multi-rank resharding (dp2 x tp2 x pp2 saved, dp4 x tp2 and one process loaded) is the main job's test
 (tests/examples/test_train_llama.py::test_resumes_at_another_layout_as_if_uninterrupted)."""
 
+import pickle
+
 import pytest
 import torch
 from torch import nn
@@ -100,3 +102,87 @@ def test_bad_checkpoint_arguments_name_the_problem(tmp_path):
     bigger = nn.ModuleDict({"first": nn.Linear(4, 8), "second": nn.Linear(8, 2), "third": nn.Linear(2, 2)})
     with pytest.raises(ValueError, match="third.weight"):
         checkpoint.load(tmp_path, [bigger], [torch.optim.AdamW(bigger.parameters())])
+
+
+def corrupt_load_error(tmp_path, damage) -> ValueError:
+    """Saves a checkpoint, ``damage(directory)``s it and returns the ValueError its load raises."""
+    parts, optimizers = trained_parts()
+    checkpoint.save(tmp_path, parts, optimizers, extra={"step": 7})
+    damage(tmp_path)
+    whole = model()
+    with pytest.raises(ValueError) as error_info:
+        checkpoint.load(tmp_path, [whole], [torch.optim.AdamW(whole.parameters())], extra={"step": 0})
+    return error_info.value
+
+
+def one_line_without_frames_or_unsafe_advice(error: ValueError) -> str:
+    message = str(error)
+    assert "\n" not in message and "FrameSummary" not in message and "Traceback" not in message, message
+    assert "weights_only" not in message, message  # never pass on torch.load's advice to unpickle unsafely
+    assert error.__cause__ is not None  # the original, chained
+    return message
+
+
+@pytest.mark.parametrize("content", [b"garbage" * 10, b"", pickle.dumps({"not": "metadata"})],
+                         ids=["garbage", "empty", "foreign-pickle"])
+def test_a_corrupt_metadata_file_is_named(tmp_path, content):
+    error = corrupt_load_error(tmp_path, lambda directory: (directory / ".metadata").write_bytes(content))
+    message = one_line_without_frames_or_unsafe_advice(error)
+    assert message.startswith(f"checkpoint {tmp_path}: its metadata file {tmp_path / '.metadata'} is corrupt or "
+                              "not a checkpoint written by torchdist_ext.checkpoint"), message
+    with pytest.raises(ValueError, match="its metadata file .* is corrupt"):
+        checkpoint.load_extra(tmp_path, {"step": 0})
+
+
+def flip_a_global_of_each_shard(directory) -> None:
+    """A bit flipped in each shard's first tensor record: its pickle then names a global torch.load refuses."""
+    for shard in directory.glob("*.distcp"):
+        data = bytearray(shard.read_bytes())
+        at = data.find(b"_rebuild_tensor_v2")
+        assert at >= 0, shard
+        data[at + 1] ^= 0x01
+        shard.write_bytes(bytes(data))
+
+
+def zero_each_shard(directory) -> None:
+    for shard in directory.glob("*.distcp"):
+        shard.write_bytes(bytes(shard.stat().st_size))
+
+
+@pytest.mark.parametrize("damage", [flip_a_global_of_each_shard, zero_each_shard], ids=["bit-flip", "zeroed"])
+def test_a_corrupt_shard_file_is_named_without_unsafe_advice(tmp_path, damage):
+    message = one_line_without_frames_or_unsafe_advice(corrupt_load_error(tmp_path, damage))
+    assert message.startswith(f"checkpoint {tmp_path}: a shard file (*.distcp) is corrupt or not a checkpoint "
+                              "written by torchdist_ext.checkpoint"), message
+
+
+def test_a_missing_shard_file_is_named(tmp_path):
+    def remove_shards(directory):
+        for shard in directory.glob("*.distcp"):
+            shard.unlink()
+
+    message = one_line_without_frames_or_unsafe_advice(corrupt_load_error(tmp_path, remove_shards))
+    assert message.startswith(f"checkpoint {tmp_path}: its shard file {tmp_path}") and "is missing" in message
+
+
+def test_a_refused_load_says_why_in_one_line(tmp_path):
+    """DCP's failure (a key the checkpoint lacks) without the stack frames it carries."""
+    parts, optimizers = trained_parts()
+    checkpoint.save(tmp_path, parts, optimizers)
+    bigger = nn.ModuleDict({"first": nn.Linear(4, 8), "second": nn.Linear(8, 2), "third": nn.Linear(2, 2)})
+    with pytest.raises(ValueError) as error_info:
+        checkpoint.load(tmp_path, [bigger], [torch.optim.AdamW(bigger.parameters())])
+    message = one_line_without_frames_or_unsafe_advice(error_info.value)
+    missing = "Missing key in checkpoint state_dict: model.third.weight"
+    assert message.startswith(f"checkpoint {tmp_path}: {missing}"), message
+
+
+def test_extra_values_load_without_a_model(tmp_path):
+    parts, optimizers = trained_parts()
+    checkpoint.save(tmp_path, parts, optimizers, extra={"step": 7, "sampler": {"epoch": 2}})
+    assert checkpoint.load_extra(tmp_path, {"step": 0}) == {"step": 7}
+    assert checkpoint.load_extra(tmp_path, {"step": 0, "sampler": {"epoch": 0}}) == {"step": 7, "sampler": {"epoch": 2}}
+    with pytest.raises(FileNotFoundError, match="no checkpoint at"):
+        checkpoint.load_extra(tmp_path / "missing", {"step": 0})
+    with pytest.raises(TypeError, match="extra must be a dict, got NoneType"):
+        checkpoint.load_extra(tmp_path, None)

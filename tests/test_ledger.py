@@ -210,6 +210,16 @@ def test_plain_group_is_not_counted(world2):
         assert "is not counted: create it with torchdist_ext.ledger.backend" in message
 
 
+@pytest.mark.parametrize("call", [ledger.read, ledger.reset, lambda: ledger.by_label({}, rest="other")],
+                         ids=["read", "reset", "by_label"])
+def test_without_a_process_group_says_to_initialise_one(call):
+    """This pytest process has no process group (the worlds run in their own processes)."""
+    assert not dist.is_initialized()
+    with pytest.raises(RuntimeError, match=r"no process group is initialised in this process; call "
+                                           r"torch.distributed.init_process_group\(ledger.backend\(...\)\) first"):
+        call()
+
+
 def test_group_argument_checked(ledger_world):
     with pytest.raises(TypeError, match="group must be a ProcessGroup, a 1-D DeviceMesh or None"):
         ledger.read("tp")

@@ -3,22 +3,29 @@ any other layout: another dp / tp / cp / pp split, or one process.
 
     torchdist_ext.checkpoint.save(path, parts, optimizers, extra={"step": step, "sampler": sampler.state_dict()})
     extra = torchdist_ext.checkpoint.load(path, parts, optimizers, extra={"step": 0, "sampler": {...}})
+    step = torchdist_ext.checkpoint.load_extra(path, {"step": 0})["step"]   # no model, no process group
 
 Every entry is keyed by the full model's parameter and buffer names (a part must keep them: a pipeline stage
 holds its modules under the names they have in the whole model), the optimizer state flattened per parameter
 (``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so a rank loads exactly the entries of the parts it now
 holds, resharded by ``torch.distributed.checkpoint`` from whatever shards wrote them. Buffers (fp8 amax
 histories) travel with the model. ``extra``: small picklable values (step, data position), written once.
+A checkpoint that cannot be read (a corrupt or foreign metadata or shard file) raises ValueError naming it.
 """
 
 import copy
+import pickle
+import warnings
+import zipfile
 from collections.abc import Sequence
 from os import PathLike
+from pathlib import Path
 from typing import Any
 
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
@@ -27,9 +34,12 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-__all__ = ["load", "save"]
+__all__ = ["load", "load_extra", "save"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
+_NOT_OURS = "is corrupt or not a checkpoint written by torchdist_ext.checkpoint"
+# What decoding a damaged file raises (DCP unpickles the metadata and each value; torch.load reads zip archives).
+_DECODING_ERRORS = (pickle.UnpicklingError, EOFError, zipfile.BadZipFile, UnicodeDecodeError)
 
 
 def _checked(parts: Sequence[nn.Module], optimizers: Sequence[Optimizer]) -> tuple[list[nn.Module], list[Optimizer]]:
@@ -98,10 +108,27 @@ def _merged(per_part, extra: dict[str, Any] | None) -> dict[str, Any]:
     return state
 
 
-def _first_failure(error: CheckpointException) -> str:
-    failure = next(iter(error.failures.values()), error)
-    text = str(failure.exc if hasattr(failure, "exc") else failure).strip().splitlines()
-    return text[-1] if text else repr(failure)
+def _first_failure(error: CheckpointException) -> tuple[BaseException, list]:
+    """The first failing rank's exception and its stack frames (DCP's failures hold (exception, frames) pairs)."""
+    failure = next(iter(error.failures.values()), (error, []))
+    return failure if isinstance(failure, tuple) else (failure, [])
+
+
+def _failure_message(checkpoint_id: str | PathLike, error: CheckpointException, *, loading: bool) -> str:
+    """One line on why DCP failed, without its stack frames (chain the error for those). A failure while
+    reading the shard files' contents means a damaged file: said so, without torch.load's advice to unpickle
+    it unsafely."""
+    failure, frames = _first_failure(error)
+    text = next((line.strip() for line in str(failure).splitlines() if line.strip()), type(failure).__name__)
+    if not loading:
+        return f"checkpoint {checkpoint_id}: {text}"
+    if isinstance(failure, FileNotFoundError):
+        return f"checkpoint {checkpoint_id}: its shard file {failure.filename or '(*.distcp)'} is missing"
+    reading = any(getattr(frame, "name", None) in ("read_data", "load_bytes") for frame in frames)
+    if reading or isinstance(failure, _DECODING_ERRORS) or "weights_only" in str(failure):
+        return (f"checkpoint {checkpoint_id}: a shard file (*.distcp) {_NOT_OURS} "
+                f"({type(failure).__name__} while reading it)")
+    return f"checkpoint {checkpoint_id}: {text}"
 
 
 def save(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: Sequence[Optimizer], *,
@@ -113,14 +140,34 @@ def save(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: 
     try:
         dcp.save(_merged(_per_part(parts, optimizers, saving=True), extra), checkpoint_id=checkpoint_id)
     except CheckpointException as error:
-        raise ValueError(f"checkpoint {checkpoint_id}: {_first_failure(error)}") from error
+        raise ValueError(_failure_message(checkpoint_id, error, loading=False)) from error
 
 
 def _saved_keys(checkpoint_id: str | PathLike) -> set[str]:
+    """The entries the checkpoint holds, from its metadata file: FileNotFoundError without one, ValueError
+    naming it when it cannot be read or is not DCP's."""
+    metadata_file = Path(checkpoint_id) / ".metadata"
     try:
-        return set(dcp.FileSystemReader(checkpoint_id).read_metadata().state_dict_metadata)
-    except FileNotFoundError as error:
+        metadata = dcp.FileSystemReader(checkpoint_id).read_metadata()
+    except (FileNotFoundError, NotADirectoryError) as error:
         raise FileNotFoundError(f"no checkpoint at {checkpoint_id}: {error}") from error
+    except OSError as error:
+        raise ValueError(f"checkpoint {checkpoint_id}: cannot read its metadata file {metadata_file}: "
+                         f"{error.strerror or type(error).__name__}") from error
+    except Exception as error:  # unpickling a damaged file raises whatever its bytes lead to
+        raise ValueError(f"checkpoint {checkpoint_id}: its metadata file {metadata_file} {_NOT_OURS}") from error
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict):
+        raise ValueError(f"checkpoint {checkpoint_id}: its metadata file {metadata_file} {_NOT_OURS} (it holds a "
+                         f"{type(metadata).__name__})")
+    return set(metadata.state_dict_metadata)
+
+
+def _dcp_load(state: dict[str, Any], checkpoint_id: str | PathLike, **kwargs) -> None:
+    """``dcp.load`` in place, a failure raised as ValueError naming the checkpoint."""
+    try:
+        dcp.load(state, checkpoint_id=checkpoint_id, **kwargs)
+    except CheckpointException as error:
+        raise ValueError(_failure_message(checkpoint_id, error, loading=True)) from error
 
 
 def _check_hyperparameters(optimizer: Optimizer, part: nn.Module, loaded: dict[str, Any], index: int) -> None:
@@ -149,10 +196,7 @@ def load(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: 
         for key in [k for k in optimizer_state if k.startswith("state.") and f"optimizer.{k}" not in saved]:
             del optimizer_state[key]
     state = _merged(per_part, extra)
-    try:
-        dcp.load(state, checkpoint_id=checkpoint_id)  # in place: each entry resharded from the saved shards
-    except CheckpointException as error:
-        raise ValueError(f"checkpoint {checkpoint_id}: {_first_failure(error)}") from error
+    _dcp_load(state, checkpoint_id)  # in place: each entry resharded from the saved shards
     for index, ((model, optimizer_state), part, optimizer) in enumerate(zip(per_part, parts, optimizers)):
         _check_hyperparameters(optimizer, part, {k: state["optimizer"][k] for k in optimizer_state}, index)
         model_state = {name: state["model"][name] for name in model}
@@ -164,6 +208,21 @@ def load(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: 
             optimizer.state.clear()
             _set_hyperparameters(optimizer, part, loaded)
     return state.get("extra")
+
+
+def load_extra(checkpoint_id: str | PathLike, extra: dict[str, Any]) -> dict[str, Any]:
+    """The saved values of ``extra``'s keys (``extra`` gives their structure; it is not changed), read without
+    a model or a process group: what a run needs before it builds them (the step it resumes at). Each process
+    that calls it reads on its own."""
+    if not isinstance(extra, dict):
+        raise TypeError(f"extra must be a dict, got {type(extra).__name__}")
+    _check_extra(extra)
+    _saved_keys(checkpoint_id)
+    state = {"extra": copy.deepcopy(extra)}
+    with warnings.catch_warnings():  # DCP warns that it reads in one process: what no_dist=True asks
+        warnings.filterwarnings("ignore", message="torch.distributed is .*single process")
+        _dcp_load(state, checkpoint_id, no_dist=True)
+    return state["extra"]
 
 
 def _set_hyperparameters(optimizer: Optimizer, part: nn.Module, loaded: dict[str, Any]) -> None:

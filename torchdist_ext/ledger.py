@@ -123,7 +123,19 @@ def backend(spec: str = "gloo") -> str:
                     for device, inner in parsed)
 
 
-def _group_of(group) -> dist.ProcessGroup:
+def _require_process_group(caller: str) -> None:
+    """Refuses to read or reset ledgers before this process has a default process group (the ledgers live in
+    its groups' backends)."""
+    if not (dist.is_available() and dist.is_initialized()):
+        raise RuntimeError(f"ledger.{caller}: no process group is initialised in this process; call "
+                           "torch.distributed.init_process_group(ledger.backend(...)) first")
+
+
+def _group_of(group, caller: str) -> dist.ProcessGroup:
+    if group is not None and not isinstance(group, (DeviceMesh, dist.ProcessGroup)):
+        raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None (the world), got "
+                        f"{type(group).__name__}")
+    _require_process_group(caller)
     if group is None:
         return dist.group.WORLD
     if isinstance(group, DeviceMesh):
@@ -131,9 +143,7 @@ def _group_of(group) -> dist.ProcessGroup:
             raise ValueError(f"group: a {group.ndim}-D mesh {group.mesh_dim_names} has several groups; pass a 1-D "
                              "mesh (mesh['tp']) or flatten it")
         return group.get_group()
-    if isinstance(group, dist.ProcessGroup):
-        return group
-    raise TypeError(f"group must be a ProcessGroup, a 1-D DeviceMesh or None (the world), got {type(group).__name__}")
+    return group
 
 
 def _ledgers(group: dist.ProcessGroup) -> list:
@@ -155,7 +165,7 @@ def _ledgers(group: dist.ProcessGroup) -> list:
 def read(group: Group | None = None) -> dict[str, OpTally]:
     """This rank's tallies per operation on ``group`` (a process group, a 1-D mesh, or None for the world)."""
     tallies: dict[str, OpTally] = {}
-    for ledger in _ledgers(_group_of(group)):
+    for ledger in _ledgers(_group_of(group, "read")):
         for op, values in _C.ledger_tallies(ledger).items():
             tallies[op] = tallies.get(op, OpTally()) + OpTally(*values)
     return tallies
@@ -171,6 +181,7 @@ def by_label(groups: Mapping[str, Group | Sequence[Group]], *, rest: str | None 
     (``{"cp": [mesh["ring"], mesh["ulysses"]], "dp": fsdp_mesh}``). A group given several labels is counted once,
     under the labels joined: ``"dp+ep"``. With ``rest``, every other counted group of this rank is summed under
     that label."""
+    _require_process_group("by_label")
     labels: dict[str, list[str]] = {}
     resolved: dict[str, dist.ProcessGroup] = {}
     if rest is not None:
@@ -179,7 +190,7 @@ def by_label(groups: Mapping[str, Group | Sequence[Group]], *, rest: str | None 
             resolved[pg.group_name] = pg
     for label, members in groups.items():
         for group in members if isinstance(members, (list, tuple)) else [members]:
-            pg = _group_of(group)
+            pg = _group_of(group, "by_label")
             if labels.get(pg.group_name) == [rest]:
                 del labels[pg.group_name]
             if label not in labels.setdefault(pg.group_name, []):
@@ -196,9 +207,10 @@ def by_label(groups: Mapping[str, Group | Sequence[Group]], *, rest: str | None 
 def reset(group: Group | None = None) -> None:
     """Empties the ledgers of ``group``, or of every counted group of this rank with None."""
     if group is not None:
-        for ledger in _ledgers(_group_of(group)):
+        for ledger in _ledgers(_group_of(group, "reset")):
             _C.ledger_reset(ledger)
         return
+    _require_process_group("reset")
     for pg in _counted_groups():
         for ledger in _ledgers(pg):
             _C.ledger_reset(ledger)
