@@ -121,6 +121,21 @@ def test_bad_arguments_end_with_one_line(capsys, argv, message):
     assert message in error, error
 
 
+@pytest.mark.parametrize("where", ["missing/x.png", "file.txt/x.png"], ids=["missing-dir", "file-as-dir"])
+def test_plot_into_a_missing_directory_is_refused_before_the_plan(tmp_path, capsys, where):
+    """One line, before the plan is computed or printed: no plan followed by a traceback."""
+    (tmp_path / "file.txt").write_text("not a directory")
+    path = tmp_path / where
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--plot", str(path)])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == ""
+    problem = "does not exist" if where.startswith("missing") else "is not a directory"
+    error = captured.err.strip().splitlines()[-1]
+    assert f"argument --plot: {path}: its directory {path.parent} {problem}" in error, captured.err
+    assert "Traceback" not in captured.err
+
+
 def test_search_is_bounded_on_a_huge_cluster(capsys):
     document = json.loads(run_cli(capsys, "--model", "llama3-8b", "--gpus", "16777216", "--global-batch",
                                   "16777216", "--top", "1", "--json"))

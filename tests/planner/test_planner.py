@@ -275,6 +275,26 @@ def test_layout_rejects_non_integers():
     assert math.isclose(Layout(tp=2, dp=2).num_gpus, 4)
 
 
+@pytest.mark.parametrize("make, error, message", [
+    (lambda: Layout(tp=2**70), ValueError,
+     r"Layout.tp=1180591620717411303424 is out of range: the planner holds it as a 64-bit integer"),
+    (lambda: Layout(seq_len=-2**63 - 1), ValueError, r"Layout.seq_len=-9223372036854775809 is out of range"),
+    (lambda: Layout(zero_stage=2**40), ValueError, r"Layout.zero_stage=1099511627776 is out of range: .* 32-bit"),
+    (lambda: Layout(expert_imbalance=10**400), ValueError, r"Layout.expert_imbalance=1000.* is out of range"),
+    (lambda: Layout(tp=True), TypeError, r"Layout.tp must be an int, got True"),
+    (lambda: Layout(sequence_parallel=1), TypeError, r"Layout.sequence_parallel must be a bool, got 1"),
+    (lambda: Layout(schedule=1), TypeError, r"Layout.schedule must be a str, got 1"),
+    (lambda: ModelSpec(2**70, 64, 4), ValueError, r"ModelSpec.num_layers=1180591620717411303424 is out of range"),
+    (lambda: ModelSpec(2, 64, 4, ffn_hidden=2**64), ValueError, r"ModelSpec.ffn_hidden=18446744073709551616 is out"),
+], ids=["tp-2**70", "seq-below-int64", "zero-stage-int32", "imbalance-double", "bool-int", "int-bool", "int-str",
+        "model-layers", "model-ffn"])
+def test_values_the_cpp_fields_cannot_hold_name_the_field(make, error, message):
+    """Checked in Python before the C++ struct's binding, which would refuse them without naming the field."""
+    with pytest.raises(error, match=message):
+        make()
+    assert Layout(tp=2**62).tp == 2**62  # the largest sizes C++ holds pass on to its own validation
+
+
 SMALL = dict(num_kv_heads=4, ffn_hidden=256, vocab_size=256)  # the main job's Llama (examples/llama.py)
 
 

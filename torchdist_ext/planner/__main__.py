@@ -19,6 +19,7 @@ import argparse
 import json
 import math
 import sys
+from pathlib import Path
 
 from torchdist_ext import _planner
 from torchdist_ext.planner import (
@@ -159,7 +160,10 @@ def _plot(path: str, entries, pp_layout: Layout | None) -> None:
         chunks = chunks_per_rank(schedule, pp_layout.virtual_stages)
         if chunks > 1:
             title += f", {chunks} chunks per rank"
-    plot_plan(path, entries, timeline, title)
+    try:
+        plot_plan(path, entries, timeline, title)
+    except OSError as error:  # main reports it in one line
+        raise ValueError(f"--plot {path}: cannot write it: {error.strerror or error}") from error
 
 
 def _lint_main(argv: list[str]) -> int:
@@ -180,12 +184,22 @@ def _lint_main(argv: list[str]) -> int:
     return 1 if findings else 0
 
 
+def _check_plot_path(parser: argparse.ArgumentParser, path: str) -> None:
+    """Refuses, before the plan is computed, a --plot file whose directory does not exist."""
+    directory = Path(path).parent
+    if not directory.is_dir():
+        problem = "is not a directory" if directory.exists() else "does not exist"
+        parser.error(f"argument --plot: {path}: its directory {directory} {problem}")
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv and argv[0] == "lint":
         return _lint_main(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
+    if args.plot is not None:
+        _check_plot_path(parser, args.plot)
     try:
         return _plan(args)
     except ValueError as error:  # a layout the planner refuses: one line, as argparse reports its own

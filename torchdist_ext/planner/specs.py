@@ -14,6 +14,31 @@ from torchdist_ext import _planner
 __all__ = ["ModelSpec", "GpuSpec", "ClusterSpec", "Layout", "MODEL_PRESETS", "GPU_PRESETS"]
 
 GiB = 2**30
+# The C++ width of the integer fields (csrc/planner/specs.h): int64_t, but Layout.zero_stage is an int.
+_INT_BITS = {"zero_stage": 32}
+
+
+def _cpp_int(owner: str, name: str, value) -> int:
+    """``value`` checked for the C++ integer field ``owner.name``: a Python int (not a bool) that the field's
+    width holds (the C++ validation then applies the field's own rule, such as positive)."""
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} must be an int, got {value!r}")
+    bits = _INT_BITS.get(name, 64) if owner == "Layout" else 64
+    low, high = -(2 ** (bits - 1)), 2 ** (bits - 1) - 1
+    if not low <= value <= high:
+        raise ValueError(f"{owner}.{name}={value} is out of range: the planner holds it as a {bits}-bit integer, "
+                         f"in [{low}, {high}]")
+    return value
+
+
+def _cpp_float(owner: str, name: str, value) -> float:
+    """``value`` checked for the C++ double field ``owner.name``: an int or float (not a bool) a double holds."""
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        raise TypeError(f"{owner}.{name} must be a number, got {value!r}")
+    try:
+        return float(value)
+    except OverflowError:
+        raise ValueError(f"{owner}.{name}={value} is out of range: the planner holds it as a double") from None
 
 
 @dataclass(frozen=True)
@@ -64,14 +89,12 @@ class ModelSpec:
         spec.name = self.name
         for key in ("num_layers", "hidden", "num_heads", "vocab_size", "num_experts", "experts_per_token",
                     "num_dense_layers", "num_shared_experts"):
+            setattr(spec, key, _cpp_int("ModelSpec", key, getattr(self, key)))
+        optional = {"num_kv_heads": self.num_heads, "ffn_hidden": 0, "moe_ffn_hidden": 0}  # None: this value
+        for key, default in optional.items():
             value = getattr(self, key)
-            if not isinstance(value, int) or isinstance(value, bool):
-                raise TypeError(f"ModelSpec.{key} must be an int, got {value!r}")
-            setattr(spec, key, value)
-        spec.num_kv_heads = self.num_kv_heads if self.num_kv_heads is not None else self.num_heads
-        spec.ffn_hidden = self.ffn_hidden or 0
-        spec.moe_ffn_hidden = self.moe_ffn_hidden or 0
-        spec.num_params = float(self.num_params or 0)
+            setattr(spec, key, default if value is None else _cpp_int("ModelSpec", key, value))
+        spec.num_params = 0.0 if self.num_params is None else _cpp_float("ModelSpec", "num_params", self.num_params)
         if not isinstance(self.fused_projections, bool):
             raise TypeError(f"ModelSpec.fused_projections must be a bool, got {self.fused_projections!r}")
         spec.fused_projections = self.fused_projections
@@ -219,15 +242,24 @@ class Layout:
     def to_cpp(self) -> _planner.Layout:
         spec = _planner.Layout()
         for f in dataclasses.fields(self):
-            value = getattr(self, f.name)
-            if f.type == "int" and (not isinstance(value, int) or isinstance(value, bool)):
-                raise TypeError(f"Layout.{f.name} must be an int, got {value!r}")
-            if f.type == "float" and (not isinstance(value, (int, float)) or isinstance(value, bool)):
-                raise TypeError(f"Layout.{f.name} must be a number, got {value!r}")
-            setattr(spec, f.name, value)
+            setattr(spec, f.name, _layout_value(f.name, f.type, getattr(self, f.name)))
         spec.validate()
         return spec
 
     @classmethod
     def from_cpp(cls, spec: _planner.Layout) -> "Layout":
         return cls(**{f.name: getattr(spec, f.name) for f in dataclasses.fields(cls)})
+
+
+def _layout_value(name: str, annotation: str, value):
+    """A Layout field's value checked against its type (and an integer against its C++ width) before it reaches
+    the C++ struct, whose binding would refuse it without naming the field."""
+    if annotation == "int":
+        return _cpp_int("Layout", name, value)
+    if annotation == "float":
+        return _cpp_float("Layout", name, value)
+    if annotation == "bool" and not isinstance(value, bool):
+        raise TypeError(f"Layout.{name} must be a bool, got {value!r}")
+    if annotation == "str" and not isinstance(value, str):
+        raise TypeError(f"Layout.{name} must be a str, got {value!r}")
+    return value
