@@ -119,30 +119,55 @@ PRECISION_POLICY = {"fp32": MixedPrecisionPolicy(),
                     "bf16": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32)}
 
 
+def counted_int(text: str, least: int) -> int:
+    """An integer of at least ``least`` from the command line; argparse turns the ArgumentTypeError into its
+    one-line usage error naming the flag."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {text!r}") from None
+    if value < least:
+        raise argparse.ArgumentTypeError(f"must be an integer >= {least}, got {value}")
+    return value
+
+
+def positive_int(text: str) -> int:
+    """argparse type of a size or count: an integer >= 1 (0 is refused, not read as the default)."""
+    return counted_int(text, 1)
+
+
+def non_negative_int(text: str) -> int:
+    """argparse type of a count where 0 means none (--experts 0: dense FFNs)."""
+    return counted_int(text, 0)
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--dp", type=int, default=None, help="data-parallel size (default: world size / tp)")
-    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    parser.add_argument("--cp", type=int, default=1, help="context-parallel size (sequence sharding)")
-    parser.add_argument("--pp", type=int, default=1, help="pipeline-parallel size (stages of transformer blocks)")
+    parser.add_argument("--dp", type=positive_int, default=None,
+                        help="data-parallel size (default: world size / (tp x cp x pp))")
+    parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel size")
+    parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel size (sequence sharding)")
+    parser.add_argument("--pp", type=positive_int, default=1,
+                        help="pipeline-parallel size (stages of transformer blocks)")
     parser.add_argument("--schedule", choices=SCHEDULES, default="1f1b", help="pipeline schedule (with --pp > 1)")
-    parser.add_argument("--microbatches", type=int, default=None,
+    parser.add_argument("--microbatches", type=positive_int, default=None,
                         help="micro-batches per step with --pp > 1 (default: pp); divides the batch per dp rank")
-    parser.add_argument("--virtual-stages", type=int, default=2, help="chunks per rank of interleaved-1f1b")
+    parser.add_argument("--virtual-stages", type=positive_int, default=2, help="chunks per rank of interleaved-1f1b")
     parser.add_argument("--recompute", choices=RECOMPUTE_MODES, default="none",
                         help="activation recompute of every block: selective keeps the outputs of the "
                              "communicating ops and GEMMs, full only the block's input")
     parser.add_argument("--timeline", type=Path, default=None,
                         help="with --pp > 1: write the last step's pipeline timeline PNG here")
     parser.add_argument("--cp-method", choices=("ring", "ulysses", "hybrid"), default="ring")
-    parser.add_argument("--cp-ulysses", type=int, default=2,
+    parser.add_argument("--cp-ulysses", type=positive_int, default=2,
                         help="with --cp-method hybrid: the Ulysses degree inside (the ring gets cp / this)")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                         help="replicate activations between blocks instead of sharding them along the sequence")
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
-    parser.add_argument("--seq", type=int, default=128, help="tokens per sequence")
-    parser.add_argument("--grad-accum", type=int, default=1,
+    parser.add_argument("--steps", type=positive_int, default=50,
+                        help="train up to this step (counted from the start of the run, --resume included)")
+    parser.add_argument("--batch", type=positive_int, default=8, help="global batch (sequences per step)")
+    parser.add_argument("--seq", type=positive_int, default=128, help="tokens per sequence")
+    parser.add_argument("--grad-accum", type=positive_int, default=1,
                         help="micro-steps per step: each rank's rows in this many forward/backward passes, FSDP2 "
                              "reducing the gradients once, after the last (set_requires_gradient_sync)")
     parser.add_argument("--lr", type=float, default=3e-3)
@@ -156,9 +181,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                           help="FSDP2 mixed precision: bf16 parameters and activations, fp32 gradient reduction "
                                "(the default with --device cuda)")
     numerics.add_argument("--fp32", action="store_true", help="fp32 throughout (the default on the CPU)")
-    parser.add_argument("--experts", type=int, default=0, help="experts per MoE FFN (0: dense FFNs)")
-    parser.add_argument("--top-k", type=int, default=2, help="experts per token")
-    parser.add_argument("--ep", type=int, default=1, help="expert-parallel size, dividing dp x cp")
+    parser.add_argument("--experts", type=non_negative_int, default=0, help="experts per MoE FFN (0: dense FFNs)")
+    parser.add_argument("--top-k", type=positive_int, default=2, help="experts per token")
+    parser.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size, dividing dp x cp")
     parser.add_argument("--capacity-factor", type=float, default=None, help="drop slots past this capacity")
     parser.add_argument("--aux-loss-coef", type=float, default=0.01, help="load-balancing loss weight")
     parser.add_argument("--fp8", choices=("delayed", "current"), default=None,
@@ -189,8 +214,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     if args.fp8_all_gather and args.fp8 != "delayed":
         parser.error(f"--fp8-all-gather needs --fp8 delayed (every rank casts its shard with the shared delayed "
                      f"scale), got --fp8 {args.fp8}")
-    if args.grad_accum < 1:
-        parser.error(f"--grad-accum must be at least 1, got {args.grad_accum}")
     if args.grad_accum > 1 and args.pp > 1:
         parser.error("--grad-accum with --pp: the pipeline's --microbatches already accumulate; use those")
     if args.check and args.resume is not None:
@@ -203,9 +226,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(f"--ledger sets the run beside the planner, whose expert-parallel ranks are data-parallel "
                      f"ranks: --ep {args.ep} must divide dp={dp} (here ep spans cp ranks, which the planner does "
                      f"not model)")
+    if args.resume is not None:
+        check_resumed_step(parser, args)
     if args.check_tolerance is None:
         args.check_tolerance = CHECK_TOLERANCE[check_tolerance_key(args)]
     return args
+
+
+def check_resumed_step(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    """Refuses (before any process group) a --resume checkpoint that cannot be read, and a --steps below the step
+    it was saved at: --steps counts from the start of the run, so such a run would train no step."""
+    try:
+        saved = checkpoint.load_extra(args.resume, {"step": 0})["step"]
+    except (FileNotFoundError, ValueError) as error:
+        parser.error(f"--resume {args.resume}: {error}")
+    if args.steps < saved:
+        parser.error(f"--steps {args.steps} is smaller than step {saved}, where the checkpoint --resume {args.resume} "
+                     f"was saved: --steps counts from the start of the run, so give --steps {saved} or more")
 
 
 def planner_model(args) -> ModelSpec:
@@ -225,6 +262,7 @@ def layout_refusals(args, world_size: int) -> list[str]:
     try:
         dp, ring, ulysses = data_and_context_split(args, world_size)
         check_layout(LlamaConfig(), args.tp)
+        check_pipeline_stages(args, LlamaConfig().num_layers)
         check_expert_parallel(args, dp * ring * ulysses)
     except ValueError as error:
         return [str(error)]
@@ -308,6 +346,18 @@ def build_model(args, device: torch.device) -> Llama:
     return Llama(config).to(device)
 
 
+def check_pipeline_stages(args, num_layers: int) -> None:
+    """With --pp, the schedule's stages (pp x its chunks per rank) must split the model's blocks into equal
+    groups (``pipeline_stages``, ``partition_layers``)."""
+    if args.pp == 1:
+        return
+    stages = num_stages(args.schedule, args.pp, virtual_stages(args))
+    if num_layers % stages:
+        raise ValueError(f"--pp {args.pp} with --schedule {args.schedule} makes {stages} pipeline stages "
+                         f"({stages // args.pp} per rank): num_layers={num_layers} must be divisible by "
+                         f"num_stages={stages}")
+
+
 def check_expert_parallel(args, ranks: int) -> None:
     """--ep must divide the dp x cp ``ranks`` and --experts."""
     if args.experts and (ranks % args.ep or args.experts % args.ep):
@@ -375,7 +425,8 @@ def context_parallel_plan(args, mesh):
 
 
 def microbatches(args) -> int:
-    return args.microbatches or args.pp
+    """--microbatches, or pp when it is not given (parse_args refuses an explicit 0)."""
+    return args.pp if args.microbatches is None else args.microbatches
 
 
 def virtual_stages(args) -> int:
@@ -420,8 +471,12 @@ def report_bubble(args, pipe: Pipeline, kept: list[list], rank: int) -> tuple[fl
 def data_and_context_split(args, world_size: int) -> tuple[int, int, int]:
     """(dp, ring ranks, Ulysses ranks), checked against the world size and the batch."""
     ring, ulysses = context_parallel_split(args)
-    dp = args.dp or world_size // (args.tp * args.cp * args.pp)
-    if dp * args.cp * args.tp * args.pp != world_size:
+    others = args.tp * args.cp * args.pp
+    if args.dp is None and world_size % others:
+        raise ValueError(f"--cp {args.cp} x --tp {args.tp} x --pp {args.pp} = {others} must divide the world size "
+                         f"{world_size} (dp takes the rest)")
+    dp = world_size // others if args.dp is None else args.dp
+    if dp * others != world_size:
         raise ValueError(f"--dp {dp} x --cp {args.cp} x --tp {args.tp} x --pp {args.pp} must equal the world size "
                          f"{world_size}")
     if args.batch % dp:

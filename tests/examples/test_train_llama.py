@@ -245,18 +245,73 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
     (("--dp", "1", "--cp", "2", "--experts", "4", "--ep", "2", "--ledger"),
      "--ledger sets the run beside the planner, whose expert-parallel ranks are data-parallel ranks: --ep 2 must "
      "divide dp=1 (here ep spans cp ranks, which the planner does not model)"),
+    (("--pp", "4", "--tp", "1", "--schedule", "zb-v"),
+     "--pp 4 with --schedule zb-v makes 8 pipeline stages (2 per rank): num_layers=4 must be divisible by "
+     "num_stages=8"),
+    (("--tp", "8"), "--cp 1 x --tp 8 x --pp 1 = 8 must divide the world size 4 (dp takes the rest)"),
 ], ids=["batch", "interleaved", "sequence-parallel", "experts", "world", "grad-accum", "grad-accum-pp",
-        "ledger-ep-over-cp"])
+        "ledger-ep-over-cp", "stages-over-layers", "world-without-dp"])
 def test_a_layout_that_cannot_run_is_refused_before_any_process_group(flags, message, monkeypatch, capsys):
     """The main job's argument parsing, in this process with WORLD_SIZE=4 and no process group: the refusal
     comes before any group is built, with the planner's finding code where the planner sees the problem."""
+    assert_refused(flags, message, monkeypatch, capsys)
+
+
+def assert_refused(flags: tuple[str, ...], message: str, monkeypatch, capsys) -> None:
+    """The main job's parse_args, in this process with WORLD_SIZE=4 and no process group, ends with argparse's
+    one-line error (exit status 2) holding ``message``."""
     monkeypatch.syspath_prepend(str(ROOT / "examples"))
     monkeypatch.setenv("WORLD_SIZE", "4")
     from train_llama import parse_args
 
     with pytest.raises(SystemExit) as exit_info:
         parse_args(list(flags))
-    assert exit_info.value.code == 2 and message in capsys.readouterr().err
+    error = capsys.readouterr().err
+    assert exit_info.value.code == 2 and message in error, error
+    assert "Traceback" not in error
+
+
+@pytest.mark.parametrize("flag, value", [
+    ("--tp", "0"), ("--pp", "0"), ("--cp", "0"), ("--dp", "0"), ("--microbatches", "0"), ("--microbatches", "-1"),
+    ("--cp-ulysses", "0"), ("--virtual-stages", "0"), ("--ep", "0"), ("--steps", "0"), ("--batch", "-8"),
+    ("--grad-accum", "0"), ("--tp", "two"),
+])
+def test_a_size_below_one_is_refused_naming_its_flag(flag, value, monkeypatch, capsys):
+    """Not divided by (ZeroDivisionError), nor read as the default (--dp 0, --microbatches 0), nor passed on to
+    the planner's figures (--microbatches -1 as a negative micro-batch)."""
+    got = repr(value) if not value.lstrip("-").isdigit() else value
+    assert_refused((flag, value), f"argument {flag}: must be an integer >= 1, got {got}", monkeypatch, capsys)
+
+
+def test_experts_may_be_zero_but_not_negative(monkeypatch, capsys):
+    monkeypatch.syspath_prepend(str(ROOT / "examples"))
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    from train_llama import parse_args
+
+    assert parse_args(["--experts", "0"]).experts == 0
+    assert_refused(("--experts", "-1"), "argument --experts: must be an integer >= 0, got -1", monkeypatch, capsys)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+def test_steps_below_the_resumed_step_are_refused_before_any_process_group(tmp_path, monkeypatch, capsys):
+    """--steps counts from the start of the run: below the checkpoint's step the run would train nothing. The
+    step is read from the checkpoint before any group is built (checkpoint.load_extra)."""
+    from torchdist_ext import checkpoint
+
+    layer = torch.nn.Linear(2, 2)
+    checkpoint.save(tmp_path / "ckpt", [layer], [torch.optim.AdamW(layer.parameters())], extra={"step": 5})
+    resume = ("--resume", str(tmp_path / "ckpt"))
+    assert_refused((*resume, "--steps", "3"), f"--steps 3 is smaller than step 5, where the checkpoint --resume "
+                   f"{tmp_path / 'ckpt'} was saved: --steps counts from the start of the run, so give --steps 5 "
+                   "or more", monkeypatch, capsys)
+    from train_llama import parse_args
+
+    assert parse_args([*resume, "--steps", "5"]).steps == 5
+    assert_refused(("--resume", str(tmp_path / "missing")), f"--resume {tmp_path / 'missing'}: no checkpoint at",
+                   monkeypatch, capsys)
+    (tmp_path / "ckpt" / ".metadata").write_bytes(b"garbage")
+    assert_refused(resume, f"--resume {tmp_path / 'ckpt'}: checkpoint {tmp_path / 'ckpt'}: its metadata file",
+                   monkeypatch, capsys)
 
 
 def test_device_cuda_without_a_gpu_says_so():
