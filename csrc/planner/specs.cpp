@@ -3,6 +3,10 @@
 #include <algorithm>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
+#include <vector>
+
+#include "planner/pipeline.h"
 
 namespace tdx::planner {
 namespace {
@@ -170,6 +174,18 @@ void Layout::validate() const {
     invalid("Layout.virtual_stages=" + str(virtual_stages) + " needs schedule='interleaved-1f1b', got '" +
             option_name(schedule) + "'");
   }
+  // The products the estimates form must fit their int64 (the counts are real, the sizes plausible).
+  for (const auto& [what, factors] :
+       {std::pair<const char*, std::vector<int64_t>>{"tp x pp x dp x cp x ep", {tp, pp, dp, cp, ep}},
+        {"micro_batch x num_microbatches x seq_len x dp", {micro_batch, num_microbatches, seq_len, dp}},
+        {"pp x virtual_stages x 2", {pp, virtual_stages, 2}}}) {
+    int64_t product = 1;
+    for (const int64_t factor : factors) {
+      if (__builtin_mul_overflow(product, factor, &product)) {
+        invalid(std::string("Layout: ") + what + " overflows a 64-bit integer: the sizes are out of range");
+      }
+    }
+  }
 }
 
 std::vector<std::string> Layout::problems_for(const ModelSpec& model, const ClusterSpec& cluster) const {
@@ -182,9 +198,10 @@ std::vector<std::string> Layout::problems_for(const ModelSpec& model, const Clus
   if (model.num_heads % tp) {
     problems.push_back("Layout.tp=" + str(tp) + " must divide ModelSpec.num_heads=" + str(model.num_heads));
   }
-  if (pp * virtual_stages > model.num_layers) {
-    problems.push_back("Layout: pp x virtual_stages = " + str(pp * virtual_stages) +
-                       " must not exceed ModelSpec.num_layers=" + str(model.num_layers));
+  const int64_t stages = pp * chunks_per_rank(schedule, virtual_stages);
+  if (stages > model.num_layers) {
+    problems.push_back(std::string("Layout: pp x stages per rank (") + option_name(schedule) + ") = " + str(stages) +
+                       " pipeline stages must not exceed ModelSpec.num_layers=" + str(model.num_layers));
   }
   if (model.num_experts % ep) {
     problems.push_back("Layout.ep=" + str(ep) + " must divide ModelSpec.num_experts=" + str(model.num_experts));

@@ -390,3 +390,21 @@ def test_fp32_training_states_are_sixteen_bytes_per_parameter():
     fp32, bf16 = small_estimate(dataclasses.replace(layout, precision="fp32")), small_estimate(layout)
     # The 16-bit activations double; the fp32 statistics (1/rms, log-sum-exp) do not.
     assert 1.5 * bf16.activations < fp32.activations < 2 * bf16.activations
+
+
+def test_zero_bubble_v_counts_two_stages_per_rank_against_the_layers():
+    """zb-v puts two stages on each rank: pp=4 needs 8 layers (the main job's 4 cannot split; 4 x 2 > 4)."""
+    model, cluster = ModelSpec(4, 128, 8, **SMALL), ClusterSpec.preset("h100-80gb", 4)
+    findings = check(model, cluster, Layout(pp=4, schedule="zb-v", num_microbatches=8))
+    assert [(f.code, f.message.split(":")[0]) for f in findings] == [("TDX008", "Layout")]
+    assert "pp x stages per rank (zb-v) = 8 pipeline stages must not exceed ModelSpec.num_layers=4" in findings[0].message
+    assert check(model, cluster, Layout(pp=2, dp=2, schedule="zb-v", num_microbatches=8)) == []
+
+
+@pytest.mark.parametrize("sizes, product", [
+    (dict(tp=2**62, pp=4), "tp x pp x dp x cp x ep"),
+    (dict(micro_batch=2**40, seq_len=2**30), "micro_batch x num_microbatches x seq_len x dp"),
+], ids=["world", "tokens"])
+def test_sizes_whose_product_overflows_are_refused(sizes, product):
+    with pytest.raises(ValueError, match=rf"Layout: {product} overflows a 64-bit integer"):
+        Layout(**sizes)
