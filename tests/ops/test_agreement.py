@@ -67,13 +67,21 @@ def test_a_rank_that_refuses_its_input_stops_every_rank(world2):
 
 
 def other_ops(op: str) -> str:
-    """Rank 0 passes float32, rank 1 bfloat16 (or another expert count) to ``op``."""
+    """Rank 0 passes float16, rank 1 bfloat16 (same size: the bytes would be reinterpreted), or another shape,
+    row count or expert count, to ``op``."""
     name = dist.group.WORLD.group_name
     rank = dist.get_rank()
-    dtype = torch.float32 if rank == 0 else torch.bfloat16
+    dtype = torch.float16 if rank == 0 else torch.bfloat16
     x = torch.randn(1, 2, 4, 8, dtype=dtype)
     if op == "ulysses":
         return raised_on_every_rank(lambda: torch.ops.tdx.all_to_all_seq_to_heads(x, name, "contiguous"))
+    if op == "ulysses-shape":
+        y = torch.randn(1, 2, 4 if rank == 0 else 2, 8)
+        return raised_on_every_rank(lambda: torch.ops.tdx.all_to_all_seq_to_heads(y, name, "contiguous"))
+    if op == "cross_entropy":
+        rows = 3 if rank == 0 else 5
+        return raised_on_every_rank(lambda: torch.ops.tdx.vocab_parallel_cross_entropy_fwd(
+            torch.randn(rows, 8), torch.zeros(rows, dtype=torch.long), 8 * rank, 16, -100, name))
     if op == "all_gather_matmul":
         return raised_on_every_rank(
             lambda: torch.ops.tdx.all_gather_matmul(x[0, 0], torch.randn(4, 8, dtype=dtype), name, 0, False))
@@ -92,7 +100,11 @@ def other_ops(op: str) -> str:
     "op, message",
     [
         ("ulysses", r"all_to_all_seq_to_heads: the ranks of the group must agree on x: rank \d has "
-                    r"(Float|BFloat16) \[1, 2, 4, 8\]"),
+                    r"(Half|BFloat16) \[1, 2, 4, 8\], rank \d has (BFloat16|Half)"),
+        ("ulysses-shape", r"all_to_all_seq_to_heads: the ranks of the group must agree on x: rank \d has "
+                          r"Float \[1, 2, [42], 8\], rank \d has Float \[1, 2, [24], 8\]"),
+        ("cross_entropy", r"vocab_parallel_cross_entropy_fwd: the ranks of the group must agree on target: "
+                          r"rank \d has Long \[[35]\], rank \d has Long \[[53]\]"),
         ("all_gather_matmul", r"all_gather_matmul: the ranks of the group must agree on x"),
         ("matmul_reduce_scatter", r"matmul_reduce_scatter: the ranks of the group must agree on weight: "
                                   r"rank \d has Float \[(4|6), 8\]"),
