@@ -14,6 +14,7 @@ from collections.abc import Callable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchdist_ext import _C
 
@@ -45,46 +46,65 @@ def _collective_device(group: dist.ProcessGroup) -> str:
         return f"cuda:{torch.cuda.current_device()}"
 
 
-def check_agreement(group: dist.ProcessGroup | None, op: str,
+def check_agreement(group: dist.ProcessGroup | str | None, op: str,
                     fields: Mapping[str, object] | Callable[[], Mapping[str, object]],
                     validate: Callable[[], None] | None = None) -> None:
     """Runs ``validate`` (this rank's checks of its own arguments), then makes sure that every rank of
-    ``group`` passed its checks and passes equal ``fields`` (each value compared as its ``repr``). Raises on
-    every rank otherwise: this rank's own exception as it was, another rank's ``ValueError`` / ``TypeError`` /
-    ``RuntimeError`` with that rank's message, or a ``ValueError`` naming the first field two ranks disagree
-    on and both values. Without a process group, or on a group of one rank, only ``validate`` runs.
+    ``group`` passed its checks and passes equal ``fields``. Raises on every rank otherwise: this rank's own
+    exception as it was; another rank's ``ValueError`` / ``TypeError`` (or a ``RuntimeError`` for any other
+    exception) with that rank's message; or a ``ValueError`` naming the first field two ranks disagree on and
+    both values. Without torch.distributed initialised, or on a group of one rank, only ``validate`` runs.
 
     Args:
-        group: the process group whose ranks make the call together.
+        group: the process group whose ranks make the call together, or its registered name (None: the
+            default group).
         op: the call's name, for messages (e.g. "MoE").
-        fields: name -> value, in a fixed order; names hold no "=" or newline. Or a function returning them,
-            called after ``validate`` has passed (for fields that only checked arguments can give).
-        validate: raises ``ValueError`` / ``TypeError`` / ``RuntimeError`` for arguments this rank refuses.
+        fields: name -> value, in a fixed order; names hold no "=" or newline. A tensor is compared by dtype
+            and shape, anything else by its ``repr``. Or a function returning them, called after ``validate``
+            (an exception it raises counts as this rank's refusal).
+        validate: raises for arguments this rank refuses.
     """
     own: Exception | None = None
-    if validate is not None:
-        try:
+    try:
+        if validate is not None:
             validate()
-        except (ValueError, TypeError, RuntimeError) as error:
-            own = error
-    if group is None or not dist.is_initialized() or dist.get_world_size(group) < 2:
+        if callable(fields):
+            fields = fields()
+        text = _fields_text(op, fields)
+    except Exception as error:  # noqa: BLE001 - every rank must learn of any refusal
+        own, text = error, ""
+    if isinstance(group, str):
+        group = _resolve_process_group(group)
+    if not dist.is_initialized() or dist.get_world_size(group) < 2:
         if own is not None:
             raise own
         return
-    if callable(fields):
-        fields = {} if own is not None else fields()
-    text = "".join(f"{name}={value!r}".replace("\n", " ") + "\n" for name, value in fields.items())
+    group = dist.group.WORLD if group is None else group
+    message = "" if own is None else str(own) if isinstance(own, (ValueError, TypeError, RuntimeError)) else (
+        f"{type(own).__name__}: {own}")
     try:
-        _C.check_agreement(group.group_name, _collective_device(group), op, text, _error_kind(own),
-                           "" if own is None else str(own))
+        _C.check_agreement(group.group_name, _collective_device(group), op, text, _error_kind(own), message)
     except (ValueError, TypeError, RuntimeError):
         if own is not None:  # this rank's own exception, with its traceback
             raise own from None
         raise
 
 
+def _fields_text(op: str, fields: Mapping[str, object]) -> str:
+    """One "name=value" line per field (a tensor's value: its dtype and shape; else its repr, one line)."""
+    lines = []
+    for name, value in fields.items():
+        if not isinstance(name, str) or "=" in name or "\n" in name:
+            raise ValueError(f"check_agreement({op!r}): field names must be strings without '=' or newlines, "
+                             f"got {name!r}")
+        shown = f"{value.dtype} {tuple(value.shape)}" if isinstance(value, torch.Tensor) else repr(value)
+        lines.append(f"{name}={shown}".replace("\n", "\\n") + "\n")
+    return "".join(lines)
+
+
 def _error_kind(error: Exception | None) -> int:
-    """The native check's code for an error: 0 none, 1 RuntimeError, 2 ValueError, 3 TypeError."""
+    """The native check's code for an error: 0 none, 1 RuntimeError (and any other type), 2 ValueError,
+    3 TypeError."""
     if error is None:
         return 0
     return 2 if isinstance(error, ValueError) else 3 if isinstance(error, TypeError) else 1

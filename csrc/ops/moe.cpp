@@ -272,16 +272,20 @@ void check_slots(const char* op, const at::Tensor& positions, const std::optiona
   }
 }
 
-// Under index checks: every position names a row of `rows` rows, or none (-1, or moe_permute's kInvalidSlot).
-void check_positions(const char* op, const at::Tensor& positions, int64_t rows) {
-  if (!index_checks_enabled() || positions.numel() == 0) return;
-  const auto bad = (positions < kernels::kInvalidSlot) | (positions >= rows);
-  if (!bad.any().item<bool>()) return;
+// Every position names a row of `rows` rows, none (-1), or moe_permute's kInvalidSlot (a slot whose expert
+// id was out of range with index checks off: its row comes out NaN). Under index checks another one raises;
+// without them it becomes kInvalidSlot as well, never a read out of bounds.
+at::Tensor checked_positions(const char* op, const at::Tensor& positions, int64_t rows) {
+  if (positions.numel() == 0) return positions;
+  const auto bad = ((positions < -1) & (positions != kernels::kInvalidSlot)) | (positions >= rows);
+  if (!index_checks_enabled()) return at::where(bad, kernels::kInvalidSlot, positions);
+  if (!bad.any().item<bool>()) return positions;
   const int64_t at = bad.reshape(-1).nonzero()[0][0].item<int64_t>();
   TORCH_CHECK_VALUE(
-      false, op, ": every position must name a row of sorted (0 <= position < ", rows, ") or be -1 (none); ",
+      false, op, ": every position must name a row of sorted (0 <= position < ", rows, ") or be -1 (none) or ",
+      kernels::kInvalidSlot, " (moe_permute's invalid slot); ",
       "positions (flattened) [", at, "] = ", positions.reshape(-1)[at].item<int64_t>(),
-      " (torchdist_ext.set_index_checks(False) skips this check)");
+      " (torchdist_ext.set_index_checks(False) skips this check: such rows then come out NaN)");
 }
 
 kernels::SlotRows slot_rows(const char* op, const at::Tensor& rows_like, const at::Tensor& positions,
@@ -368,9 +372,8 @@ at::Tensor moe_unpermute(const at::Tensor& sorted, const at::Tensor& positions,
   element_type(kUnpermute, sorted.scalar_type());
   check_slots(kUnpermute, positions, weights, sorted);
   const auto rows = sorted.reshape({-1, sorted.size(-1)}).contiguous();
-  check_positions(kUnpermute, positions, rows.size(0));
   const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
-  const auto slots = positions.contiguous();
+  const auto slots = checked_positions(kUnpermute, positions, rows.size(0)).contiguous();
   auto y = at::empty({positions.size(0), rows.size(1)}, sorted.options());
   const kernels::GatherSumRowsArgs args{slot_rows(kUnpermute, rows, slots, w), rows.data_ptr(), y.data_ptr()};
   launch(kernels_for<MoeKernels>(kUnpermute, sorted.device()).gather_sum_rows, args, sorted.device(),
@@ -389,8 +392,8 @@ std::tuple<at::Tensor, at::Tensor> moe_unpermute_bwd(const at::Tensor& grad, con
   check_slots(kUnpermuteBwd, positions, weights, grad);
   const auto g = grad.contiguous();
   const auto rows = sorted.contiguous();  // its leading dims are rows (sorted may be [experts, capacity, dim])
-  check_positions(kUnpermuteBwd, positions, rows.numel() / std::max<int64_t>(1, rows.size(-1)));
-  const auto slots = positions.contiguous();
+  const int64_t sorted_rows = c10::multiply_integers(rows.sizes().slice(0, rows.dim() - 1));
+  const auto slots = checked_positions(kUnpermuteBwd, positions, sorted_rows).contiguous();
   const auto w = weights.has_value() ? weights->contiguous() : at::Tensor();
   const auto& table = kernels_for<MoeKernels>(kUnpermuteBwd, grad.device());
   const int64_t grain = row_grain(grad.size(1));

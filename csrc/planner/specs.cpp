@@ -180,10 +180,15 @@ void Layout::validate() const {
         {"micro_batch x num_microbatches x seq_len x dp", {micro_batch, num_microbatches, seq_len, dp}},
         {"pp x virtual_stages x 2", {pp, virtual_stages, 2}}}) {
     int64_t product = 1;
+    std::string values;
+    bool overflows = false;
     for (const int64_t factor : factors) {
-      if (__builtin_mul_overflow(product, factor, &product)) {
-        invalid(std::string("Layout: ") + what + " overflows a 64-bit integer: the sizes are out of range");
-      }
+      values += (values.empty() ? "" : " x ") + str(factor);
+      overflows |= __builtin_mul_overflow(product, factor, &product);
+    }
+    if (overflows) {
+      invalid(std::string("Layout: ") + what + " = " + values + " overflows a 64-bit integer: the sizes are out " +
+              "of range");
     }
   }
 }

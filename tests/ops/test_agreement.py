@@ -16,7 +16,7 @@ def raised_on_every_rank(call) -> str:
     """Runs ``call`` on this rank; returns "TypeName: message" of what it raised (fails if nothing)."""
     try:
         call()
-    except (ValueError, TypeError, RuntimeError) as error:
+    except Exception as error:  # noqa: BLE001 - the type is part of what is checked
         return f"{type(error).__name__}: {error}"
     raise AssertionError("nothing was raised")
 
@@ -136,6 +136,56 @@ def test_python_layers_check_their_fields_and_share_a_refusal(world2):
     assert texts[0] == "TypeError: width must be an int, got 'x'"
     assert texts[1] == ("TypeError: Layer: rank 0 of the group refused its input, so every rank stops: "
                         "width must be an int, got 'x'")
+
+
+class ProbeError(Exception):
+    """An exception type the check does not know."""
+
+
+def refusals_of_any_kind(kind: str) -> str:
+    """Rank 1 alone refuses: its validate (or its fields function) raises ``kind``."""
+    def fail():
+        if dist.get_rank() == 1:
+            errors = {"key": KeyError("width"), "custom": ProbeError("bad width"), "fields": ValueError("no fields")}
+            raise errors[kind]
+
+    if kind == "fields":
+        return raised_on_every_rank(lambda: check_agreement(None, "Layer", lambda: (fail(), {"a": 1})[1]))
+    return raised_on_every_rank(lambda: check_agreement(None, "Layer", {"a": 1}, fail))
+
+
+def test_any_exception_on_one_rank_reaches_every_rank(world2):
+    assert world2.run(refusals_of_any_kind, "key")[0] == ("RuntimeError: Layer: rank 1 of the group refused its "
+                                                          "input, so every rank stops: KeyError: 'width'")
+    assert world2.run(refusals_of_any_kind, "custom")[0].endswith("every rank stops: ProbeError: bad width")
+
+
+def test_an_exception_of_the_fields_function_is_a_refusal(world2):
+    assert world2.run(refusals_of_any_kind, "fields") == [
+        "ValueError: Layer: rank 1 of the group refused its input, so every rank stops: no fields",
+        "ValueError: no fields"]
+
+
+def tensor_fields(differ: bool) -> str:
+    t = torch.arange(2000)
+    if differ and dist.get_rank() == 1:
+        t = torch.arange(2001)
+    try:
+        check_agreement(None, "Layer", {"w": t})
+    except ValueError as error:
+        return str(error)
+    return "agreed"
+
+
+def test_tensors_are_compared_by_dtype_and_shape(world2):
+    assert world2.run(tensor_fields, False) == ["agreed", "agreed"]
+    assert world2.run(tensor_fields, True)[0].startswith(
+        "Layer: the ranks of the group must agree on w: rank 0 has torch.int64 (2000,), rank 1 has torch.int64 (2001,)")
+
+
+def test_field_names_must_not_hold_separators():
+    with pytest.raises(ValueError, match=r"field names must be strings without '=' or newlines, got 'a=b'"):
+        check_agreement(None, "Layer", {"a=b": 1})
 
 
 def test_agreement_checks_switch():

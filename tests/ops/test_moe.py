@@ -274,8 +274,23 @@ def test_unpermute_refuses_positions_out_of_range():
         for call in (lambda: moe_unpermute(sorted_rows, positions, weights),
                      lambda: torch.ops.tdx.moe_unpermute_bwd(torch.randn(2, D), sorted_rows, positions, weights)):
             with pytest.raises(ValueError, match=rf"every position must name a row of sorted \(0 <= position < 8\) "
-                                                 rf"or be -1 \(none\); positions \(flattened\) \[3\] = {position}"):
+                                                 rf"or be -1 \(none\) or -2 \(moe_permute's invalid slot\); "
+                                                 rf"positions \(flattened\) \[3\] = {position}"):
                 call()
+
+
+def test_unchecked_positions_out_of_range_give_nan_rows_not_reads_out_of_bounds():
+    sorted_rows, weights = torch.randn(8, D), torch.ones(3, 2)
+    positions = torch.tensor([[0, 1], [2, 8], [3, 10**12]])
+    previous = torchdist_ext.set_index_checks(False)
+    try:
+        y = moe_unpermute(sorted_rows, positions, weights)
+        grad_sorted, grad_weights = torch.ops.tdx.moe_unpermute_bwd(torch.ones(3, D), sorted_rows, positions, weights)
+    finally:
+        torchdist_ext.set_index_checks(previous)
+    assert y[1:].isnan().all() and torch.equal(y[0], sorted_rows[0] + sorted_rows[1])
+    assert grad_weights[1:, 1].isnan().all() and not grad_weights[:, 0].isnan().any()
+    assert torch.equal(grad_sorted[4:], torch.zeros(4, D))  # nothing written for the bad slots
 
 
 def rows_past_rows_per_rank(checks: bool):

@@ -12,6 +12,7 @@ from torchdist_ext.parallel import (
     VocabParallelEmbedding,
     hybrid_attention,
     ring_attention,
+    ulysses_attention,
     unshard_sequence,
     vocab_parallel_cross_entropy,
 )
@@ -201,6 +202,37 @@ def test_a_bad_id_on_one_rank_stops_every_rank(world2):
     rank0, rank1 = world2.run(bad_id_on_one_rank)
     assert rank1.startswith("input ids must lie in [0, num_embeddings=32); input (flattened)[1] = 40")
     assert rank0 == f"VocabParallelEmbedding: rank 1 of the group refused its input, so every rank stops: {rank1}"
+
+
+def context_attention_that_disagrees(function: str, field: str) -> str:
+    """Rank 0 (and in the hybrid, every even rank) passes another ``field`` than its Ulysses peer."""
+    first = dist.get_rank() % 2 == 0
+    value = {"causal": first, "scale": 0.5 if first else 0.25,
+             "document_ids": torch.zeros(1, 4, dtype=torch.long) if first else None}[field]
+    q = torch.randn(1, 4, 4, 8)
+    if function == "ulysses":
+        call = lambda: ulysses_attention(q, q, q, cp_mesh=tp(), **{field: value})  # noqa: E731
+    else:
+        mesh = cached_mesh((2, 2), ("ring", "ulysses"))
+        call = lambda: hybrid_attention(q, q, q, cp_mesh=mesh, **{field: value})  # noqa: E731
+    try:
+        call()
+    except ValueError as error:
+        return str(error)
+
+
+@pytest.mark.parametrize("field, values", [("causal", ("True", "False")), ("scale", ("0.5", "0.25")),
+                                           ("document_ids", ("torch.int64 (1, 4)", "None"))])
+def test_ulysses_ranks_that_disagree_are_refused(world2, field, values):
+    for rank, text in enumerate(world2.run(context_attention_that_disagrees, "ulysses", field)):
+        mine, theirs = values if rank == 0 else values[::-1]
+        assert text.startswith(f"ulysses_attention: the ranks of the group must agree on {field}: rank {rank} has "
+                               f"{mine}, rank {1 - rank} has {theirs}"), text
+
+
+def test_hybrid_ulysses_ranks_that_disagree_are_refused(world4):
+    for text in world4.run(context_attention_that_disagrees, "hybrid", "causal"):
+        assert text.startswith("hybrid_attention: the ranks of the group must agree on causal"), text
 
 
 def empty_local_sequence():

@@ -136,6 +136,17 @@ def test_plot_into_a_missing_directory_is_refused_before_the_plan(tmp_path, caps
     assert "Traceback" not in captured.err
 
 
+@pytest.mark.parametrize("plot, what", [("plan.txt", "a .txt file"), ("", "a suffix-less file"),
+                                        (".", "a directory")], ids=["format", "empty", "directory"])
+def test_plot_that_names_no_image_file_is_refused_before_the_plan(capsys, plot, what):
+    with pytest.raises(SystemExit) as exit_info:
+        main(["--model", "llama3-8b", "--gpus", "8", "--tp", "8", "--plot", plot])
+    captured = capsys.readouterr()
+    assert exit_info.value.code == 2 and captured.out == ""
+    assert captured.err.strip().splitlines()[-1].endswith(
+        f"argument --plot: {plot!r} is {what}: it must name a .png, .pdf, .svg file"), captured.err
+
+
 def test_search_is_bounded_on_a_huge_cluster(capsys):
     document = json.loads(run_cli(capsys, "--model", "llama3-8b", "--gpus", "16777216", "--global-batch",
                                   "16777216", "--top", "1", "--json"))

@@ -402,8 +402,8 @@ def test_zero_bubble_v_counts_two_stages_per_rank_against_the_layers():
 
 
 @pytest.mark.parametrize("sizes, product", [
-    (dict(tp=2**62, pp=4), "tp x pp x dp x cp x ep"),
-    (dict(micro_batch=2**40, seq_len=2**30), "micro_batch x num_microbatches x seq_len x dp"),
+    (dict(tp=2**62, pp=4), rf"tp x pp x dp x cp x ep = {2**62} x 4 x 1 x 1 x 1"),
+    (dict(micro_batch=2**40, seq_len=2**30), rf"micro_batch x num_microbatches x seq_len x dp = {2**40} x 1 x {2**30} x 1"),
 ], ids=["world", "tokens"])
 def test_sizes_whose_product_overflows_are_refused(sizes, product):
     with pytest.raises(ValueError, match=rf"Layout: {product} overflows a 64-bit integer"):

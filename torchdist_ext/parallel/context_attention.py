@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext import ops
+from torchdist_ext.agreement import check_agreement
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.regions import gather_from_region
 from torchdist_ext.parallel.sequence_sharding import check_order, context_parallel_groups, unshard_sequence
@@ -78,6 +79,19 @@ def _one_dim(cp_mesh: DeviceMesh, function: str) -> MeshGroup:
     if ulysses is not None:
         raise ValueError(f"{function} takes a 1-D cp_mesh; a 2-D [ring, ulysses] mesh is for hybrid_attention")
     return ring
+
+
+def _agree(group: MeshGroup, function: str, q, k, v, causal, scale, order, document_ids, validate) -> None:
+    """Runs ``validate`` and, in eager mode, the rank-agreement check over ``group`` on the call: the
+    all-to-alls carry the tensors' shapes and dtypes but not ``causal``, ``scale`` or the document ids, which
+    must agree as well (and an all-gather of the ids on some ranks only would cross the all-to-alls). Under
+    torch.compile only ``validate`` runs (the ops inside check their own arguments)."""
+    if torch.compiler.is_compiling():
+        validate()
+        return
+    fields = {"q": q, "k": k, "v": v, "causal": causal, "scale": scale, "order": order,
+              "document_ids": document_ids}
+    check_agreement(group.name, function, fields, validate)
 
 
 def _ring(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, causal: bool, scale: float, order: str,
@@ -174,11 +188,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, c
     Arguments and result as ``ring_attention``'s, with q heads divisible by the size N of ``cp_mesh`` and kv
     heads dividing N or divisible by it (too few kv heads are replicated as little as needed).
     """
-    _check_qkv(q, k, v)
-    check_order(order)
-    _check_document_ids(document_ids, q)
     group = _one_dim(cp_mesh, "ulysses_attention")
-    _check_zigzag(q, order)
+    _agree(group, "ulysses_attention", q, k, v, causal, scale, order, document_ids, lambda: (
+        _check_qkv(q, k, v), check_order(order), _check_document_ids(document_ids, q), _check_zigzag(q, order)))
     if document_ids is None:
         attend = _local_sdpa(causal, _scale(q, scale))
     else:
@@ -198,15 +210,14 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, ca
     Arguments and result as ``ring_attention``'s, with ``cp_mesh`` 2-D ``[ring, ulysses]`` (e.g.
     ``world_mesh["ring", "ulysses"]``) and the head counts as ``ulysses_attention`` needs them over dim 1.
     """
-    _check_qkv(q, k, v)
-    check_order(order)
-    _check_document_ids(document_ids, q)
     ring, ulysses = context_parallel_groups(cp_mesh)
     if ulysses is None:
         raise ValueError(
             f"hybrid_attention takes a 2-D cp_mesh [ring, ulysses] (e.g. world_mesh['ring', 'ulysses']), "
             f"got a 1-D mesh of size {ring.size}"
         )
+    _agree(ulysses, "hybrid_attention", q, k, v, causal, scale, order, document_ids, lambda: (
+        _check_qkv(q, k, v), check_order(order), _check_document_ids(document_ids, q)))
     scale = _scale(q, scale)
     # The ids of this ring rank's shard: the Ulysses ranks' contiguous pieces, in order.
     ring_ids = None if document_ids is None else gather_from_region(document_ids, ulysses, 1)

@@ -112,8 +112,8 @@ class VocabParallelEmbedding(SplitsWeightGrad, nn.Module):
         checked = not torch.compiler.is_compiling() and index_checks_enabled()
         invalid = (ids < 0) | (ids >= self.num_embeddings)
         if not torch.compiler.is_compiling():  # every tp rank learns of one rank's bad input
-            check_agreement(None if self.tp.size == 1 else self.tp.mesh.get_group(), "VocabParallelEmbedding",
-                            {"input": f"{ids.dtype} {tuple(ids.shape)}"},
+            check_agreement(self.tp.mesh.get_group(), "VocabParallelEmbedding",
+                            {"input": ids},
                             lambda: self._check_input(ids, invalid if checked else None))
         if not checked and self.tp.rank == 0:
             # An id outside the vocabulary is outside every rank's rows: NaN on one rank makes the sum NaN.

@@ -175,7 +175,7 @@ class MoE(nn.Module):
                              aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
                              num_shared_experts=num_shared_experts, dtype=dtype)
         # Every ep rank refuses, or none does: the ranks then exchange the weights' first draw.
-        check_agreement(None if self.ep.size == 1 else self.ep.mesh.get_group(), "MoE", configuration,
+        check_agreement(self.ep.mesh.get_group(), "MoE", configuration,
                         lambda: _check_configuration(self.ep.size, **configuration))
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)

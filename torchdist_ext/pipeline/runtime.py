@@ -262,7 +262,7 @@ class Pipeline:
                                      f"fully_shard-ed: call fully_shard on the stage module too (its root), so that "
                                      f"its gradients are reduced once per step, after its last backward pass")
         # Every pipeline rank refuses, or none does: the ranks then exchange messages by the schedule's plan.
-        check_agreement(pp_mesh.get_group() if self.pp > 1 else None, "PipelineSchedule",
+        check_agreement(pp_mesh.get_group(), "PipelineSchedule",
                         {"schedule": schedule, "num_microbatches": num_microbatches,
                          "virtual_stages": virtual_stages, "fixed_shapes": fixed_shapes}, validate)
         self.split = splits_weight_grad(schedule)

@@ -184,9 +184,17 @@ def _lint_main(argv: list[str]) -> int:
     return 1 if findings else 0
 
 
+PLOT_FORMATS = (".png", ".pdf", ".svg")
+
+
 def _check_plot_path(parser: argparse.ArgumentParser, path: str) -> None:
-    """Refuses, before the plan is computed, a --plot file whose directory does not exist."""
-    directory = Path(path).parent
+    """Refuses, before the plan is computed, a --plot that names no file of a format it writes, or a file in a
+    directory that does not exist."""
+    file = Path(path)
+    if not path or file.is_dir() or file.suffix.lower() not in PLOT_FORMATS:
+        what = "a directory" if path and file.is_dir() else f"a {file.suffix or 'suffix-less'} file"
+        parser.error(f"argument --plot: {path!r} is {what}: it must name a {', '.join(PLOT_FORMATS)} file")
+    directory = file.parent
     if not directory.is_dir():
         problem = "is not a directory" if directory.exists() else "does not exist"
         parser.error(f"argument --plot: {path}: its directory {directory} {problem}")
@@ -218,7 +226,7 @@ def _plan(args) -> int:
                               "findings": [f.__dict__ for f in findings]}, indent=2))
         else:
             _print_estimate(model, layout, e, findings)
-        if args.plot:
+        if args.plot is not None:
             _plot(args.plot, [(_describe(layout), e)], layout)
         return 0
     global_batch = args.global_batch or 4 * args.gpus
