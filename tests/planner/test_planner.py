@@ -397,13 +397,15 @@ def test_zero_bubble_v_counts_two_stages_per_rank_against_the_layers():
     model, cluster = ModelSpec(4, 128, 8, **SMALL), ClusterSpec.preset("h100-80gb", 4)
     findings = check(model, cluster, Layout(pp=4, schedule="zb-v", num_microbatches=8))
     assert [(f.code, f.message.split(":")[0]) for f in findings] == [("TDX008", "Layout")]
-    assert "pp x stages per rank (zb-v) = 8 pipeline stages must not exceed ModelSpec.num_layers=4" in findings[0].message
+    assert ("pp x stages per rank (zb-v) = 8 pipeline stages must not exceed ModelSpec.num_layers=4"
+            in findings[0].message)
     assert check(model, cluster, Layout(pp=2, dp=2, schedule="zb-v", num_microbatches=8)) == []
 
 
 @pytest.mark.parametrize("sizes, product", [
     (dict(tp=2**62, pp=4), rf"tp x pp x dp x cp x ep = {2**62} x 4 x 1 x 1 x 1"),
-    (dict(micro_batch=2**40, seq_len=2**30), rf"micro_batch x num_microbatches x seq_len x dp = {2**40} x 1 x {2**30} x 1"),
+    (dict(micro_batch=2**40, seq_len=2**30),
+     rf"micro_batch x num_microbatches x seq_len x dp = {2**40} x 1 x {2**30} x 1"),
 ], ids=["world", "tokens"])
 def test_sizes_whose_product_overflows_are_refused(sizes, product):
     with pytest.raises(ValueError, match=rf"Layout: {product} overflows a 64-bit integer"):
