@@ -140,6 +140,8 @@ PyObject* check_agreement(PyObject*, PyObject* args) {
     raised = PyExc_RuntimeError, message = e.what_without_backtrace();
   } catch (const std::exception& e) {
     raised = PyExc_RuntimeError, message = e.what();
+  } catch (...) {  // never unwind past Py_END_ALLOW_THREADS
+    raised = PyExc_RuntimeError, message = "check_agreement: an unknown C++ exception";
   }
   Py_END_ALLOW_THREADS
   if (raised == nullptr) Py_RETURN_NONE;

@@ -1,9 +1,10 @@
 """The rank-agreement check: before any payload travels, the ranks of a group agree on the call.
 
-Every communicating ``tdx`` op, the ``MoE`` layer, ``convert_to_fp8`` and the pipeline runtime compare, across
-their group, every argument that must agree (shapes, dtypes, flags, scales, orders, recipe fields, expert
-counts), and whether each rank's own input checks passed. A disagreement, or one rank's refusal, raises on
-every rank. Cost and design: docs/architecture.md ("The rank-agreement check").
+Every communicating ``tdx`` op, the ``MoE``, ``VocabParallelEmbedding``, Ulysses and hybrid attention layers
+(eager), ``convert_to_fp8`` and the pipeline runtime compare, across their group, every argument that must
+agree (shapes, dtypes, flags, scales, orders, recipe fields, expert counts), and whether each rank's own input
+checks passed. A disagreement, or one rank's refusal, raises on every rank. Cost, modes and design:
+docs/architecture.md ("Bad input and faults").
 
     set_agreement_checks("auto" | "on" | "off") -> the previous mode
     agreement_checks() -> the mode
@@ -18,14 +19,16 @@ from torch.distributed.distributed_c10d import _resolve_process_group
 
 from torchdist_ext import _C
 
-__all__ = ["AGREEMENT_MODES", "agreement_checks", "check_agreement", "set_agreement_checks"]
+__all__ = ["AGREEMENT_MODES", "agreement_checks", "check_agreement", "collective_device", "set_agreement_checks"]
 
 AGREEMENT_MODES = ("auto", "on", "off")
 
 
 def agreement_checks() -> str:
-    """Which calls are checked: "auto" (every call on the CPU, the first 64 calls of each op elsewhere), "on"
-    (every call) or "off" (none; each rank still checks its own inputs)."""
+    """Which calls are checked: "auto" (every call on the CPU, the first 64 calls of each op on each group
+    elsewhere), "on" (every call) or "off" (none; each rank still checks its own inputs, and a refusal on one
+    rank leaves the others to the collective's timeout). ``TORCH_DISTRIBUTED_DEBUG=DETAIL`` checks every call
+    whatever the mode."""
     return _C.agreement_checks()
 
 
@@ -37,8 +40,9 @@ def set_agreement_checks(mode: str) -> str:
     return _C.set_agreement_checks(mode)
 
 
-def _collective_device(group: dist.ProcessGroup) -> str:
-    """Where ``group``'s collectives run: the CPU when it has a CPU backend, else this rank's GPU."""
+def collective_device(group: dist.ProcessGroup) -> str:
+    """Where ``group``'s small host-side collectives run: "cpu" when it has a CPU backend (gloo), else this
+    rank's GPU ("cuda:i")."""
     try:
         group._get_backend(torch.device("cpu"))
         return "cpu"
@@ -83,7 +87,7 @@ def check_agreement(group: dist.ProcessGroup | str | None, op: str,
     message = "" if own is None else str(own) if isinstance(own, (ValueError, TypeError, RuntimeError)) else (
         f"{type(own).__name__}: {own}")
     try:
-        _C.check_agreement(group.group_name, _collective_device(group), op, text, _error_kind(own), message)
+        _C.check_agreement(group.group_name, collective_device(group), op, text, _error_kind(own), message)
     except (ValueError, TypeError, RuntimeError):
         if own is not None:  # this rank's own exception, with its traceback
             raise own from None

@@ -10,6 +10,7 @@
 #include <mutex>
 #include <sstream>
 #include <stdexcept>
+#include <utility>
 #include <vector>
 
 #include "comm/group.h"
@@ -41,7 +42,8 @@ std::atomic<Mode>& mode_flag() {
   return flag;
 }
 
-// Whether this call of `op` is checked. Every rank running the same sequence of calls decides the same.
+// Whether this call of `op` on `group` is checked. The ranks of a group make the same sequence of calls on
+// it (as c10d requires), so they decide the same: "auto" counts calls per (group, op).
 bool checked(c10d::ProcessGroup& group, const std::string& op, const at::Device& device) {
   if (group.getSize() < 2) return false;
   const Mode mode = mode_flag().load(std::memory_order_relaxed);
@@ -49,9 +51,9 @@ bool checked(c10d::ProcessGroup& group, const std::string& op, const at::Device&
   if (mode == Mode::kOff) return false;
   if (device.is_cpu()) return true;
   static std::mutex mutex;
-  static std::map<std::string, int64_t> calls;
+  static std::map<std::pair<std::string, std::string>, int64_t> calls;
   std::lock_guard<std::mutex> lock(mutex);
-  return calls[op]++ < kAutoCheckedCalls;
+  return calls[{group.getGroupName(), op}]++ < kAutoCheckedCalls;
 }
 
 uint64_t fnv1a(const std::string& text) {
@@ -224,18 +226,17 @@ void Agreement::check(c10d::ProcessGroup& group, const at::Device& device,
   }
   std::exception_ptr own;
   int kind = 0;
-  std::string message;
-  if (validate) {
-    try {
-      validate();
-    } catch (const std::exception& e) {
-      own = std::current_exception();
-      kind = kind_of(e);
-      message = message_of(e);
-    }
+  std::string message, described;
+  try {  // a failure here (the checks, reading a scalar field) is this rank's refusal: it still joins the check
+    if (validate) validate();
+    described = fields();
+  } catch (const std::exception& e) {
+    own = std::current_exception();
+    kind = kind_of(e);
+    message = message_of(e);
   }
   try {
-    exchange(group, device, op_, fields(), kind, message);
+    exchange(group, device, op_, described, kind, message);
   } catch (...) {
     if (own) std::rethrow_exception(own);  // this rank's own error, as it was raised
     throw;

@@ -8,13 +8,17 @@
 // and no rank waits out a timeout for a peer that has already raised.
 //
 // Cost: one all-gather of 4 int64 per checked call (a second, of the fields'
-// text, only when something is wrong); on a GPU also one device-to-host copy.
+// text, only when something is wrong); on a GPU also a host-to-device and a
+// device-to-host copy, and one read of each scalar() field.
 // Which calls are checked (TDX_AGREEMENT_CHECKS at start-up, or
 // torchdist_ext.set_agreement_checks()):
 //   "auto" (default)  every call on the CPU; on other devices the first
 //                     kAutoCheckedCalls calls of each op (the first steps)
-//   "on"              every call (also under TORCH_DISTRIBUTED_DEBUG=DETAIL)
+//   "on"              every call
 //   "off"             none: the inputs are still checked on each rank alone
+// TORCH_DISTRIBUTED_DEBUG=DETAIL checks every call whatever the mode. Where a
+// call is not checked, a rank that refuses its input (an index out of range,
+// NaN router weights) raises alone and its peers meet the collective's timeout.
 // The check's all-gathers are entered in the communication ledger under
 // "agreement_check", apart from the op's traffic.
 

@@ -3,7 +3,6 @@
 #include <ATen/ATen.h>
 #include <torch/version.h>
 
-
 namespace tdx::comm {
 namespace {
 

@@ -2,7 +2,6 @@
 
 #include <ATen/ATen.h>
 
-
 namespace tdx::comm {
 
 void for_each_ring_block(Ring& ring, const at::Tensor& local,

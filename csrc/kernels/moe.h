@@ -34,7 +34,8 @@ namespace tdx::kernels {
 // The position of a slot whose expert id lies outside [-1, num_experts).
 inline constexpr int64_t kInvalidSlot = -2;
 
-// send_rows of a token whose destination's block is full (capacity mode).
+// send_rows of a token whose destination's block is full (capacity mode). (Equal to kInvalidSlot by
+// chance: they mark different arrays, send_rows and positions.)
 inline constexpr int64_t kOverflowRow = -2;
 
 // Slots per block of the CUDA sort. Its scratch holds, for each block of

@@ -126,9 +126,10 @@ std::tuple<at::Tensor, at::Tensor> all_gather_gemm(comm::Ring& ring, const at::T
 }
 
 // The reduce-scatter ring of matmul_reduce_scatter and scaled_mm_reduce_scatter. x: [..., S, ..., k] with S
-// divisible by the group size, `dim` already checked (check_scatter_dim). Returns this rank's block [..., S/n, ..., out_features]
-// of the sum over ranks of the GEMMs, summed in out_dtype: each step's GEMM writes this rank's contribution to
-// one block while the previous block's running sum is in flight; this rank's own block comes last.
+// divisible by the group size, `dim` already checked (scatter_dim_checked). Returns this rank's block
+// [..., S/n, ..., out_features] of the sum over ranks of the GEMMs, summed in out_dtype: each step's GEMM
+// writes this rank's contribution to one block while the previous block's running sum is in flight; this
+// rank's own block comes last.
 at::Tensor gemm_reduce_scatter(comm::Ring& ring, const at::Tensor& x, int64_t dim, int64_t out_features,
                                at::ScalarType out_dtype, const BlockGemm& gemm) {
   const int n = ring.size();
@@ -156,7 +157,8 @@ std::tuple<at::Tensor, at::Tensor> all_gather_matmul(
     int64_t gather_dim, bool return_gathered) {
   comm::Ring ring(group_name);
   int64_t dim = 0;
-  comm::Agreement(kAllGatherMatmul).tensor("x", x).value("gather_dim", gather_dim).check(ring.group(), x.device(), [&] {
+  comm::Agreement call(kAllGatherMatmul);
+  call.tensor("x", x).value("gather_dim", gather_dim).check(ring.group(), x.device(), [&] {
     dim = sharded_dim(kAllGatherMatmul, x, gather_dim);
     check_matmul_operands(kAllGatherMatmul, x, weight);
   });
@@ -191,7 +193,8 @@ at::Tensor all_gather_weight_grad(
   comm::Ring ring(group_name);
   const int64_t n = ring.size();
   int64_t dim = 0;
-  comm::Agreement(kWeightGrad).tensor("shard", shard).value("gather_dim", gather_dim).check(ring.group(), shard.device(), [&] {
+  comm::Agreement call(kWeightGrad);
+  call.tensor("shard", shard).value("gather_dim", gather_dim).check(ring.group(), shard.device(), [&] {
     dim = sharded_dim(kWeightGrad, shard, gather_dim);
     check_same_kind(kWeightGrad, dense, "dense", shard, "shard");
     TORCH_CHECK(

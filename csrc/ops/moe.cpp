@@ -154,9 +154,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor, at::Tensor> moe_dispatch(
         accumulation_dtype(x.scalar_type()), " for ", x.scalar_type(), " tokens, got ", weights.scalar_type());
     TORCH_CHECK(x.device() == expert_ids.device() && x.device() == weights.device(), kDispatch,
                 ": x, expert_ids and weights must be on one device");
-    if (index_checks_enabled()) {
+    if (index_checks_enabled() && !given_counts.has_value()) {  // given counts: moe_combine's backward
       check_weights_finite(weights);
-      if (rows_per_rank >= 0 && !given_counts.has_value()) check_rows_fit(expert_ids, n, num_experts, rows_per_rank);
+      if (rows_per_rank >= 0) check_rows_fit(expert_ids, n, num_experts, rows_per_rank);
     }
   });
   const int64_t experts_per_rank = num_experts / n;

@@ -198,6 +198,21 @@ def bad_id_on_one_rank():
         return str(error)
 
 
+def float_ids_on_one_rank():
+    embedding = VocabParallelEmbedding(32, 8, tp_mesh=tp())
+    try:
+        embedding(torch.zeros(1, 2, dtype=torch.long if dist.get_rank() == 0 else torch.float32))
+    except (TypeError, ValueError) as error:
+        return f"{type(error).__name__}: {error}"
+
+
+def test_float_ids_on_one_rank_stop_every_rank(world2):
+    rank0, rank1 = world2.run(float_ids_on_one_rank)
+    assert rank1 == "TypeError: input must be an int64 or int32 tensor of token ids, got torch.float32"
+    assert rank0 == ("TypeError: VocabParallelEmbedding: rank 1 of the group refused its input, so every rank "
+                     "stops: input must be an int64 or int32 tensor of token ids, got torch.float32")
+
+
 def test_a_bad_id_on_one_rank_stops_every_rank(world2):
     rank0, rank1 = world2.run(bad_id_on_one_rank)
     assert rank1.startswith("input ids must lie in [0, num_embeddings=32); input (flattened)[1] = 40")

@@ -316,6 +316,20 @@ def test_nan_router_input_on_one_rank_stops_every_rank(world2):
     assert theirs == f"moe_dispatch: rank 1 of the group refused its input, so every rank stops: {mine}"
 
 
+def wrong_width_on_one_rank(capacity_factor):
+    """Rank 1 alone passes tokens of the wrong width: both ranks raise (before the capacity's all-reduce and the
+    exchanges, where rank 0 would otherwise wait)."""
+    moe = MoE(DIM, FFN, 4, ep_mesh=ep_mesh(), capacity_factor=capacity_factor)
+    return raised(lambda: moe(torch.randn(2, 3, DIM + dist.get_rank())))
+
+
+@pytest.mark.parametrize("capacity_factor", [None, 1.0], ids=["dropless", "capacity"])
+def test_bad_input_on_one_rank_stops_every_rank(world2, capacity_factor):
+    mine, theirs = world2.run(wrong_width_on_one_rank, capacity_factor)[::-1]
+    assert "its last dim must be 16 (dim)" in mine
+    assert theirs == f"MoE.forward: rank 1 of the group refused its input, so every rank stops: {mine}"
+
+
 def expert_counts_that_differ():
     return raised(lambda: MoE(DIM, FFN, 4 if dist.get_rank() == 0 else 8, ep_mesh=ep_mesh()))
 

@@ -98,9 +98,12 @@ class VocabParallelEmbedding(SplitsWeightGrad, nn.Module):
         return layer
 
     def forward(self, ids: Tensor) -> Tensor:
-        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
-            got = getattr(ids, "dtype", type(ids))
-            raise TypeError(f"input must be an int64 or int32 tensor of token ids, got {got}")
+        checked = not torch.compiler.is_compiling() and index_checks_enabled()
+        if torch.compiler.is_compiling():
+            self._check_input(ids, index_checks=False)
+        else:  # every tp rank learns of one rank's bad input
+            check_agreement(self.tp.mesh.get_group(), "VocabParallelEmbedding", lambda: {"input": ids},
+                            lambda: self._check_input(ids, index_checks=checked))
         weight = self.weight.to_local()
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= weight.shape[0])
@@ -109,24 +112,22 @@ class VocabParallelEmbedding(SplitsWeightGrad, nn.Module):
         else:
             rows = F.embedding(local_ids.masked_fill(outside, 0), weight, padding_idx=self._local_padding_idx)
         rows = rows.masked_fill(outside.unsqueeze(-1), 0)
-        checked = not torch.compiler.is_compiling() and index_checks_enabled()
-        invalid = (ids < 0) | (ids >= self.num_embeddings)
-        if not torch.compiler.is_compiling():  # every tp rank learns of one rank's bad input
-            check_agreement(self.tp.mesh.get_group(), "VocabParallelEmbedding",
-                            {"input": ids},
-                            lambda: self._check_input(ids, invalid if checked else None))
         if not checked and self.tp.rank == 0:
             # An id outside the vocabulary is outside every rank's rows: NaN on one rank makes the sum NaN.
+            invalid = (ids < 0) | (ids >= self.num_embeddings)
             rows = rows.masked_fill(invalid.unsqueeze(-1), float("nan"))
         if self.sequence_parallel:
-            dim = sequence_dim(rows, self.seq_dim)
-            return reduce_scatter_to_sequence_region(rows, self.tp, dim)
+            return reduce_scatter_to_sequence_region(rows, self.tp, sequence_dim(rows, self.seq_dim))
         return reduce_from_region(rows, self.tp)
 
-    def _check_input(self, ids: Tensor, invalid: Tensor | None) -> None:
-        """Raises ValueError for an id out of the vocabulary (``invalid``: where, when index checks are on) or,
-        with sequence parallelism, a sequence the tp ranks cannot split."""
-        if invalid is not None and invalid.any():
+    def _check_input(self, ids: Tensor, *, index_checks: bool) -> None:
+        """Raises TypeError for ids that are not an integer tensor, ValueError for an id out of the vocabulary
+        (with ``index_checks``) or, with sequence parallelism, a sequence the tp ranks cannot split."""
+        if not isinstance(ids, Tensor) or ids.dtype not in (torch.int64, torch.int32):
+            got = getattr(ids, "dtype", type(ids))
+            raise TypeError(f"input must be an int64 or int32 tensor of token ids, got {got}")
+        invalid = (ids < 0) | (ids >= self.num_embeddings)
+        if index_checks and invalid.any():
             position = invalid.flatten().nonzero()[0].item()
             raise ValueError(
                 f"input ids must lie in [0, num_embeddings={self.num_embeddings}); input (flattened)[{position}] "

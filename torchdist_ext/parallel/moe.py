@@ -18,7 +18,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import Shard
 
 from torchdist_ext import ops
-from torchdist_ext.agreement import _collective_device, check_agreement
+from torchdist_ext.agreement import collective_device, check_agreement
 from torchdist_ext.parallel.input_checks import check_features, check_floating_dtype, check_floating_input
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.parameters import distribute_parameter
@@ -136,9 +136,11 @@ class MoE(nn.Module):
         top_k: k, experts per token, in [1, E].
         ep_mesh: 1-D DeviceMesh of the expert-parallel group (its ranks see different tokens).
         capacity_factor: None: dropless (one small count tensor goes to the host per layer). A positive ``c``:
-            each (source rank, expert) pair keeps at most ``C = ceil(c * T * k / E)`` of the slots of the rank's
-            T tokens, with static shapes end to end (nothing goes to the host). A dropped slot contributes 0 (the
-            residual stream carries the token); the kept slots keep their weights (no renormalisation).
+            each (source rank, expert) pair keeps at most ``C = ceil(c * T * k / E)`` of its slots, T the most
+            tokens any ep rank holds (one all-reduce of one number per call; under torch.compile the local
+            count, which must then be equal on the ep ranks), with static shapes in the exchange. A dropped slot
+            contributes 0 (the residual stream carries the token); the kept slots keep their weights (no
+            renormalisation).
         drop_policy: which slots a capacity keeps: "probs" the highest router weights, "position" the earliest
             tokens; ties go to the lower token index.
         score_func: "softmax": softmax over the E experts, top-k, the k weights renormalised to sum 1 when k > 1
@@ -243,8 +245,15 @@ class MoE(nn.Module):
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
-        check_floating_input(x, "input", self.gate.dtype)
-        check_features(x, "input", self.dim, "dim")
+        def validate():
+            check_floating_input(x, "input", self.gate.dtype)
+            check_features(x, "input", self.dim, "dim")
+
+        if torch.compiler.is_compiling():
+            validate()
+        else:  # every ep rank learns of one rank's bad input before the exchanges
+            check_agreement(self.ep.mesh.get_group(), "MoE.forward",
+                            lambda: {"input dtype": x.dtype, "input features": x.shape[-1]}, validate)
         tokens = x.reshape(-1, self.dim)
         capacity = -1 if self.capacity_factor is None else self._capacity(tokens)
         expert_ids, weights, auxiliary = self._route(tokens, capacity)
@@ -291,14 +300,15 @@ class MoE(nn.Module):
         return self.aux_loss_coef * aux + self.z_loss_coef * z
 
     def _capacity(self, tokens: Tensor) -> int:
-        """C = ceil(c * T * k / E), T the most tokens any ep rank holds (one all-reduce of one number over the
-        ep group, so that ranks holding different token counts agree on the exchange's sizes). Under
-        torch.compile T is this rank's count, and moe_dispatch refuses ranks whose counts differ."""
+        """C = ceil(c * T * k / E) for ``tokens [T_local, dim]``, T the most tokens any ep rank holds (one
+        all-reduce of one number over the ep group, on the host for a group with a CPU backend, so that ranks
+        holding different token counts agree on the exchange's sizes). Under torch.compile T is this rank's
+        count: the ranks must hold equal counts (moe_dispatch's agreement check refuses others while it runs)."""
         num_tokens = tokens.shape[0]
         if self.ep.size > 1 and not torch.compiler.is_compiling():
             group = self.ep.mesh.get_group()
             most = torch.tensor([num_tokens], dtype=torch.int64,
-                                device="cpu" if _collective_device(group) == "cpu" else tokens.device)
+                                device="cpu" if collective_device(group) == "cpu" else tokens.device)
             dist.all_reduce(most, op=dist.ReduceOp.MAX, group=group)
             num_tokens = int(most.item())
         return math.ceil(self.capacity_factor * num_tokens * self.top_k / self.num_experts)
