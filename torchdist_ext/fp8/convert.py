@@ -81,6 +81,11 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, amax_reduction_mesh=None
     Parameter objects (same values and placements): build the optimizer after ``fully_shard``, as FSDP2
     asks anyway.
 
+    Collective over the amax-reduction group (the default group when ``amax_reduction_mesh`` is None, once
+    torch.distributed is initialised): its ranks agree on the recipe and on the modules converted. A process
+    that converts a model alone inside a distributed job wraps the call in
+    ``torchdist_ext.set_agreement_checks("off")``.
+
     A module converted before (by an earlier call) is left as it is when this call asks for its settings
     (``recipe``, ``amax_reduction_mesh``, ``fp8_all_gather``), and refused with a ValueError, before anything
     changes, when it asks for others (``filter_fn`` may exclude it)."""
