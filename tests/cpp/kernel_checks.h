@@ -454,7 +454,7 @@ void check_moe_exchange(const kernels::MoeKernels& table, ElementType type, int6
     std::vector<int64_t> next = starts;
     for (int64_t t = 0; t < tokens; ++t) {
       for (int64_t r = 0; r < ranks; ++r) {
-        const int64_t want = goes_to(t, r) && next[r] < ends[r] ? next[r]++ : -1;
+        const int64_t want = !goes_to(t, r) ? -1 : next[r] < ends[r] ? next[r]++ : kernels::kOverflowRow;
         EXPECT_EQ(routed[t * ranks + r], want) << "token " << t << ", rank " << r;
       }
     }
@@ -498,8 +498,9 @@ void check_moe_exchange(const kernels::MoeKernels& table, ElementType type, int6
                    kernels::Launch{0, tokens, nullptr});
     const double u = unit_roundoff<Acc>(), rounding = store_roundoff(type);
     for (int64_t t = 0; t < tokens; ++t) {
-      bool poisoned = false;
+      bool poisoned = false;  // an expert id out of range, or a token its rank's full block could not take
       for (int64_t j = 0; j < top_k; ++j) poisoned |= invalid(ids[t * top_k + j]);
+      for (int64_t r = 0; r < ranks; ++r) poisoned |= routed[t * ranks + r] == kernels::kOverflowRow;
       for (int64_t d = 0; d < dim; ++d) {
         double want = poisoned ? NAN : 0, magnitude = 0;
         for (int64_t r = 0; r < ranks; ++r) {
@@ -516,7 +517,8 @@ void check_moe_exchange(const kernels::MoeKernels& table, ElementType type, int6
       for (int64_t j = 0; j < top_k; ++j) {
         const int64_t r = rank_of(ids[t * top_k + j]);
         const int64_t row = r >= 0 && !invalid(ids[t * top_k + j]) ? routed[t * ranks + r] : -1;
-        const double want = invalid(ids[t * top_k + j]) ? NAN : row >= 0 ? back_weights[row * top_k + j] : 0;
+        const bool nan = invalid(ids[t * top_k + j]) || row == kernels::kOverflowRow;
+        const double want = nan ? NAN : row >= 0 ? back_weights[row * top_k + j] : 0;
         EXPECT_TRUE(close(out_weights[t * top_k + j], want, 0)) << "token " << t << ", slot " << j;
       }
     }

@@ -27,13 +27,14 @@ TEST_P(MoePermutation, RoutesPacksAndSumsTheExchangedRowsInEveryElementType) {
 TEST_P(MoePermutation, RanksRoutedByPartialLaunchesAgreeWithOneLaunch) {
   const std::vector<int64_t> ids = {2, 0, -1, 1, 2, 3, 0, 1, -1, -1};  // 5 tokens, top 2, 2 ranks of 2 experts
   const std::vector<int64_t> starts = {0, 10}, ends = {4, 11};  // rank 1's block holds one of its two tokens
+  constexpr int64_t full = tdx::kernels::kOverflowRow;           // its other token: the block is full
   std::vector<int64_t> whole(10), parts(10, -7);
   const auto& table = tdx::kernels::MoeKernels::cpu(isa());
   table.route_tokens({ids.data(), 5, 2, 2, 2, starts.data(), ends.data(), whole.data()}, {0, 2, nullptr});
   table.route_tokens({ids.data(), 5, 2, 2, 2, starts.data(), ends.data(), parts.data()}, {0, 1, nullptr});
   table.route_tokens({ids.data(), 5, 2, 2, 2, starts.data(), ends.data(), parts.data()}, {1, 2, nullptr});
   EXPECT_EQ(parts, whole);
-  EXPECT_EQ(whole, (std::vector<int64_t>{0, 10, 1, -1, -1, -1, 2, -1, -1, -1}));
+  EXPECT_EQ(whole, (std::vector<int64_t>{0, 10, 1, -1, -1, full, 2, -1, -1, -1}));
 }
 
 TEST_P(MoePermutation, ExpertsSortedByPartialLaunchesAgreeWithOneLaunch) {
