@@ -57,7 +57,9 @@ def check_agreement(group: dist.ProcessGroup | str | None, op: str,
     ``group`` passed its checks and passes equal ``fields``. Raises on every rank otherwise: this rank's own
     exception as it was; another rank's ``ValueError`` / ``TypeError`` (or a ``RuntimeError`` for any other
     exception) with that rank's message; or a ``ValueError`` naming the first field two ranks disagree on and
-    both values. Without torch.distributed initialised, or on a group of one rank, only ``validate`` runs.
+    both values. Without torch.distributed initialised, on a group of one rank, or while torch.compile traces
+    (a collective with a data-dependent raise would break the graph; the ops inside check their own
+    arguments), only ``validate`` runs.
 
     Args:
         group: the process group whose ranks make the call together, or its registered name (None: the
@@ -68,6 +70,10 @@ def check_agreement(group: dist.ProcessGroup | str | None, op: str,
             (an exception it raises counts as this rank's refusal).
         validate: raises for arguments this rank refuses.
     """
+    if torch.compiler.is_compiling():
+        if validate is not None:
+            validate()
+        return
     own: Exception | None = None
     try:
         if validate is not None:

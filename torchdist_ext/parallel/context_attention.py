@@ -82,13 +82,9 @@ def _one_dim(cp_mesh: DeviceMesh, function: str) -> MeshGroup:
 
 
 def _agree(group: MeshGroup, function: str, q, k, v, causal, scale, order, document_ids, validate) -> None:
-    """Runs ``validate`` and, in eager mode, the rank-agreement check over ``group`` on the call: the
-    all-to-alls carry the tensors' shapes and dtypes but not ``causal``, ``scale`` or the document ids, which
-    must agree as well (and an all-gather of the ids on some ranks only would cross the all-to-alls). Under
-    torch.compile only ``validate`` runs (the ops inside check their own arguments)."""
-    if torch.compiler.is_compiling():
-        validate()
-        return
+    """Runs ``validate`` and the rank-agreement check over ``group`` on the call: the all-to-alls carry the
+    tensors' shapes and dtypes but not ``causal``, ``scale`` or the document ids, which must agree as well
+    (and an all-gather of the ids on some ranks only would cross the all-to-alls)."""
     fields = {"q": q, "k": k, "v": v, "causal": causal, "scale": scale, "order": order,
               "document_ids": document_ids}
     check_agreement(group.name, function, fields, validate)

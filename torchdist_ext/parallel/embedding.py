@@ -99,11 +99,9 @@ class VocabParallelEmbedding(SplitsWeightGrad, nn.Module):
 
     def forward(self, ids: Tensor) -> Tensor:
         checked = not torch.compiler.is_compiling() and index_checks_enabled()
-        if torch.compiler.is_compiling():
-            self._check_input(ids, index_checks=False)
-        else:  # every tp rank learns of one rank's bad input
-            check_agreement(self.tp.mesh.get_group(), "VocabParallelEmbedding", lambda: {"input": ids},
-                            lambda: self._check_input(ids, index_checks=checked))
+        # every tp rank learns of one rank's bad input
+        check_agreement(self.tp.name, "VocabParallelEmbedding", lambda: {"input": ids},
+                        lambda: self._check_input(ids, index_checks=checked))
         weight = self.weight.to_local()
         local_ids = ids - self.vocab_start
         outside = (local_ids < 0) | (local_ids >= weight.shape[0])

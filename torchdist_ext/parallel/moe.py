@@ -249,11 +249,9 @@ class MoE(nn.Module):
             check_floating_input(x, "input", self.gate.dtype)
             check_features(x, "input", self.dim, "dim")
 
-        if torch.compiler.is_compiling():
-            validate()
-        else:  # every ep rank learns of one rank's bad input before the exchanges
-            check_agreement(self.ep.mesh.get_group(), "MoE.forward",
-                            lambda: {"input dtype": x.dtype, "input features": x.shape[-1]}, validate)
+        # every ep rank learns of one rank's bad input before the exchanges
+        check_agreement(self.ep.name, "MoE.forward",
+                        lambda: {"input dtype": x.dtype, "input features": x.shape[-1]}, validate)
         tokens = x.reshape(-1, self.dim)
         capacity = -1 if self.capacity_factor is None else self._capacity(tokens)
         expert_ids, weights, auxiliary = self._route(tokens, capacity)
