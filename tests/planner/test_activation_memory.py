@@ -250,6 +250,10 @@ FP32_TOKEN_HIDDEN = BATCH * SEQ * DIM * 4
 # A rerun's extra: the composite norms' fp32 temporaries (T h at tp 2 without SP: the gathered sequence), or
 # the attention kernel's repacked K and V (2 T h e in 16 bits, T h 4 bytes).
 RERUN_SLACK = 2 * FP32_TOKEN_HIDDEN
+# A rerun is measured as the difference of two peaks, and the peak without recomputation holds ATen's own
+# scratch too: where a CPU's kernels hold a little more of it at that peak than at the rerun's, the difference
+# falls that much below the planner (96 bytes seen on a CI machine): allowed down to 1/64 of [T, h] below.
+RERUN_UNDER = FP32_TOKEN_HIDDEN / 64
 # A backward's extra, by what runs inside ATen: in fp32 the CPU flash attention's per-thread scratch (a
 # [32, 64] block of scores and its [32, head_dim] accumulator: under a quarter of one [T, h] here), and in split
 # mode at tp 2 also the composite RMSNorm backward's fp32 [T, h R] temporaries, up to three [T, h] above the
@@ -260,9 +264,10 @@ FP32_SPLIT_BACKWARD_SLACK = 3 * FP32_TOKEN_HIDDEN
 BF16_BACKWARD_SLACK = 5 * FP32_TOKEN_HIDDEN
 
 
-def assert_bounded(measured: float, planned: float, slack: float, what) -> None:
-    """The planner's figure <= measured <= the planner's figure + slack (see FP32_TOKEN_HIDDEN)."""
-    assert planned <= measured <= planned + slack, (what, measured, planned, (measured - planned) / FP32_TOKEN_HIDDEN)
+def assert_bounded(measured: float, planned: float, slack: float, what, under: float = 0) -> None:
+    """The planner's figure - under <= measured <= the planner's figure + slack (see FP32_TOKEN_HIDDEN)."""
+    assert planned - under <= measured <= planned + slack, (what, measured, planned,
+                                                            (measured - planned) / FP32_TOKEN_HIDDEN)
 
 
 @pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
@@ -271,7 +276,7 @@ def test_planner_rerun_against_what_recomputation_adds_to_a_backward(world_pool,
     """``layer_rerun_bytes`` against what recomputation adds to the backward's peak of two stacked layers: a
     fully recomputed layer recreates everything it keeps without recomputation; selective its dropped
     element-wise outputs and the layer's output; an MoE block its larger recomputed region (its attention or a
-    norm, rerun one at a time). Never below the planner, at most RERUN_SLACK above."""
+    norm, rerun one at a time). At most RERUN_UNDER below the planner, at most RERUN_SLACK above."""
     world = world_pool.get(world_size)
 
     def reruns(region: str, mode: str) -> list[int]:
@@ -286,9 +291,10 @@ def test_planner_rerun_against_what_recomputation_adds_to_a_backward(world_pool,
 
     for mode in ("selective", "full"):
         for measured in reruns("layer", mode):
-            assert_bounded(measured, planned(mode, False), RERUN_SLACK, ("layer", mode))
+            assert_bounded(measured, planned(mode, False), RERUN_SLACK, ("layer", mode), RERUN_UNDER)
     for attention, norm in zip(reruns("attention", "full"), reruns("norm", "full")):
-        assert_bounded(max(attention, norm), planned("full", True), RERUN_SLACK, ("moe block", attention, norm))
+        assert_bounded(max(attention, norm), planned("full", True), RERUN_SLACK, ("moe block", attention, norm),
+                       RERUN_UNDER)
 
 
 @pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
