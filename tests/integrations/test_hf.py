@@ -1,14 +1,19 @@
 """parallelize_hf_model / shard_hf_batch on tiny random-init Hugging Face models (no download).
 
-Each case builds the same model on every rank, keeps a single-process copy as the
-reference, parallelises the other and runs the same batches: the loss, the logits
-(gathered over tp and cp; padding positions excluded, where HF's own output is
-arbitrary) and every parameter's gradient must equal the reference's. Batches:
-plain, left-padded (labels -100 on the padding) and packed documents (position_ids
-restarting at each document, HF's packed-sequence convention).
+Each case builds the model twice from one config object (as ``from_config`` shares it), keeps one as the
+single-process reference, parallelises the other and runs the same batches: each data-parallel rank feeds its
+rows of the batch. The loss (the whole batch's), the logits (gathered over tp and cp; padding positions
+excluded, where HF's own output is arbitrary) and every parameter's gradient must equal the reference's.
+Batches: plain, left- and right-padded (labels -100 on the padding), packed documents (position_ids
+restarting at each document, HF's packed-sequence convention) and labels -100 inside a row, so that the
+data-parallel ranks hold different numbers of target tokens.
+
+CI runs every layout with two (family, tied) pairs; ``TDX_HF_MATRIX=full`` runs every family x layout x tied.
 """
 
 import copy
+import itertools
+import os
 
 import pytest
 import torch
@@ -16,25 +21,37 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
-from torchdist_ext.integrations.hf import parallelize_hf_model, shard_hf_batch
+from torchdist_ext.integrations.hf import (
+    global_num_items,
+    load_hf_checkpoint,
+    parallelize_hf_model,
+    save_hf_checkpoint,
+    shard_hf_batch,
+)
 from torchdist_ext.parallel import RMSNorm, unshard_sequence
 from torchdist_ext.testing import cached_mesh
 
 VOCAB, SEQ = 64, 16
-FAMILIES = {"llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM),
-            "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM)}
-# Qwen3 adds per-head q/k norms (their gradients are sums over the tp ranks' heads).
-QWEN3 = (transformers.Qwen3Config, transformers.Qwen3ForCausalLM)
+FAMILIES = {  # config class, model class, what the tiny config needs besides the common sizes
+    "llama": (transformers.LlamaConfig, transformers.LlamaForCausalLM, {}),
+    "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
+    "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
+    # Qwen3 adds per-head q/k norms (their gradients are sums over the tp ranks' heads).
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 4}),
+}
 
 
-def tiny_model(family: str, tied: bool) -> torch.nn.Module:
-    config_class, model_class = QWEN3 if family == "qwen3" else FAMILIES[family]
-    extra = {"head_dim": 4} if family == "qwen3" else {}
-    config = config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                          num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
-                          tie_word_embeddings=tied, attn_implementation="sdpa", **extra)
+def tiny_config(family: str, tied: bool):
+    config_class, _, extra = FAMILIES[family]
+    return config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
+                        tie_word_embeddings=tied, attn_implementation="sdpa", **extra)
+
+
+def build(config) -> torch.nn.Module:
+    """The model of ``config`` (the object itself, shared), the same weights on every call and rank."""
     torch.manual_seed(0)
-    model = model_class(config)
+    model = FAMILIES[config.model_type][1](config)
     # Non-trivial norm weights, so that their gradients and the tp reductions over them are exercised.
     with torch.no_grad():
         for module in model.modules():
@@ -43,18 +60,27 @@ def tiny_model(family: str, tied: bool) -> torch.nn.Module:
     return model
 
 
+def tiny_model(family: str, tied: bool) -> torch.nn.Module:
+    return build(tiny_config(family, tied))
+
+
 def batches() -> dict[str, dict]:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, VOCAB, (2, SEQ), generator=gen)
-    mask = torch.ones(2, SEQ, dtype=torch.long)
-    mask[0, :5] = 0
-    padded_labels = ids.masked_fill(mask == 0, -100)
+    left = torch.ones(2, SEQ, dtype=torch.long)
+    left[0, :5] = 0
+    right = torch.ones(2, SEQ, dtype=torch.long)
+    right[1, -4:] = 0
+    ignored = ids.clone()
+    ignored[0, [2, 3, 7, 8, 9, 12]] = -100
     documents = torch.cat([torch.arange(5), torch.arange(7), torch.arange(4)])
     positions = torch.stack([documents, torch.cat([torch.arange(10), torch.arange(6)])])
     return {
         "plain": {"input_ids": ids, "labels": ids.clone()},
-        "left_padded": {"input_ids": ids, "labels": padded_labels, "attention_mask": mask},
+        "left_padded": {"input_ids": ids, "labels": ids.masked_fill(left == 0, -100), "attention_mask": left},
+        "right_padded": {"input_ids": ids, "labels": ids.masked_fill(right == 0, -100), "attention_mask": right},
         "packed": {"input_ids": ids, "labels": ids.clone(), "position_ids": positions},
+        "ignored_labels": {"input_ids": ids, "labels": ignored},
     }
 
 
@@ -70,8 +96,29 @@ def meshes(layout: str) -> dict:
         return {"cp_mesh": cached_mesh((2, n // 2), ("ring", "ulysses")), "cp_method": "hybrid"}
     if layout.startswith("cp"):
         return {"cp_mesh": cached_mesh((n,), ("cp",)), "cp_method": layout.split("_")[1]}
+    if layout == "dp2":
+        return {"dp_mesh": cached_mesh((n,), ("dp",))}
+    if layout == "dp2_cp2":
+        mesh = cached_mesh((2, n // 2), ("dp", "cp"))
+        return {"dp_mesh": mesh["dp"], "cp_mesh": mesh["cp"]}
     mesh = cached_mesh((2, n // 2), ("dp", "tp"))
-    return {"dp_mesh": mesh["dp"], "tp_mesh": mesh["tp"]}
+    return {"dp_mesh": mesh["dp"], "tp_mesh": mesh["tp"], "sequence_parallel": layout.endswith("sp")}
+
+
+def rows(kwargs: dict) -> slice:
+    """The batch rows this rank's data-parallel rank feeds (all rows without dp)."""
+    dp_mesh = kwargs.get("dp_mesh")
+    if dp_mesh is None:
+        return slice(None)
+    per_rank = 2 // dp_mesh.size()
+    return slice(dp_mesh.get_local_rank() * per_rank, (dp_mesh.get_local_rank() + 1) * per_rank)
+
+
+def local_inputs(batch: dict, kwargs: dict) -> dict:
+    """What this rank feeds the parallel model: its dp rows, sharded over cp by shard_hf_batch."""
+    mine = {key: value[rows(kwargs)] for key, value in batch.items()}
+    cp_mesh = kwargs.get("cp_mesh")
+    return shard_hf_batch(mine, cp_mesh=cp_mesh) if cp_mesh is not None else mine
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
@@ -79,7 +126,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def full_logits(logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """The [batch, seq, vocab] logits from this rank's vocab (tp) and sequence (cp) shard."""
+    """This rank's rows' [rows, seq, vocab] logits from its vocab (tp) and sequence (cp) shard."""
     tp_mesh = kwargs.get("tp_mesh")
     if tp_mesh is not None and tp_mesh.size() > 1:
         parts = [torch.empty_like(logits) for _ in range(tp_mesh.size())]
@@ -90,21 +137,22 @@ def full_logits(logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return logits
 
 
-def check_matches_single_process(family: str, layout: str, tied: bool):
+def check_matches_single_process(family: str, layout: str, tied: bool, kinds=None, **options):
     kwargs = meshes(layout)
     for name, batch in batches().items():
-        reference = tiny_model(family, tied)
-        model = parallelize_hf_model(copy.deepcopy(reference), **kwargs)
+        if kinds is not None and name not in kinds:
+            continue
+        config = tiny_config(family, tied)
+        reference = build(config)
+        model = parallelize_hf_model(build(config), **kwargs, **options)  # (sharing the reference's config)
         expected = reference(**batch, use_cache=False)  # HF applies packed position_ids only without a cache
         expected.loss.backward()
-        cp_mesh = kwargs.get("cp_mesh")
-        inputs = shard_hf_batch(batch, cp_mesh=cp_mesh) if cp_mesh is not None else batch
-        actual = model(**inputs)
+        actual = model(**local_inputs(batch, kwargs))
         actual.loss.backward()
         torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
-        keep = batch.get("attention_mask", torch.ones(2, SEQ)).bool()
-        torch.testing.assert_close(full_logits(actual.logits, kwargs)[keep], expected.logits[keep], rtol=1e-5,
-                                   atol=1e-5, msg=f"{name}: logits")
+        keep = batch.get("attention_mask", torch.ones(2, SEQ))[rows(kwargs)].bool()
+        torch.testing.assert_close(full_logits(actual.logits, kwargs)[keep], expected.logits[rows(kwargs)][keep],
+                                   rtol=1e-5, atol=1e-5, msg=f"{name}: logits")
         parameters = dict(model.named_parameters())
         assert parameters.keys() == dict(reference.named_parameters()).keys()
         for key, want in reference.named_parameters():
@@ -116,46 +164,170 @@ def check_matches_single_process(family: str, layout: str, tied: bool):
 
 
 LAYOUTS = {"tp2": "world2", "tp4": "world4", "tp2_sp": "world2", "cp2_ring": "world2", "cp2_ulysses": "world2",
-           "cp4_hybrid": "world4", "dp2_tp2": "world4", "cp2_tp2": "world4"}
+           "cp4_hybrid": "world4", "dp2": "world2", "dp2_tp2": "world4", "dp2_tp2_sp": "world4",
+           "dp2_cp2": "world4", "cp2_tp2": "world4"}
 
 
-@pytest.mark.parametrize("tied", [False, True], ids=["untied", "tied"])
-@pytest.mark.parametrize("layout", list(LAYOUTS))
-@pytest.mark.parametrize("family", list(FAMILIES))
+def matrix() -> list[tuple[str, str, bool]]:
+    """(family, layout, tied): all with TDX_HF_MATRIX=full; else each layout twice, untied and tied, the
+    families taken in turn."""
+    families = list(FAMILIES)
+    if os.environ.get("TDX_HF_MATRIX") == "full":
+        return list(itertools.product(families, LAYOUTS, (False, True)))
+    return [(families[(i + shift) % len(families)], layout, tied)
+            for i, layout in enumerate(LAYOUTS) for shift, tied in ((0, False), (1, True))]
+
+
+@pytest.mark.parametrize("family, layout, tied", matrix(),
+                         ids=[f"{f}-{layout}-{'tied' if t else 'untied'}" for f, layout, t in matrix()])
 def test_matches_single_process(family, layout, tied, request):
     world = request.getfixturevalue(LAYOUTS[layout])
     assert all(world.run(check_matches_single_process, family, layout, tied))
 
 
-@pytest.mark.parametrize("layout", ["tp2_sp", "cp2_ring"])
-def test_qwen3_matches_single_process(world2, layout):
-    assert all(world2.run(check_matches_single_process, "qwen3", layout, False))
-
-
-def check_one_optimizer_step_with_fsdp(family: str):
-    """dp=2 x tp=2: each dp rank trains on its half of the batch; one AdamW step gives the reference's
-    parameters (both halves hold the same number of target tokens, so the mean of means is the mean)."""
-    mesh = cached_mesh((2, 2), ("dp", "tp"))
-    batch = batches()["plain"]
-    reference = tiny_model(family, tied=False)
-    model = parallelize_hf_model(copy.deepcopy(reference), dp_mesh=mesh["dp"], tp_mesh=mesh["tp"],
-                                 sequence_parallel=True)
-    half = {key: value.chunk(2)[mesh["dp"].get_local_rank()] for key, value in batch.items()}
-    for trained, inputs in ((reference, batch), (model, half)):
-        # Adam's first step is lr * g / (|g| + eps): an eps well above the gradients' rounding keeps it a
-        # well-conditioned function of them.
-        optimizer = torch.optim.AdamW(trained.parameters(), lr=1e-2, eps=1e-4)
-        trained(**inputs, use_cache=False).loss.backward()
-        optimizer.step()
+def check_optimizer_steps(family: str, layout: str):
+    """Three AdamW steps, each on another batch kind whose dp halves hold different numbers of target tokens:
+    the reference's parameters."""
+    kwargs = meshes(layout)
+    config = tiny_config(family, tied=False)
+    reference, model = build(config), parallelize_hf_model(build(config), **kwargs)
+    # Adam's first step is lr * g / (|g| + eps): an eps well above the gradients' rounding keeps it a
+    # well-conditioned function of them.
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
+    for kind in ("left_padded", "ignored_labels", "right_padded"):
+        batch = batches()[kind]
+        for trained, inputs, optimizer in ((reference, batch, optimizers[0]),
+                                           (model, local_inputs(batch, kwargs), optimizers[1])):
+            trained(**inputs, use_cache=False).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
     parameters = dict(model.named_parameters())
     for key, want in reference.named_parameters():
         torch.testing.assert_close(full(parameters[key]).detach(), want.detach(), rtol=1e-4, atol=1e-5, msg=key)
     return True
 
 
-@pytest.mark.parametrize("family", list(FAMILIES))
-def test_one_optimizer_step_with_fsdp(world4, family):
-    assert all(world4.run(check_one_optimizer_step_with_fsdp, family))
+@pytest.mark.parametrize("family, layout", [("llama", "dp2_tp2_sp"), ("qwen2", "dp2_cp2")])
+def test_optimizer_steps_with_unequal_token_counts(world4, family, layout):
+    assert all(world4.run(check_optimizer_steps, family, layout))
+
+
+def check_gradient_accumulation():
+    """dp2 x cp2, two micro-batches per step with num_items_in_batch=global_num_items(...): the accumulated
+    gradients and the summed losses are the single-process model's over both micro-batches with HF's own
+    num_items_in_batch (the window's target tokens)."""
+    kwargs = meshes("dp2_cp2")
+    config = tiny_config("llama", tied=True)
+    reference, model = build(config), parallelize_hf_model(build(config), **kwargs)
+    window = [batches()["left_padded"], batches()["ignored_labels"]]
+    count = sum(int((b["labels"][:, 1:] != -100).sum()) for b in window)
+    expected = sum(reference(**b, num_items_in_batch=count, use_cache=False).loss for b in window)
+    expected.backward()
+    local = [local_inputs(b, kwargs) for b in window]
+    items = global_num_items(model, local)
+    assert int(items) == count
+    actual = sum(model(**b, num_items_in_batch=items).loss for b in local)
+    actual.backward()
+    torch.testing.assert_close(actual, expected, rtol=1e-5, atol=1e-6)
+    parameters = dict(model.named_parameters())
+    for key, want in reference.named_parameters():
+        torch.testing.assert_close(full(parameters[key].grad), want.grad, rtol=1e-4, atol=1e-6, msg=key)
+    return True
+
+
+def test_gradient_accumulation_with_global_num_items(world4):
+    assert all(world4.run(check_gradient_accumulation))
+
+
+def check_leaves_other_models_alone():
+    """Models built from one config object share it; parallelising one must not change the other's attention
+    (it would run ours, without the inputs hook, and ignore its padding mask)."""
+    config = tiny_config("llama", tied=False)
+    bystander = build(config)
+    batch = batches()["left_padded"]
+    before = bystander(**batch).loss
+    parallelize_hf_model(build(config), dp_mesh=cached_mesh((dist.get_world_size(),), ("dp",)))
+    assert config._attn_implementation == "sdpa"
+    torch.testing.assert_close(bystander(**batch).loss, before, rtol=0, atol=0)
+    return True
+
+
+def test_parallelising_leaves_models_sharing_the_config_alone(world2):
+    assert all(world2.run(check_leaves_other_models_alone))
+
+
+def check_generate_data_parallel():
+    """A dp-only (FSDP2) model generates what the single-process model does, each rank its own prompt, all
+    ranks in step (HF's synced_gpus) although one prompt asks for fewer tokens."""
+    config = tiny_config("llama", tied=False)
+    reference = build(config)
+    model = parallelize_hf_model(build(config), dp_mesh=cached_mesh((dist.get_world_size(),), ("dp",)))
+    rank = dist.get_rank()
+    prompt = batches()["plain"]["input_ids"][rank : rank + 1, :6]
+    new_tokens = 3 + rank
+    want = reference.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    got = model.generate(prompt, max_new_tokens=new_tokens, do_sample=False)
+    assert torch.equal(got, want), (got, want)
+    return True
+
+
+def test_generate_data_parallel(world2):
+    assert all(world2.run(check_generate_data_parallel))
+
+
+def check_compiled_layers(layout: str):
+    """compile=True (each decoder layer fullgraph, FSDP2's hooks eager) on an FSDP layout: the single-process
+    loss, logits and gradients on a padded batch."""
+    torch._dynamo.reset()
+    return check_matches_single_process("llama", layout, False, compile=True, kinds=("left_padded",))
+
+
+@pytest.mark.parametrize("layout", ["dp2_tp2_sp", "dp2_cp2"])
+def test_compile_layers_on_fsdp_layouts(world4, layout):
+    assert all(world4.run(check_compiled_layers, layout))
+
+
+def check_hf_round_trip(directory: str):
+    """A save_pretrained directory -> a model built on the meta device, parallelised at dp2 x tp2 (SP) ->
+    load_hf_checkpoint (the reference's weights exactly) -> 2 AdamW steps (the reference's) ->
+    save_hf_checkpoint in several files -> from_pretrained in one process: the parallel model's weights
+    exactly."""
+    kwargs = meshes("dp2_tp2_sp")
+    config = tiny_config("qwen3", tied=True)
+    reference = build(config)
+    source, target = os.path.join(directory, "source"), os.path.join(directory, "target")
+    if dist.get_rank() == 0:
+        reference.save_pretrained(source)
+    dist.barrier()
+    with torch.device("meta"):
+        model = FAMILIES["qwen3"][1](copy.deepcopy(config))
+    parallelize_hf_model(model, **kwargs)
+    load_hf_checkpoint(model, source)
+    parameters = dict(model.named_parameters())
+    for key, want in reference.named_parameters():
+        assert torch.equal(full(parameters[key]).detach(), want.detach()), key
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
+    for kind in ("left_padded", "packed"):
+        batch = batches()[kind]
+        for trained, inputs, optimizer in ((reference, batch, optimizers[0]),
+                                           (model, local_inputs(batch, kwargs), optimizers[1])):
+            trained(**inputs, use_cache=False).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+    save_hf_checkpoint(model, target, max_shard_bytes=20_000)
+    assert not os.path.exists(os.path.join(target, "sharded"))
+    files = [name for name in os.listdir(target) if name.endswith(".safetensors")]
+    assert len(files) > 1 and "model.safetensors.index.json" in os.listdir(target), files
+    reloaded = FAMILIES["qwen3"][1].from_pretrained(target)
+    assert reloaded.lm_head.weight is reloaded.model.embed_tokens.weight
+    for key, want in reloaded.named_parameters():
+        assert torch.equal(full(parameters[key]).detach(), want.detach()), key
+        torch.testing.assert_close(want, dict(reference.named_parameters())[key], rtol=1e-4, atol=1e-5, msg=key)
+    return True
+
+
+def test_hf_checkpoint_round_trip(world4, tmp_path):
+    assert all(world4.run(check_hf_round_trip, str(tmp_path)))
 
 
 def check_compiled(sequence_parallel: bool, kind: str):
@@ -178,8 +350,8 @@ def check_compiled(sequence_parallel: bool, kind: str):
     return True
 
 
-@pytest.mark.parametrize("kind", ["plain", "left_padded", "packed"])
-@pytest.mark.parametrize("sequence_parallel", [False, True], ids=["tp", "tp_sp"])
+@pytest.mark.parametrize("sequence_parallel, kind", [(False, "plain"), (True, "left_padded"), (True, "packed")],
+                         ids=["tp-plain", "tp_sp-left_padded", "tp_sp-packed"])
 def test_compile_fullgraph(world2, sequence_parallel, kind):
     assert all(world2.run(check_compiled, sequence_parallel, kind))
 
@@ -255,6 +427,14 @@ def refuses(case: str):
     elif case == "generate":
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)))
         model.generate(batches()["plain"]["input_ids"], max_new_tokens=2, use_cache=False)
+    elif case == "save_pretrained":
+        parallelize_hf_model(model, dp_mesh=cached_mesh((n,), ("dp",)))
+        model.save_pretrained("unused")
+    elif case == "generate_with_cache":
+        parallelize_hf_model(model, dp_mesh=cached_mesh((n,), ("dp",)))
+        model.generate(batches()["plain"]["input_ids"][:, :4], max_new_tokens=2, use_cache=True)
+    elif case == "global_num_items":
+        global_num_items(torch.nn.Linear(2, 2), [batches()["plain"]])
     elif case == "batch_key":
         shard_hf_batch({"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "pixel_values": 0},
                        cp_mesh=cached_mesh((n,), ("cp",)))
@@ -276,6 +456,9 @@ REFUSALS = [
     ("batch_shape", ValueError, r"batch\['attention_mask'\] has shape \(1, 16\); it must be \[batch, seq\] = \[2, 16\]"),
     ("twice", ValueError, "this model was already parallelised by parallelize_hf_model"),
     ("generate", ValueError, "generate is not supported on a tensor- or context-parallel parallelize_hf_model model"),
+    ("save_pretrained", ValueError, r"save_pretrained would .* call torchdist_ext.integrations.hf.save_hf_checkpoint"),
+    ("generate_with_cache", ValueError, r"runs without a KV cache, but got past_key_values; pass use_cache=False"),
+    ("global_num_items", TypeError, "global_num_items takes a model returned by parallelize_hf_model, got Linear"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
 ]
 

@@ -19,7 +19,9 @@ def distribute_parameter(full: torch.Tensor, group: MeshGroup, placement: Placem
     stay meta, with the right local shape.
     """
     if full.is_meta:
-        local = full.chunk(group.size, dim=placement.dim)[group.rank] if isinstance(placement, Shard) else full
+        # (contiguous, as a sharded real tensor's local part is: FSDP2 requires it)
+        local = full.chunk(group.size, dim=placement.dim)[group.rank].contiguous() if isinstance(placement, Shard) \
+            else full
         dtensor = DTensor.from_local(local, group.mesh, [placement], run_check=False, shape=full.shape,
                                      stride=full.stride())
     else:

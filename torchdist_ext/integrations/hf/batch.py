@@ -1,0 +1,117 @@
+"""The batches a parallelised HF model takes: sequence shards, document ids, the global count of target tokens."""
+
+from collections.abc import Iterable, Mapping
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from torchdist_ext import _collectives as collectives
+from torchdist_ext.parallel import shard_sequence
+from torchdist_ext.parallel.sequence_sharding import check_order
+
+__all__ = ["IGNORE_INDEX", "document_ids_from", "global_num_items", "shard_hf_batch"]
+
+IGNORE_INDEX = -100
+_BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
+
+
+def document_ids_from(position_ids: Tensor, attention_mask: Tensor | None, batch: int) -> Tensor:
+    """``[batch, seq]`` int64 document ids: a position that is not its predecessor + 1 starts a new
+    document (HF's packed-sequence rule); tokens where ``attention_mask`` is 0 get -1 (padding)."""
+    position_ids = position_ids.expand(batch, -1)
+    starts = torch.diff(position_ids, prepend=position_ids[:, :1] - 1, dim=-1) != 1
+    ids = starts.long().cumsum(-1)
+    return ids if attention_mask is None else ids.masked_fill(attention_mask == 0, -1)
+
+
+def shifted_labels(labels: Tensor) -> Tensor:
+    """HF's causal-LM targets: ``labels`` moved one position left, ``IGNORE_INDEX`` at the end of each row."""
+    return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
+
+
+def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, order: str = "zigzag") -> dict:
+    """This rank's part of the batch a user would pass to the single-process model.
+
+    ``batch``: ``input_ids`` ``[batch, seq]``, optional ``labels`` (unshifted, HF's convention, -100
+    ignored), ``attention_mask`` (2-D padding mask) and ``position_ids``. Returns ``input_ids``,
+    ``position_ids`` (global), ``document_ids`` (padding and packed documents; None when every row is
+    one document without padding), and with labels ``labels`` / ``shift_labels`` (shifted over the
+    whole sequence before sharding): all sharded along the sequence like
+    ``shard_sequence(x, cp_mesh=cp_mesh, dim=1, order=order)``; and ``cp_order``, which the model checks
+    against its own. The loss counts the target tokens over every data- and context-parallel rank itself.
+    """
+    if not isinstance(batch, Mapping):
+        raise TypeError(f"batch must be a mapping of tensors (a dict, a tokenizer's BatchEncoding), got "
+                        f"{type(batch).__name__}")
+    unknown = sorted(set(batch) - set(_BATCH_KEYS))
+    if unknown:
+        raise ValueError(f"batch has keys {unknown} that shard_hf_batch does not know how to shard; it takes "
+                         f"{list(_BATCH_KEYS)}")
+    check_order(order)
+    input_ids = batch.get("input_ids")
+    if not isinstance(input_ids, Tensor):
+        raise TypeError(f"batch['input_ids'] must be a tensor, got {type(input_ids).__name__}")
+    if input_ids.dim() != 2:
+        raise ValueError(f"batch['input_ids'] must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    size, seq = input_ids.shape
+    for key in ("labels", "attention_mask", "position_ids"):
+        value = batch.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, Tensor):
+            raise TypeError(f"batch[{key!r}] must be a tensor, got {type(value).__name__}")
+        allowed = ((size, seq), (1, seq)) if key == "position_ids" else ((size, seq),)
+        if tuple(value.shape) not in allowed:
+            raise ValueError(f"batch[{key!r}] has shape {tuple(value.shape)}; it must be [batch, seq] = "
+                             f"{[size, seq]} like input_ids")
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(seq, device=input_ids.device)[None]
+    position_ids = position_ids.expand(size, -1)
+
+    def shard(x: Tensor) -> Tensor:
+        return shard_sequence(x.contiguous(), cp_mesh=cp_mesh, dim=1, order=order)
+
+    document_ids = document_ids_from(position_ids, batch.get("attention_mask"), size)
+    local = {
+        "input_ids": shard(input_ids),
+        "position_ids": shard(position_ids),
+        # One document per row and no padding: plain causal attention, one block call over the batch.
+        "document_ids": None if bool((document_ids == 0).all()) else shard(document_ids),
+        "cp_order": order,
+    }
+    labels = batch.get("labels")
+    if labels is not None:
+        local["labels"] = local["shift_labels"] = shard(shifted_labels(labels))
+    return local
+
+
+def global_num_items(model: nn.Module, batches: Iterable[Mapping]) -> Tensor:
+    """HF's ``num_items_in_batch`` for a gradient-accumulation window of a ``parallelize_hf_model`` model: the
+    target tokens (labels other than -100, after the shift) of ``batches`` (this rank's micro-batches as it
+    feeds them to the model: ``shard_hf_batch``'s output under context parallelism) summed over the model's
+    data- and context-parallel ranks. One scalar all-reduce; an int64 0-d tensor, the same on every rank.
+
+    Pass it to each micro-batch's forward (``model(**batch, num_items_in_batch=n)``): each ``.loss`` is then
+    that micro-batch's share of the window's loss, and the accumulated gradients are the single-process
+    gradients of the whole window's loss. Without it each forward counts its own batch (one all-reduce)."""
+    loss = getattr(model, "loss_function", None)
+    data_group = getattr(loss, "data_group", False)
+    if data_group is False:
+        raise TypeError(f"global_num_items takes a model returned by parallelize_hf_model, got "
+                        f"{type(model).__name__} without its loss")
+    count = None
+    for batch in batches:
+        labels = batch.get("shift_labels")
+        if labels is None:
+            if batch.get("labels") is None:
+                raise ValueError("every batch given to global_num_items needs labels (or shard_hf_batch's "
+                                 "shift_labels)")
+            labels = shifted_labels(batch["labels"])
+        local = (labels != IGNORE_INDEX).sum()
+        count = local if count is None else count + local
+    if count is None:
+        raise ValueError("global_num_items needs at least one batch")
+    return count if data_group is None else collectives.all_reduce(count, data_group.name)

@@ -1,0 +1,137 @@
+"""A parallelised HF model's weights to and from a ``save_pretrained`` directory (safetensors shards and their
+index), each rank reading and writing only its own shards, through torch DCP's Hugging Face storage."""
+
+import os
+import shutil
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch import Tensor, nn
+from torch.distributed.checkpoint import (
+    HuggingFaceStorageReader,
+    HuggingFaceStorageWriter,
+)
+from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files_on_every_rank,
+)
+from torch.distributed.checkpoint.state_dict import (
+    StateDictOptions,
+    get_model_state_dict,
+    set_model_state_dict,
+)
+
+__all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
+
+_SHARDED = "sharded"  # the ranks' own files, under the target directory while they are consolidated
+DEFAULT_SHARD_BYTES = 5 * 2**30
+
+
+def _weights(model: nn.Module) -> dict[str, Tensor]:
+    """The model's state dict as HF names it (DTensors where the model is sharded), without the LM head's
+    weight when it is tied to the embedding (``save_pretrained`` writes it once)."""
+    _check_model(model)
+    state = get_model_state_dict(model)
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        state.pop("lm_head.weight", None)
+    return state
+
+
+def _check_model(model: nn.Module) -> None:
+    if not isinstance(model, nn.Module) or getattr(model, "config", None) is None or \
+            getattr(model, "lm_head", None) is None or getattr(getattr(model, "model", None), "embed_tokens", None) is None:
+        raise TypeError(f"model must be a Hugging Face causal LM (with .config, .model.embed_tokens and .lm_head), "
+                        f"got {type(model).__name__}")
+
+
+def _nbytes(tensor: Tensor) -> int:
+    return tensor.numel() * tensor.element_size()  # (a DTensor's numel is the full tensor's)
+
+
+def _file_of_each_weight(state: dict[str, Tensor], max_shard_bytes: int) -> dict[str, int]:
+    """Weight name -> output file number (1, 2, ...): in state-dict order, a new file when the next weight would
+    take the current one over ``max_shard_bytes`` (HF's rule; a larger weight gets a file of its own)."""
+    files, index, filled = {}, 1, 0
+    for name, tensor in state.items():
+        size = _nbytes(tensor)
+        if filled and filled + size > max_shard_bytes:
+            index, filled = index + 1, 0
+        files[name] = index
+        filled += size
+    return files
+
+
+def _default_group():
+    """Every rank holds a part of the model: the default group (None in one process)."""
+    return dist.group.WORLD if dist.is_initialized() else None
+
+
+def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, max_shard_bytes: int = DEFAULT_SHARD_BYTES) -> None:
+    """Writes ``model``'s weights and config to ``path`` as ``save_pretrained`` does: ``model-0000i-of-0000n.
+    safetensors`` files of at most ``max_shard_bytes`` each (one weight larger than that gets a file of its own),
+    ``model.safetensors.index.json`` and ``config.json``, which ``from_pretrained`` reads in one process.
+
+    Call it on every rank of a ``parallelize_hf_model`` model (or in one process with a plain HF model). Each
+    rank first writes the parts of the weights it holds (DTensor shards: tp and FSDP2 slices; a replicated
+    weight once) under ``path/sharded``; then the ranks assemble the output files, each rank some of them, one
+    weight at a time: no rank ever holds more than one full weight. Weights keep their dtype."""
+    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
+        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+    state = _weights(model)
+    files = _file_of_each_weight(state, max_shard_bytes)
+    group = _default_group()
+    path = os.fspath(path)
+    sharded = os.path.join(path, _SHARDED)
+    dcp.save(state, storage_writer=HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=files,
+                                                            save_distributed=True),
+             process_group=group, no_dist=group is None)
+    consolidate_safetensors_files_on_every_rank(sharded, path, files, process_group=group)
+    if group is not None:
+        dist.barrier(group)
+    if group is None or dist.get_rank(group) == 0:
+        shutil.rmtree(sharded)
+        model.config.save_pretrained(path)
+        generation_config = getattr(model, "generation_config", None)
+        if generation_config is not None and model.can_generate():
+            generation_config.save_pretrained(path)
+    if group is not None:
+        dist.barrier(group)
+
+
+def _materialise(model: nn.Module) -> None:
+    """A model built on the meta device (parameters and buffers) gets storage on the CPU, or on this rank's
+    accelerator when torch has one; the rotary embedding's frequencies (buffers no checkpoint holds) are
+    computed again."""
+    if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
+        return
+    device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    model.to_empty(device=device)
+    rotary = getattr(model.model, "rotary_emb", None)
+    if rotary is not None:
+        with torch.device(device):
+            fresh = type(rotary)(rotary.config)
+        with torch.no_grad():
+            for name, buffer in fresh.named_buffers():
+                rotary.get_buffer(name).copy_(buffer)
+
+
+def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:
+    """Loads a ``save_pretrained`` (or ``save_hf_checkpoint``) directory into ``model`` in place.
+
+    ``model``: a ``parallelize_hf_model`` model (call on every rank) or a plain HF model in one process, best
+    built on the meta device (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``)
+    and parallelised there: it is then given storage here and no rank ever holds the full model. Each rank
+    reads only the slices of the safetensors files its shards hold; weights are cast to the model's dtype. A
+    weight the model has and the directory lacks is an error naming it."""
+    path = os.fspath(path)
+    if not os.path.isdir(path):
+        raise ValueError(f"path must be a directory written by save_pretrained or save_hf_checkpoint, got {path!r}")
+    if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+        raise ValueError(f"{path!r} holds no .safetensors files (save_pretrained(..., safe_serialization=True) "
+                         "writes them)")
+    _check_model(model)
+    _materialise(model)
+    state = _weights(model)
+    group = _default_group()
+    dcp.load(state, storage_reader=HuggingFaceStorageReader(path), process_group=group, no_dist=group is None)
+    set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # (no tied LM head in state)
