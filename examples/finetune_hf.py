@@ -3,12 +3,15 @@
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --check         # dp2 x tp2, SP
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --cp 2 --tp 2 --check  # cp2 (ring) x tp2
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --cp 4 --cp-method ulysses --packed
+    torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --compile --save-hf /tmp/tiny-llama
 
 The model is ``transformers.LlamaForCausalLM`` from a small config; three lines
 make it parallel (``parallelize_hf_model``) and feed it (``shard_hf_batch``).
 Each step prints the loss and the world's tokens/s. ``--packed`` packs documents
 (each window is cut into documents at random lengths, position_ids restarting at
 each, HF's packed-sequence convention) and masks attention across them.
+``--compile`` compiles each decoder layer (fullgraph); ``--save-hf DIR`` writes the
+trained model as a ``save_pretrained`` directory (``save_hf_checkpoint``).
 ``--check`` trains the same model in one process on the whole batch and
 compares the losses (fp32: summation order only; exits non-zero above 1e-4
 relative).
@@ -21,11 +24,15 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from one_process_check import check_losses, exit_now
 from torch.distributed.device_mesh import init_device_mesh
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from one_process_check import check_losses, exit_now
-from torchdist_ext.integrations.hf import parallelize_hf_model, shard_hf_batch
+from torchdist_ext.integrations.hf import (
+    parallelize_hf_model,
+    save_hf_checkpoint,
+    shard_hf_batch,
+)
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 CHECK_TOLERANCE = 1e-4
@@ -42,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq", type=int, default=128)
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--compile", action="store_true", help="compile each decoder layer (fullgraph)")
+    parser.add_argument("--save-hf", metavar="DIR", help="write the trained model to DIR for from_pretrained")
     parser.add_argument("--check", action="store_true", help="also train in one process and compare losses")
     return parser.parse_args(argv)
 
@@ -83,11 +92,7 @@ def train(model, args, dp_rank: int, dp: int, cp_mesh, report: bool) -> list[flo
         loss.backward()
         optimizer.step()
         optimizer.zero_grad()
-        global_loss = loss.detach().clone()
-        if dp > 1:  # every dp rank's loss is the mean over its own (equally many) tokens
-            dist.all_reduce(global_loss)
-            global_loss /= dist.get_world_size()
-        losses.append(global_loss.item())
+        losses.append(loss.item())  # (the whole batch's loss, over every dp and cp rank)
         if report:
             tokens_per_second = args.batch * args.seq / (time.perf_counter() - start)
             print(f"step {step:3d}  loss {losses[-1]:.4f}  {tokens_per_second:,.0f} tokens/s", flush=True)
@@ -109,12 +114,14 @@ def main(argv=None) -> int:
         cp_mesh = mesh["cp"] if args.cp > 1 else None
         model = build_model(args.seed)
         parallelize_hf_model(model, tp_mesh=mesh["tp"] if args.tp > 1 else None, sequence_parallel=args.tp > 1,
-                             dp_mesh=mesh["dp"], cp_mesh=cp_mesh, cp_method=args.cp_method)
+                             dp_mesh=mesh["dp"], cp_mesh=cp_mesh, cp_method=args.cp_method, compile=args.compile)
         if rank == 0:
             print(f"world {world}: dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}) x "
                   f"tp={args.tp}{' (sequence parallel)' if args.tp > 1 else ''}, {'packed documents, ' if args.packed else ''}"
                   f"HF LlamaForCausalLM with {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
         losses = train(model, args, mesh["dp"].get_local_rank(), dp, cp_mesh, report=rank == 0)
+        if args.save_hf:
+            save_hf_checkpoint(model, args.save_hf)
         if not args.check:
             return 0
         return check_losses(losses, lambda: train(build_model(args.seed), args, 0, 1, None, report=False),
