@@ -37,15 +37,17 @@ FAMILIES = {  # config class, model class, what the tiny config needs besides th
     "mistral": (transformers.MistralConfig, transformers.MistralForCausalLM, {"sliding_window": None}),
     "qwen2": (transformers.Qwen2Config, transformers.Qwen2ForCausalLM, {}),
     # Qwen3 adds per-head q/k norms (their gradients are sums over the tp ranks' heads).
-    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {"head_dim": 4}),
+    "qwen3": (transformers.Qwen3Config, transformers.Qwen3ForCausalLM, {}),
 }
 
 
-def tiny_config(family: str, tied: bool):
+def tiny_config(family: str, tied: bool, fp8: bool = False):
+    """Heads of 4 features; with ``fp8`` of 16, so that every linear's features stay multiples of 16 at tp 2."""
     config_class, _, extra = FAMILIES[family]
-    return config_class(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                        num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=128,
-                        tie_word_embeddings=tied, attn_implementation="sdpa", **extra)
+    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16) \
+        if fp8 else dict(hidden_size=32, intermediate_size=64, num_attention_heads=8, num_key_value_heads=4)
+    return config_class(**{**sizes, **extra}, vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=128,
+                        tie_word_embeddings=tied, attn_implementation="sdpa")
 
 
 def build(config) -> torch.nn.Module:
@@ -287,6 +289,67 @@ def test_compile_layers_on_fsdp_layouts(world4, layout):
     assert all(world4.run(check_compiled_layers, layout))
 
 
+def check_fp8(family: str, layout: str, recipe_name: str, all_gather: bool, compiled: bool):
+    """fp8=recipe against one process converting the same recipe (every linear but the LM head), on batches
+    whose dp halves hold different numbers of target tokens: the loss and every gradient of each step (AdamW,
+    fp8_step after each) within FP8_TOLERANCE[recipe], and with the delayed recipe the parameters after
+    three steps."""
+    from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, convert_to_fp8, fp8_modules, fp8_step
+
+    torch._dynamo.reset()
+    recipe = DelayedScaling() if recipe_name == "delayed" else CurrentScaling()
+    loss_tolerance, gradient_tolerance = FP8_TOLERANCE[recipe_name]
+    kwargs = meshes(layout)
+    config = tiny_config(family, tied=False, fp8=True)
+    reference = convert_to_fp8(build(config), recipe, filter_fn=lambda name, module: name != "lm_head")
+    model = parallelize_hf_model(build(config), **kwargs, fp8=recipe, fp8_all_gather=all_gather, compile=compiled)
+    assert len(fp8_modules(model)) == len(fp8_modules(reference)) == 2 * 7
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
+    kinds = ("left_padded", "ignored_labels", "right_padded") if recipe_name == "delayed" else ("left_padded",)
+    for kind in kinds:
+        batch = batches()[kind]
+        want = reference(**batch, use_cache=False).loss
+        want.backward()
+        got = model(**local_inputs(batch, kwargs)).loss
+        got.backward()
+        torch.testing.assert_close(got, want, rtol=loss_tolerance, atol=0, msg=kind)
+        parameters = dict(model.named_parameters())
+        for key, p in reference.named_parameters():
+            difference = (full(parameters[key].grad) - p.grad).abs().max() / p.grad.abs().max()
+            assert difference <= gradient_tolerance, (kind, key, difference.item())
+        for trained, optimizer in zip((reference, model), optimizers):
+            optimizer.step()
+            optimizer.zero_grad()
+            fp8_step(trained)
+    if recipe_name == "delayed":
+        parameters = dict(model.named_parameters())
+        for key, want in reference.named_parameters():
+            torch.testing.assert_close(full(parameters[key]).detach(), want.detach(), rtol=1e-4, atol=1e-5, msg=key)
+    return True
+
+
+# (loss relative, largest gradient difference over the largest gradient element) against one process running
+# the same recipe. Delayed scaling (amaxes reduced over every rank) gives the same scales, and the gradients
+# the same magnitudes (each rank's backward is its part of the single-process one), so the same fp8 values up
+# to the fp32 summation order of the GEMMs' partial sums, which can move an element of a later cast across
+# an fp8 rounding boundary (measured: loss 1.3e-7, gradients 2.5e-7). Current scaling casts each rank's own
+# tensors by their own amax (a dp or cp rank's rows, a tp rank's weight shard): not one process's scales,
+# so fp8's own noise (e5m2 gradients keep 2 mantissa bits) shows, measured at dp2 x cp2 on the first step:
+# loss 6.4e-4, gradients 0.25 (a mean of means instead of the global count gives 0.87).
+FP8_TOLERANCE = {"delayed": (1e-5, 1e-4), "current": (5e-3, 0.5)}
+
+
+@pytest.mark.parametrize("family, layout, recipe, all_gather, compiled", [
+    ("llama", "dp2_tp2_sp", "delayed", True, False), ("qwen3", "dp2_cp2", "delayed", False, False),
+    ("qwen3", "dp2_cp2", "current", False, False), ("mistral", "dp2", "delayed", False, False),
+    ("qwen2", "tp2_sp", "delayed", False, True)],
+    ids=["llama-dp2_tp2_sp-delayed-fp8_all_gather", "qwen3-dp2_cp2-delayed", "qwen3-dp2_cp2-current",
+         "mistral-dp2-delayed", "qwen2-tp2_sp-delayed-compiled"])
+def test_fp8_matches_the_same_recipe_in_one_process(family, layout, recipe, all_gather, compiled, request):
+    world = request.getfixturevalue(LAYOUTS[layout])
+    assert all(world.run(check_fp8, family, layout, recipe, all_gather, compiled))
+
+
 def check_hf_round_trip(directory: str):
     """A save_pretrained directory -> a model built on the meta device, parallelised at dp2 x tp2 (SP) ->
     load_hf_checkpoint (the reference's weights exactly) -> 2 AdamW steps (the reference's) ->
@@ -433,6 +496,14 @@ def refuses(case: str):
     elif case == "generate_with_cache":
         parallelize_hf_model(model, dp_mesh=cached_mesh((n,), ("dp",)))
         model.generate(batches()["plain"]["input_ids"][:, :4], max_new_tokens=2, use_cache=True)
+    elif case == "fp8_sizes":
+        from torchdist_ext.fp8 import DelayedScaling
+        parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8=DelayedScaling())
+    elif case == "fp8_all_gather_without_fsdp":
+        from torchdist_ext.fp8 import DelayedScaling
+        parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8=DelayedScaling(), fp8_all_gather=True)
+    elif case == "fp8_recipe":
+        parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8="e4m3")
     elif case == "global_num_items":
         global_num_items(torch.nn.Linear(2, 2), [batches()["plain"]])
     elif case == "batch_key":
@@ -458,6 +529,10 @@ REFUSALS = [
     ("generate", ValueError, "generate is not supported on a tensor- or context-parallel parallelize_hf_model model"),
     ("save_pretrained", ValueError, r"save_pretrained would .* call torchdist_ext.integrations.hf.save_hf_checkpoint"),
     ("generate_with_cache", ValueError, r"runs without a KV cache, but got past_key_values; pass use_cache=False"),
+    ("fp8_sizes", ValueError, r"fp8: model.layers.0.self_attn.k_proj would run an fp8 GEMM of \[out, in\] = \[8, 32\] "
+     r"features on each rank \(its \[16, 32\] split over tp = 2\); fp8 GEMMs need multiples of 16"),
+    ("fp8_all_gather_without_fsdp", ValueError, "fp8_all_gather=True needs an fp8 recipe and FSDP2"),
+    ("fp8_recipe", TypeError, "fp8 must be a DelayedScaling or CurrentScaling recipe or None, got str"),
     ("global_num_items", TypeError, "global_num_items takes a model returned by parallelize_hf_model, got Linear"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
 ]

@@ -28,13 +28,14 @@ DEFAULT_SHARD_BYTES = 5 * 2**30
 
 
 def _weights(model: nn.Module) -> dict[str, Tensor]:
-    """The model's state dict as HF names it (DTensors where the model is sharded), without the LM head's
-    weight when it is tied to the embedding (``save_pretrained`` writes it once)."""
+    """The model's parameters as HF names them (DTensors where the model is sharded), without the LM head's
+    weight when it is tied to the embedding (``save_pretrained`` writes it once). Buffers (fp8 histories and
+    scales) stay out: HF's format holds the weights only (DCP checkpoints keep them)."""
     _check_model(model)
-    state = get_model_state_dict(model)
+    names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
     if model.lm_head.weight is model.model.embed_tokens.weight:
-        state.pop("lm_head.weight", None)
-    return state
+        names.discard("lm_head.weight")
+    return {name: tensor for name, tensor in get_model_state_dict(model).items() if name in names}
 
 
 def _check_model(model: nn.Module) -> None:

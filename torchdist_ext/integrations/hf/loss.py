@@ -13,11 +13,6 @@ from torchdist_ext.parallel.regions import reduce_from_region
 __all__ = ["ParallelCausalLMLoss"]
 
 
-def _gradient_times(x: Tensor, factor: int) -> Tensor:
-    """``x`` in the forward (exactly); its gradient multiplied by ``factor`` in the backward."""
-    return x if factor == 1 else x + (x - x.detach()) * (factor - 1)
-
-
 class ParallelCausalLMLoss:
     """HF's ``loss_function(logits, labels, vocab_size, num_items_in_batch=None, ignore_index=-100,
     shift_labels=None, **kwargs)`` on vocab-sharded logits (over ``tp``) and tokens spread over the ranks of
@@ -25,9 +20,10 @@ class ParallelCausalLMLoss:
     losses over the global number of target tokens, the single-process model's loss, identical on every rank.
 
     ``num_items_in_batch``: the target tokens over ``data_group`` (and over a gradient-accumulation window:
-    ``global_num_items``); None counts this batch's (one scalar all-reduce). The gradient reaching each rank's
-    parameters is multiplied by the size of ``data_group``, which FSDP2's average divides out again: after
-    the reduce-scatter every parameter holds the single-process gradient.
+    ``global_num_items``); None counts this batch's (one scalar all-reduce). Each rank's backward gives its
+    part of the single-process gradient (the sum's backward is the identity), at the single-process
+    magnitude (what fp8's gradient casts see); FSDP2 sums the parts (``parallelize_hf_model`` sets its divide
+    factor to 1).
     """
 
     def __init__(self, tp: MeshGroup | None, tp_mesh: DeviceMesh | None, data_group: MeshGroup | None,
@@ -56,7 +52,7 @@ class ParallelCausalLMLoss:
             if self.data_group is not None:
                 count = collectives.all_reduce(count, self.data_group.name)
         if self.data_group is not None:
-            total = reduce_from_region(_gradient_times(total, self.data_group.size), self.data_group)
+            total = reduce_from_region(total, self.data_group)
         if isinstance(count, Tensor):
             count = count.to(total.device)
         return total / count

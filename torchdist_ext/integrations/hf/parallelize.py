@@ -8,6 +8,8 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import fully_shard
 
+from torchdist_ext.fp8 import convert_to_fp8
+from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.integrations.hf.attention import (
     ATTENTION_NAME,
     CP_METHODS,
@@ -32,6 +34,11 @@ from torchdist_ext.parallel.sequence_sharding import (
 __all__ = ["MODEL_TYPES", "parallelize_hf_model"]
 
 MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+# Each decoder layer's linears: (module path in the layer, whether tensor parallelism splits its output
+# features (column-parallel) or its input features (row-parallel)).
+_LAYER_LINEARS = (("self_attn.q_proj", "out"), ("self_attn.k_proj", "out"), ("self_attn.v_proj", "out"),
+                  ("self_attn.o_proj", "in"), ("mlp.gate_proj", "out"), ("mlp.up_proj", "out"),
+                  ("mlp.down_proj", "in"))
 
 
 def _inputs_hook(cp_mesh: DeviceMesh | None, cp_order: str):
@@ -125,6 +132,33 @@ def _check_config(config, decoder: nn.Module, tp_size: int) -> None:
             raise ValueError(f"config.{name}={value} must be divisible by the size of tp_mesh ({tp_size})")
 
 
+def _check_fp8(recipe, all_gather: bool, decoder: nn.Module, tp_size: int, fsdp: bool) -> None:
+    """Every decoder-layer linear runs its GEMM in fp8, or the call is refused (before anything changes): the
+    recipe's type, fp8_all_gather's needs, and the fp8 GEMM's rule that this rank's features are multiples of
+    16 (the LM head stays in the activation dtype)."""
+    if recipe is not None and not isinstance(recipe, (DelayedScaling, CurrentScaling)):
+        raise TypeError(f"fp8 must be a DelayedScaling or CurrentScaling recipe or None, got {type(recipe).__name__}")
+    if not isinstance(all_gather, bool):
+        raise TypeError(f"fp8_all_gather must be a bool, got {all_gather!r}")
+    if all_gather and (recipe is None or not fsdp):
+        raise ValueError(f"fp8_all_gather=True needs an fp8 recipe and FSDP2 (a dp_mesh or cp_mesh); got "
+                         f"fp8={recipe!r} and {'a' if fsdp else 'no'} dp or cp mesh")
+    if all_gather and not (isinstance(recipe, DelayedScaling) and recipe.reduce_amax):
+        raise ValueError(f"fp8_all_gather=True needs DelayedScaling(reduce_amax=True): every FSDP rank casts its "
+                         f"shard with the same scale, known before the gather; got {recipe}")
+    if recipe is None:
+        return
+    for index, layer in enumerate(decoder.layers):
+        for path, split in _LAYER_LINEARS:
+            linear = layer.get_submodule(path)
+            out_features, in_features = linear.out_features, linear.in_features
+            local = (out_features // tp_size, in_features) if split == "out" else (out_features, in_features // tp_size)
+            if any(features % 16 for features in local):
+                raise ValueError(f"fp8: model.layers.{index}.{path} would run an fp8 GEMM of [out, in] = "
+                                 f"{list(local)} features on each rank (its [{out_features}, {in_features}] split "
+                                 f"over tp = {tp_size}); fp8 GEMMs need multiples of 16")
+
+
 def _fsdp_mesh(dp_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None) -> DeviceMesh | None:
     if dp_mesh is None or cp_mesh is None:
         mesh = dp_mesh if dp_mesh is not None else cp_mesh
@@ -175,7 +209,8 @@ def _convert_layers(decoder: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
 
 def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None, dp_mesh: DeviceMesh | None = None,
                          cp_mesh: DeviceMesh | None = None, sequence_parallel: bool = False,
-                         cp_method: str = "ring", cp_order: str = "zigzag", compile: bool = False) -> nn.Module:
+                         cp_method: str = "ring", cp_order: str = "zigzag", compile: bool = False,
+                         fp8: Recipe | None = None, fp8_all_gather: bool = False) -> nn.Module:
     """Parallelises a Hugging Face Llama-family causal LM in place; returns it.
 
     - tensor parallelism: q/k/v and gate/up become ``ColumnParallelLinear``, o/down ``RowParallelLinear``, the
@@ -197,6 +232,10 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
       and divided by the global number of target tokens: ``ParallelCausalLMLoss``), the same on every rank;
       after ``backward`` and FSDP2's reduce-scatter every gradient is the single-process gradient. With
       gradient accumulation pass ``num_items_in_batch=global_num_items(model, window)`` to each forward.
+    - fp8: with a recipe every decoder-layer linear runs its GEMMs in fp8 (``convert_to_fp8`` after tensor
+      parallelism and before FSDP2, the amaxes reduced over the default group; call
+      ``torchdist_ext.fp8.fp8_step(model)`` after each optimizer step); the LM head stays in the activation
+      dtype. ``fp8_all_gather``: FSDP2 gathers those weights as fp8 bytes (a delayed recipe).
     - FSDP2: every decoder layer and then the whole model are ``fully_shard``-ed over ``dp_mesh`` x ``cp_mesh``
       when either is given.
     - ``compile``: each decoder layer's forward compiled with ``fullgraph=True`` (FSDP2's hooks, the
@@ -216,6 +255,9 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         cp_method: "ring", "ulysses" or "hybrid" (the keys of ``CP_METHODS``).
         cp_order: how the sequence is cut over the cp ranks: "zigzag" or "contiguous".
         compile: compile each decoder layer (fullgraph).
+        fp8: a ``torchdist_ext.fp8`` recipe (``DelayedScaling`` or ``CurrentScaling``) or None; each rank's
+            share of every decoder-layer linear must have multiples of 16 features.
+        fp8_all_gather: with FSDP2 and a ``DelayedScaling(reduce_amax=True)`` recipe, gather fp8 weights.
 
     All meshes are slices of one ``init_device_mesh`` mesh, dp before cp. Refused with a clear error instead of
     ignored: model types other than ``MODEL_TYPES`` (e.g. Gemma, whose norms scale by 1 + weight), 4-D
@@ -248,6 +290,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     tp = MeshGroup.of(tp_mesh) if tp_mesh is not None else None
     _check_config(model.config, decoder, tp.size if tp is not None else 1)
     fsdp_mesh = _fsdp_mesh(dp_mesh, cp_mesh)  # (checked before anything changes)
+    _check_fp8(fp8, fp8_all_gather, decoder, tp.size if tp is not None else 1, fsdp_mesh is not None)
 
     _own_config(model)
     if tp is not None:
@@ -277,10 +320,15 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     else:  # without a KV cache; under FSDP2 HF's generate keeps the ranks in step (synced_gpus)
         model.generation_config.use_cache = False
         model._is_fsdp_managed_module = fsdp_mesh is not None  # (read by HF generate: synced_gpus)
+    if fp8 is not None:
+        convert_to_fp8(decoder.layers, fp8, fp8_all_gather=fp8_all_gather)
     if fsdp_mesh is not None:
         for layer in decoder.layers:
             fully_shard(layer, mesh=fsdp_mesh)
         fully_shard(model, mesh=fsdp_mesh)
+        for unit in (*decoder.layers, model):  # each rank's gradient is its part of the whole batch's: summed
+            unit.set_gradient_divide_factor(1.0)
+            unit.set_force_sum_reduction_for_comms(True)
     if compile:
         for layer in decoder.layers:
             layer.forward = torch.compile(layer.forward, fullgraph=True)
