@@ -21,6 +21,7 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
+from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, convert_to_fp8, fp8_modules, fp8_step
 from torchdist_ext.integrations.hf import (
     global_num_items,
     load_hf_checkpoint,
@@ -44,8 +45,9 @@ FAMILIES = {  # config class, model class, what the tiny config needs besides th
 def tiny_config(family: str, tied: bool, fp8: bool = False):
     """Heads of 4 features; with ``fp8`` of 16, so that every linear's features stay multiples of 16 at tp 2."""
     config_class, _, extra = FAMILIES[family]
-    sizes = dict(hidden_size=64, intermediate_size=128, num_attention_heads=4, num_key_value_heads=2, head_dim=16) \
-        if fp8 else dict(hidden_size=32, intermediate_size=64, num_attention_heads=8, num_key_value_heads=4)
+    sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+             "head_dim": 16} if fp8 else \
+        {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4}
     return config_class(**{**sizes, **extra}, vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=128,
                         tie_word_embeddings=tied, attn_implementation="sdpa")
 
@@ -294,8 +296,6 @@ def check_fp8(family: str, layout: str, recipe_name: str, all_gather: bool, comp
     whose dp halves hold different numbers of target tokens: the loss and every gradient of each step (AdamW,
     fp8_step after each) within FP8_TOLERANCE[recipe], and with the delayed recipe the parameters after
     three steps."""
-    from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, convert_to_fp8, fp8_modules, fp8_step
-
     torch._dynamo.reset()
     recipe = DelayedScaling() if recipe_name == "delayed" else CurrentScaling()
     loss_tolerance, gradient_tolerance = FP8_TOLERANCE[recipe_name]
@@ -497,10 +497,8 @@ def refuses(case: str):
         parallelize_hf_model(model, dp_mesh=cached_mesh((n,), ("dp",)))
         model.generate(batches()["plain"]["input_ids"][:, :4], max_new_tokens=2, use_cache=True)
     elif case == "fp8_sizes":
-        from torchdist_ext.fp8 import DelayedScaling
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8=DelayedScaling())
     elif case == "fp8_all_gather_without_fsdp":
-        from torchdist_ext.fp8 import DelayedScaling
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8=DelayedScaling(), fp8_all_gather=True)
     elif case == "fp8_recipe":
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8="e4m3")
