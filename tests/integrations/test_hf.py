@@ -21,7 +21,13 @@ import torch.distributed as dist
 import transformers
 from torch.distributed.tensor import DTensor
 
-from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, convert_to_fp8, fp8_modules, fp8_step
+from torchdist_ext.fp8 import (
+    CurrentScaling,
+    DelayedScaling,
+    convert_to_fp8,
+    fp8_modules,
+    fp8_step,
+)
 from torchdist_ext.integrations.hf import (
     global_num_items,
     load_hf_checkpoint,
