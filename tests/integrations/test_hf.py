@@ -356,6 +356,66 @@ def test_fp8_matches_the_same_recipe_in_one_process(family, layout, recipe, all_
     assert all(world.run(check_fp8, family, layout, recipe, all_gather, compiled))
 
 
+def check_pipeline(layout: str, schedule: str, num_microbatches: int, fp8: bool = False):
+    """pp2 x tp2 (SP), pp2 x dp2 or pp2 x cp2: model.pipeline.step on padded and packed batches (4 rows of unequal target
+    counts), two AdamW steps: the loss, every gradient this rank's stages hold and the parameters after the
+    steps are the single-process model's."""
+    n = dist.get_world_size()
+    if layout == "pp2_tp2_sp":
+        mesh = cached_mesh((2, n // 2), ("pp", "tp"))
+        kwargs = {"tp_mesh": mesh["tp"], "sequence_parallel": True}
+    elif layout == "pp2_cp2":
+        mesh = cached_mesh((2, n // 2), ("pp", "cp"))
+        kwargs = {"cp_mesh": mesh["cp"]}
+    else:
+        mesh = cached_mesh((2, n // 2), ("pp", "dp"))
+        kwargs = {"dp_mesh": mesh["dp"]}
+    config = tiny_config("llama", tied=False, fp8=fp8)
+    config.num_hidden_layers = 4
+    reference, model = build(config), build(config)
+    if fp8:  # (fp8_step reduces the reference's amaxes over the world's identical copies: one process's)
+        reference = convert_to_fp8(reference, DelayedScaling(), filter_fn=lambda name, module: name != "lm_head")
+    model = parallelize_hf_model(model, **kwargs, pp_mesh=mesh["pp"], pp_schedule=schedule,
+                                 num_microbatches=num_microbatches, fp8=DelayedScaling() if fp8 else None)
+    parameters = dict(model.named_parameters())
+    assert parameters and set(parameters) < set(dict(reference.named_parameters()))
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
+    every = batches()
+    padded = {key: torch.cat([every["left_padded"][key], every["right_padded"][key]]) for key in every["left_padded"]}
+    packed = {key: torch.cat([value, value.flip(0)]) for key, value in every["packed"].items()}
+    dp_rows = (lambda rows: rows) if "dp_mesh" not in kwargs else \
+        (lambda rows: rows.chunk(2)[kwargs["dp_mesh"].get_local_rank()])
+    for batch in (padded, packed):
+        want = reference(**batch, use_cache=False).loss
+        want.backward()
+        got = model.pipeline.step({key: dp_rows(value) for key, value in batch.items()})
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        for key, parameter in parameters.items():
+            want_grad = dict(reference.named_parameters())[key].grad
+            difference = (full(parameter.grad) - want_grad).abs().max() / want_grad.abs().max()
+            assert difference <= (FP8_TOLERANCE["delayed"][1] if fp8 else 1e-5), (key, difference.item())
+        for trained, optimizer in zip((reference, model), optimizers):
+            optimizer.step()
+            optimizer.zero_grad()
+            fp8_step(trained)
+    for key, parameter in parameters.items():
+        torch.testing.assert_close(full(parameter).detach(), dict(reference.named_parameters())[key].detach(),
+                                   rtol=1e-4, atol=1e-5, msg=key)
+    return True
+
+
+@pytest.mark.parametrize("layout, schedule, num_microbatches", [
+    ("pp2_tp2_sp", "1f1b", 2), ("pp2_dp2", "zb-h1", 2), ("pp2_tp2_sp", "interleaved-1f1b", 2),
+    ("pp2_cp2", "gpipe", 4)])
+def test_pipeline_matches_single_process(world4, layout, schedule, num_microbatches):
+    assert all(world4.run(check_pipeline, layout, schedule, num_microbatches))
+
+
+@pytest.mark.parametrize("layout", ["pp2_tp2_sp", "pp2_dp2"])
+def test_pipeline_in_fp8_matches_the_same_recipe_in_one_process(world4, layout):
+    assert all(world4.run(check_pipeline, layout, "1f1b", 2, True))
+
+
 def check_hf_round_trip(directory: str):
     """A save_pretrained directory -> a model built on the meta device, parallelised at dp2 x tp2 (SP) ->
     load_hf_checkpoint (the reference's weights exactly) -> 2 AdamW steps (the reference's) ->
@@ -508,6 +568,13 @@ def refuses(case: str):
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8=DelayedScaling(), fp8_all_gather=True)
     elif case == "fp8_recipe":
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8="e4m3")
+    elif case in ("pp_tied", "pp_fp8", "pp_forward"):
+        pp_mesh = cached_mesh((n,), ("pp",))
+        if case == "pp_tied":
+            model = tiny_model("llama", tied=True)
+        options = {"fp8": DelayedScaling()} if case == "pp_fp8" else {}
+        parallelize_hf_model(model, pp_mesh=pp_mesh, num_microbatches=2, **options)
+        model(**batches()["plain"])
     elif case == "global_num_items":
         global_num_items(torch.nn.Linear(2, 2), [batches()["plain"]])
     elif case == "batch_key":
@@ -537,6 +604,10 @@ REFUSALS = [
      r"features on each rank \(its \[16, 32\] split over tp = 2\); fp8 GEMMs need multiples of 16"),
     ("fp8_all_gather_without_fsdp", ValueError, "fp8_all_gather=True needs an fp8 recipe and FSDP2"),
     ("fp8_recipe", TypeError, "fp8 must be a DelayedScaling or CurrentScaling recipe or None, got str"),
+    ("pp_tied", ValueError, "tie_word_embeddings=True is not supported with a pp_mesh"),
+    ("pp_fp8", ValueError, r"reduces its amaxes over the ranks that hold the same stage, and pp_mesh is its mesh's "
+     r"only dim: pass DelayedScaling\(reduce_amax=False\)"),
+    ("pp_forward", ValueError, r"a pipelined parallelize_hf_model model trains through model.pipeline.step\(batch\)"),
     ("global_num_items", TypeError, "global_num_items takes a model returned by parallelize_hf_model, got Linear"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
 ]

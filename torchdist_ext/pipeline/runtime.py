@@ -222,6 +222,8 @@ class Pipeline:
         num_microbatches: micro-batches per step (interleaved-1f1b: divisible by pp).
         loss_fn: ``loss_fn(output, targets) -> scalar`` of the last stage's output of a micro-batch.
         virtual_stages: chunks per rank for interleaved-1f1b.
+        loss_reduction: "mean": the step's loss is the mean of the micro-batches' ``loss_fn`` values; "sum":
+            their sum (a ``loss_fn`` that divides by the whole step's token count already).
         fixed_shapes: every step gives each stage inputs of the first step's shapes and dtypes (as
             ``torch.distributed.pipelining`` and Megatron-LM assume): only the first step's messages carry
             headers, so later steps post every receive one action ahead of its reader. False (variable
@@ -231,7 +233,7 @@ class Pipeline:
 
     def __init__(self, stages: Mapping[int, nn.Module], *, pp_mesh: DeviceMesh, schedule: str,
                  num_microbatches: int, loss_fn: Callable[[Tensor, Tensor], Tensor], virtual_stages: int = 1,
-                 fixed_shapes: bool = True):
+                 loss_reduction: str = "mean", fixed_shapes: bool = True):
         if not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1:
             raise TypeError(f"pp_mesh must be a 1-D DeviceMesh, got {pp_mesh!r}")
         self.pp, self.rank = pp_mesh.size(), pp_mesh.get_local_rank()
@@ -239,6 +241,8 @@ class Pipeline:
         def validate():  # and the schedule's plan for this rank
             if not isinstance(fixed_shapes, bool):
                 raise TypeError(f"fixed_shapes must be a bool, got {type(fixed_shapes).__name__}")
+            if loss_reduction not in ("mean", "sum"):
+                raise ValueError(f"loss_reduction must be 'mean' or 'sum', got {loss_reduction!r}")
             if not callable(loss_fn):
                 raise TypeError(f"loss_fn must be callable(output, targets) -> loss, got {type(loss_fn).__name__}")
             self.schedule, self.virtual_stages, self.num_microbatches = schedule, virtual_stages, num_microbatches
@@ -264,7 +268,9 @@ class Pipeline:
         # Every pipeline rank refuses, or none does: the ranks then exchange messages by the schedule's plan.
         check_agreement(pp_mesh.get_group(), "PipelineSchedule",
                         {"schedule": schedule, "num_microbatches": num_microbatches,
-                         "virtual_stages": virtual_stages, "fixed_shapes": fixed_shapes}, validate)
+                         "virtual_stages": virtual_stages, "loss_reduction": loss_reduction,
+                         "fixed_shapes": fixed_shapes}, validate)
+        self.loss_reduction = loss_reduction
         self.split = splits_weight_grad(schedule)
         self.stages = {i: enable_weight_grad_split(m) if self.split else m for i, m in stages.items()}
         self.group = pp_mesh.get_group()
@@ -415,11 +421,12 @@ class Pipeline:
         else:
             x = received.detach()
             x.requires_grad_(x.is_floating_point())
-        out = self.stages[stage](x)
+        out = self.stages[stage](x, **self._stage_inputs[microbatch])
         if stage == self.num_stages - 1:
             loss = self.loss_fn(out, self._targets[microbatch])
             _check_loss(loss)
-            loss = loss / self.num_microbatches
+            if self.loss_reduction == "mean":
+                loss = loss / self.num_microbatches
             self._losses.append(loss.detach())
             self._saved[(stage, microbatch)] = (x, loss)
         else:
@@ -439,19 +446,25 @@ class Pipeline:
         if stage > 0:
             self._send(x.grad, BACKWARD, stage - 1, microbatch)
 
-    def step(self, inputs: Tensor, targets: Tensor) -> Tensor:
+    def step(self, inputs: Tensor, targets: Tensor, stage_inputs: Mapping[str, Tensor] | None = None) -> Tensor:
         """One training step (forward and backward of every micro-batch; no optimizer step): returns the
-        mean loss (0-d, the same on every rank) and leaves the gradients in the stages' parameters.
+        step's loss (0-d, the same on every rank) and leaves the gradients in the stages' parameters.
 
         Every rank passes the same ``inputs`` and ``targets`` (only the first stage reads the inputs, only the last
         the targets), split along dim 0 into ``num_microbatches`` equal micro-batches. The loss is
-        ``mean_i loss_fn(last_stage(...(inputs_i)), targets_i)``, so with a mean-reducing ``loss_fn`` the
-        gradients equal those of ``loss_fn(model(inputs), targets)`` in one process.
+        ``mean_i loss_fn(last_stage(...(inputs_i)), targets_i)`` (the sum under ``loss_reduction="sum"``), so
+        with a mean-reducing ``loss_fn`` the gradients equal those of ``loss_fn(model(inputs), targets)`` in one
+        process. ``stage_inputs``: tensors every stage takes besides its input (positions, document ids), split
+        along dim 0 like ``inputs``: each stage's forward gets micro-batch i's slices as keyword arguments.
 
         A step that raises once its actions have begun (a stage's error, a peer's timeout) leaves the pipeline
         unusable: later calls raise RuntimeError, since that step's messages may still be in flight. Its peers
         raise the same error where the message order lets this rank tell them (see the class docstring)."""
-        for name, t in (("inputs", inputs), ("targets", targets)):
+        stage_inputs = {} if stage_inputs is None else stage_inputs
+        if not isinstance(stage_inputs, Mapping):
+            raise TypeError(f"stage_inputs must be a mapping of names to tensors, got {type(stage_inputs).__name__}")
+        for name, t in (("inputs", inputs), ("targets", targets),
+                        *((f"stage_inputs[{key!r}]", value) for key, value in stage_inputs.items())):
             if not isinstance(t, Tensor):
                 raise TypeError(f"{name} must be a Tensor, got {type(t).__name__}")
             if t.dim() == 0 or t.shape[0] % self.num_microbatches:
@@ -463,6 +476,8 @@ class Pipeline:
                                "cannot run another step; end the job and restart it from a checkpoint")
         self.device = inputs.device
         self._inputs, self._targets = inputs.chunk(self.num_microbatches), targets.chunk(self.num_microbatches)
+        chunks = {key: value.chunk(self.num_microbatches) for key, value in stage_inputs.items()}
+        self._stage_inputs = [{key: parts[i] for key, parts in chunks.items()} for i in range(self.num_microbatches)]
         self._saved, self._in_memory, self._outbox, self._inbox = {}, {}, {}, {}
         self._sends, self._losses, self._posted_sends = [], [], set()
         self._headers = not (self.fixed_shapes and self.timeline)  # a step ran: the receivers know the shapes
@@ -518,7 +533,8 @@ class Pipeline:
         losses = [loss.float() for loss in self._losses]  # fp32 on every rank, whatever the logits' dtype
         loss = torch.stack(losses).sum() if losses else torch.zeros((), device=self.device)
         dist.all_reduce(loss, group=self.group)  # the last stage's rank holds the sum; the others add 0
-        self._inputs = self._targets = self._saved = self._sends = self._inbox = self._outbox = None
+        self._inputs = self._targets = self._stage_inputs = None
+        self._saved = self._sends = self._inbox = self._outbox = None
         return loss
 
 

@@ -21,6 +21,19 @@ from torchdist_ext.integrations.hf.checkpoint import (
 )
 from torchdist_ext.integrations.hf.loss import ParallelCausalLMLoss
 from torchdist_ext.integrations.hf.parallelize import MODEL_TYPES, parallelize_hf_model
+from torchdist_ext.integrations.hf.pipeline import HFPipeline, HFStage
 
-__all__ = ["ATTENTION_NAME", "CP_METHODS", "MODEL_TYPES", "ParallelCausalLMLoss", "document_ids_from",
-           "global_num_items", "load_hf_checkpoint", "parallelize_hf_model", "save_hf_checkpoint", "shard_hf_batch"]
+__all__ = [
+           "ATTENTION_NAME",
+           "CP_METHODS",
+           "MODEL_TYPES",
+           "HFPipeline",
+           "HFStage",
+           "ParallelCausalLMLoss",
+           "document_ids_from",
+           "global_num_items",
+           "load_hf_checkpoint",
+           "parallelize_hf_model",
+           "save_hf_checkpoint",
+           "shard_hf_batch",
+]

@@ -1,6 +1,6 @@
 """The batches a parallelised HF model takes: sequence shards, document ids, the global count of target tokens."""
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 
 import torch
 import torch.nn.functional as F
@@ -42,6 +42,14 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, order: str = "zigzag") -
     ``shard_sequence(x, cp_mesh=cp_mesh, dim=1, order=order)``; and ``cp_order``, which the model checks
     against its own. The loss counts the target tokens over every data- and context-parallel rank itself.
     """
+    check_order(order)
+    return prepare_batch(batch, lambda x: shard_sequence(x.contiguous(), cp_mesh=cp_mesh, dim=1, order=order),
+                         order)
+
+
+def prepare_batch(batch: dict, shard: Callable[[Tensor], Tensor], order: str | None) -> dict:
+    """``shard_hf_batch``'s work with any ``shard`` of a ``[batch, seq]`` tensor (the identity without
+    context parallelism); ``cp_order`` is ``order``."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping of tensors (a dict, a tokenizer's BatchEncoding), got "
                         f"{type(batch).__name__}")
@@ -49,7 +57,6 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, order: str = "zigzag") -
     if unknown:
         raise ValueError(f"batch has keys {unknown} that shard_hf_batch does not know how to shard; it takes "
                          f"{list(_BATCH_KEYS)}")
-    check_order(order)
     input_ids = batch.get("input_ids")
     if not isinstance(input_ids, Tensor):
         raise TypeError(f"batch['input_ids'] must be a tensor, got {type(input_ids).__name__}")
@@ -70,10 +77,6 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, order: str = "zigzag") -
     if position_ids is None:
         position_ids = torch.arange(seq, device=input_ids.device)[None]
     position_ids = position_ids.expand(size, -1)
-
-    def shard(x: Tensor) -> Tensor:
-        return shard_sequence(x.contiguous(), cp_mesh=cp_mesh, dim=1, order=order)
-
     document_ids = document_ids_from(position_ids, batch.get("attention_mask"), size)
     local = {
         "input_ids": shard(input_ids),

@@ -33,16 +33,16 @@ def _weights(model: nn.Module) -> dict[str, Tensor]:
     scales) stay out: HF's format holds the weights only (DCP checkpoints keep them)."""
     _check_model(model)
     names = {name for name, _ in model.named_parameters(remove_duplicate=False)}
-    if model.lm_head.weight is model.model.embed_tokens.weight:
+    head, embedding = getattr(model, "lm_head", None), getattr(model.model, "embed_tokens", None)
+    if head is not None and embedding is not None and head.weight is embedding.weight:
         names.discard("lm_head.weight")
     return {name: tensor for name, tensor in get_model_state_dict(model).items() if name in names}
 
 
 def _check_model(model: nn.Module) -> None:
     if not isinstance(model, nn.Module) or getattr(model, "config", None) is None or \
-            getattr(model, "lm_head", None) is None or getattr(getattr(model, "model", None), "embed_tokens", None) is None:
-        raise TypeError(f"model must be a Hugging Face causal LM (with .config, .model.embed_tokens and .lm_head), "
-                        f"got {type(model).__name__}")
+            not isinstance(getattr(model, "model", None), nn.Module):
+        raise TypeError(f"model must be a Hugging Face causal LM (with .config and .model), got {type(model).__name__}")
 
 
 def _nbytes(tensor: Tensor) -> int:
@@ -72,8 +72,8 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, max_shard_b
     safetensors`` files of at most ``max_shard_bytes`` each (one weight larger than that gets a file of its own),
     ``model.safetensors.index.json`` and ``config.json``, which ``from_pretrained`` reads in one process.
 
-    Call it on every rank of a ``parallelize_hf_model`` model (or in one process with a plain HF model). Each
-    rank first writes the parts of the weights it holds (DTensor shards: tp and FSDP2 slices; a replicated
+    Call it on every rank of a ``parallelize_hf_model`` model (or in one process with a plain HF model); a
+    pipelined model's ranks each write their stages' weights. Each rank first writes the parts of the weights it holds (DTensor shards: tp and FSDP2 slices; a replicated
     weight once) under ``path/sharded``; then the ranks assemble the output files, each rank some of them, one
     weight at a time: no rank ever holds more than one full weight. Weights keep their dtype."""
     if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:

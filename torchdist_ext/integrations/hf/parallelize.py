@@ -19,6 +19,11 @@ from torchdist_ext.integrations.hf.attention import (
 )
 from torchdist_ext.integrations.hf.batch import document_ids_from
 from torchdist_ext.integrations.hf.loss import ParallelCausalLMLoss
+from torchdist_ext.integrations.hf.pipeline import (
+    HFPipeline,
+    refuse_forward,
+    split_into_stages,
+)
 from torchdist_ext.parallel import (
     ColumnParallelLinear,
     RMSNorm,
@@ -30,6 +35,7 @@ from torchdist_ext.parallel.sequence_sharding import (
     check_order,
     context_parallel_groups,
 )
+from torchdist_ext.pipeline import SCHEDULES, num_stages
 
 __all__ = ["MODEL_TYPES", "parallelize_hf_model"]
 
@@ -159,6 +165,39 @@ def _check_fp8(recipe, all_gather: bool, decoder: nn.Module, tp_size: int, fsdp:
                                  f"over tp = {tp_size}); fp8 GEMMs need multiples of 16")
 
 
+def _check_pipeline(model: nn.Module, pp_mesh, schedule: str, num_microbatches, virtual_stages: int, fp8) -> None:
+    if not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1:
+        raise TypeError(f"pp_mesh must be a 1-D DeviceMesh or None, got {pp_mesh!r}")
+    if schedule not in SCHEDULES:
+        raise ValueError(f"pp_schedule must be one of {sorted(SCHEDULES)}, got {schedule!r}")
+    if isinstance(num_microbatches, bool) or not isinstance(num_microbatches, int) or num_microbatches < 1:
+        raise ValueError(f"num_microbatches must be a positive int with a pp_mesh, got {num_microbatches!r}")
+    stages = num_stages(schedule, pp_mesh.size(), virtual_stages)
+    layers = len(model.model.layers)
+    if layers % stages:
+        raise ValueError(f"config.num_hidden_layers={layers} must be divisible by the pipeline's {stages} stages "
+                         f"({schedule}, pp={pp_mesh.size()}, virtual_stages={virtual_stages})")
+    if model.lm_head.weight is model.model.embed_tokens.weight:
+        raise ValueError("tie_word_embeddings=True is not supported with a pp_mesh: the embedding (first stage) and "
+                         "the LM head (last stage) would share one weight across pipeline ranks")
+    if isinstance(fp8, DelayedScaling) and fp8.reduce_amax and _amax_mesh(pp_mesh) is None:
+        raise ValueError(f"fp8={fp8} reduces its amaxes over the ranks that hold the same stage, and pp_mesh is its "
+                         "mesh's only dim: pass DelayedScaling(reduce_amax=False) (or CurrentScaling)")
+
+
+def _amax_mesh(pp_mesh: DeviceMesh | None) -> DeviceMesh | None:
+    """The ranks that reduce fp8 amaxes together: every rank without pipelining (None: the default group),
+    else those of the other dims of ``pp_mesh``'s mesh (the ranks holding the same stages: the same fp8
+    modules), None when there are none."""
+    if pp_mesh is None:
+        return None
+    root = pp_mesh._get_root_mesh()
+    others = tuple(name for name in root.mesh_dim_names if name not in pp_mesh.mesh_dim_names)
+    if not others:
+        return None
+    return root[others[0]] if len(others) == 1 else root[others]._flatten("_".join(others))
+
+
 def _fsdp_mesh(dp_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None) -> DeviceMesh | None:
     if dp_mesh is None or cp_mesh is None:
         mesh = dp_mesh if dp_mesh is not None else cp_mesh
@@ -210,7 +249,9 @@ def _convert_layers(decoder: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
 def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None, dp_mesh: DeviceMesh | None = None,
                          cp_mesh: DeviceMesh | None = None, sequence_parallel: bool = False,
                          cp_method: str = "ring", cp_order: str = "zigzag", compile: bool = False,
-                         fp8: Recipe | None = None, fp8_all_gather: bool = False) -> nn.Module:
+                         fp8: Recipe | None = None, fp8_all_gather: bool = False, pp_mesh: DeviceMesh | None = None,
+                         pp_schedule: str = "1f1b", num_microbatches: int | None = None,
+                         virtual_stages: int = 1) -> nn.Module:
     """Parallelises a Hugging Face Llama-family causal LM in place; returns it.
 
     - tensor parallelism: q/k/v and gate/up become ``ColumnParallelLinear``, o/down ``RowParallelLinear``, the
@@ -235,9 +276,15 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     - fp8: with a recipe every decoder-layer linear runs its GEMMs in fp8 (``convert_to_fp8`` after tensor
       parallelism and before FSDP2, the amaxes reduced over the default group; call
       ``torchdist_ext.fp8.fp8_step(model)`` after each optimizer step); the LM head stays in the activation
-      dtype. ``fp8_all_gather``: FSDP2 gathers those weights as fp8 bytes (a delayed recipe).
+      dtype. ``fp8_all_gather``: FSDP2 gathers those weights as fp8 bytes (a delayed recipe). With a
+      ``pp_mesh`` the amaxes are reduced over the mesh's other dims (the ranks holding the same stages).
     - FSDP2: every decoder layer and then the whole model are ``fully_shard``-ed over ``dp_mesh`` x ``cp_mesh``
       when either is given.
+    - pipeline parallelism (``pp_mesh``): the decoder layers are split into ``num_stages(pp_schedule, pp,
+      virtual_stages)`` equal stages (``HFStage``: the embedding on the first, the final norm and LM head on
+      the last); this rank keeps only its stages' modules (each the FSDP2 root of its layers) and trains with
+      ``loss = model.pipeline.step(batch)`` (``HFPipeline``: forward and backward of ``num_microbatches``
+      micro-batches by ``pp_schedule``, any of ``SCHEDULES``), the whole batch's loss as above.
     - ``compile``: each decoder layer's forward compiled with ``fullgraph=True`` (FSDP2's hooks, the
       embedding, final norm, head and loss stay eager). The whole model compiles as one graph only without
       FSDP2 (tp and sequence parallelism alone): ``torch.compile(model, fullgraph=True)``.
@@ -258,6 +305,10 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         fp8: a ``torchdist_ext.fp8`` recipe (``DelayedScaling`` or ``CurrentScaling``) or None; each rank's
             share of every decoder-layer linear must have multiples of 16 features.
         fp8_all_gather: with FSDP2 and a ``DelayedScaling(reduce_amax=True)`` recipe, gather fp8 weights.
+        pp_mesh: 1-D DeviceMesh of pipeline parallelism (None: none), a dim of the same mesh.
+        pp_schedule: one of ``torchdist_ext.pipeline.SCHEDULES``.
+        num_microbatches: micro-batches per step (with ``pp_mesh``; the batch rows divisible by it).
+        virtual_stages: stages per rank for "interleaved-1f1b".
 
     All meshes are slices of one ``init_device_mesh`` mesh, dp before cp. Refused with a clear error instead of
     ignored: model types other than ``MODEL_TYPES`` (e.g. Gemma, whose norms scale by 1 + weight), 4-D
@@ -291,6 +342,8 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     _check_config(model.config, decoder, tp.size if tp is not None else 1)
     fsdp_mesh = _fsdp_mesh(dp_mesh, cp_mesh)  # (checked before anything changes)
     _check_fp8(fp8, fp8_all_gather, decoder, tp.size if tp is not None else 1, fsdp_mesh is not None)
+    if pp_mesh is not None:
+        _check_pipeline(model, pp_mesh, pp_schedule, num_microbatches, virtual_stages, fp8)
 
     _own_config(model)
     if tp is not None:
@@ -321,15 +374,26 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         model.generation_config.use_cache = False
         model._is_fsdp_managed_module = fsdp_mesh is not None  # (read by HF generate: synced_gpus)
     if fp8 is not None:
-        convert_to_fp8(decoder.layers, fp8, fp8_all_gather=fp8_all_gather)
+        convert_to_fp8(decoder.layers, fp8, amax_reduction_mesh=_amax_mesh(pp_mesh), fp8_all_gather=fp8_all_gather)
+    stages = None
+    if pp_mesh is not None:
+        stages = split_into_stages(model, pp_mesh, pp_schedule, virtual_stages)
+        model.forward = refuse_forward
     if fsdp_mesh is not None:
-        for layer in decoder.layers:
+        for layer in decoder.layers.values() if stages is not None else decoder.layers:
             fully_shard(layer, mesh=fsdp_mesh)
-        fully_shard(model, mesh=fsdp_mesh)
-        for unit in (*decoder.layers, model):  # each rank's gradient is its part of the whole batch's: summed
+        roots = list(stages.values()) if stages is not None else [model]
+        for root in roots:
+            fully_shard(root, mesh=fsdp_mesh)
+        for unit in (*(decoder.layers.values() if stages is not None else decoder.layers), *roots):
+            # each rank's gradient is its part of the whole batch's: summed
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
     if compile:
-        for layer in decoder.layers:
+        for layer in decoder.layers.values() if stages is not None else decoder.layers:
             layer.forward = torch.compile(layer.forward, fullgraph=True)
+    if stages is not None:
+        model.pipeline = HFPipeline(stages, pp_mesh=pp_mesh, schedule=pp_schedule, num_microbatches=num_microbatches,
+                                    virtual_stages=virtual_stages, tp=tp, tp_mesh=tp_mesh, data_group=data_group,
+                                    cp_mesh=cp_mesh, cp_order=cp_order)
     return model
