@@ -48,13 +48,13 @@ FAMILIES = {  # config class, model class, what the tiny config needs besides th
 }
 
 
-def tiny_config(family: str, tied: bool, fp8: bool = False):
+def tiny_config(family: str, tied: bool, fp8: bool = False, layers: int = 2):
     """Heads of 4 features; with ``fp8`` of 16, so that every linear's features stay multiples of 16 at tp 2."""
     config_class, _, extra = FAMILIES[family]
     sizes = {"hidden_size": 64, "intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
              "head_dim": 16} if fp8 else \
         {"hidden_size": 32, "intermediate_size": 64, "num_attention_heads": 8, "num_key_value_heads": 4}
-    return config_class(**{**sizes, **extra}, vocab_size=VOCAB, num_hidden_layers=2, max_position_embeddings=128,
+    return config_class(**{**sizes, **extra}, vocab_size=VOCAB, num_hidden_layers=layers, max_position_embeddings=128,
                         tie_word_embeddings=tied, attn_implementation="sdpa")
 
 
@@ -370,8 +370,7 @@ def check_pipeline(layout: str, schedule: str, num_microbatches: int, fp8: bool 
     else:
         mesh = cached_mesh((2, n // 2), ("pp", "dp"))
         kwargs = {"dp_mesh": mesh["dp"]}
-    config = tiny_config("llama", tied=False, fp8=fp8)
-    config.num_hidden_layers = 4
+    config = tiny_config("llama", tied=False, fp8=fp8, layers=4)
     reference, model = build(config), build(config)
     if fp8:  # (fp8_step reduces the reference's amaxes over the world's identical copies: one process's)
         reference = convert_to_fp8(reference, DelayedScaling(), filter_fn=lambda name, module: name != "lm_head")
@@ -414,6 +413,55 @@ def test_pipeline_matches_single_process(world4, layout, schedule, num_microbatc
 @pytest.mark.parametrize("layout", ["pp2_tp2_sp", "pp2_dp2"])
 def test_pipeline_in_fp8_matches_the_same_recipe_in_one_process(world4, layout):
     assert all(world4.run(check_pipeline, layout, "1f1b", 2, True))
+
+
+def check_every_axis(directory: str):
+    """README's snippet at pp2 (zb-h1) x dp2 x tp2 (SP): built on the meta device, parallelised with fp8 (delayed, fp8
+    all-gather), loaded from a save_pretrained directory, two steps of model.pipeline.step on
+    padded rows against one process converting the same recipe (loss, every gradient this rank holds), then
+    saved: from_pretrained reads the parallel model's weights exactly."""
+    mesh = cached_mesh((2, 2, 2), ("pp", "dp", "tp"))
+    config = tiny_config("qwen3", tied=False, fp8=True, layers=4)
+    reference = build(config)
+    source, target = os.path.join(directory, "source"), os.path.join(directory, "target")
+    if dist.get_rank() == 0:
+        reference.save_pretrained(source)
+    dist.barrier()
+    reference = convert_to_fp8(reference, DelayedScaling(), filter_fn=lambda name, module: name != "lm_head")
+    torch._dynamo.reset()
+    with torch.device("meta"):
+        model = FAMILIES["qwen3"][1](copy.deepcopy(config))
+    parallelize_hf_model(model, pp_mesh=mesh["pp"], pp_schedule="zb-h1", num_microbatches=2, dp_mesh=mesh["dp"],
+                         tp_mesh=mesh["tp"], sequence_parallel=True, fp8=DelayedScaling(), fp8_all_gather=True)
+    load_hf_checkpoint(model, source)
+    parameters = dict(model.named_parameters())
+    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
+    every = batches()
+    batch = {key: torch.cat([every["left_padded"][key], every["right_padded"][key]]) for key in every["left_padded"]}
+    mine = {key: value.chunk(2)[mesh["dp"].get_local_rank()] for key, value in batch.items()}
+    for _ in range(2):
+        want = reference(**batch, use_cache=False).loss
+        want.backward()
+        got = model.pipeline.step(mine)
+        torch.testing.assert_close(got, want, rtol=FP8_TOLERANCE["delayed"][0], atol=0)
+        for key, parameter in parameters.items():
+            want_grad = dict(reference.named_parameters())[key].grad
+            difference = (full(parameter.grad) - want_grad).abs().max() / want_grad.abs().max()
+            assert difference <= FP8_TOLERANCE["delayed"][1], (key, difference.item())
+        for trained, optimizer in zip((reference, model), optimizers):
+            optimizer.step()
+            optimizer.zero_grad()
+            fp8_step(trained)
+    save_hf_checkpoint(model, target)
+    dist.barrier()
+    reloaded = dict(FAMILIES["qwen3"][1].from_pretrained(target).named_parameters())
+    for key, parameter in parameters.items():
+        assert torch.equal(full(parameter).detach(), reloaded[key].detach()), key
+    return True
+
+
+def test_every_axis_at_eight_ranks(world_pool, tmp_path):
+    assert all(world_pool.get(8).run(check_every_axis, str(tmp_path)))
 
 
 def check_hf_round_trip(directory: str):
@@ -568,11 +616,12 @@ def refuses(case: str):
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8=DelayedScaling(), fp8_all_gather=True)
     elif case == "fp8_recipe":
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), fp8="e4m3")
-    elif case in ("pp_tied", "pp_fp8", "pp_forward"):
+    elif case in ("pp_tied", "pp_fp8", "pp_fp8_compiled", "pp_forward"):
         pp_mesh = cached_mesh((n,), ("pp",))
         if case == "pp_tied":
             model = tiny_model("llama", tied=True)
-        options = {"fp8": DelayedScaling()} if case == "pp_fp8" else {}
+        options = {"fp8": DelayedScaling()} if case.startswith("pp_fp8") else {}
+        options["compile"] = case == "pp_fp8_compiled"
         parallelize_hf_model(model, pp_mesh=pp_mesh, num_microbatches=2, **options)
         model(**batches()["plain"])
     elif case == "global_num_items":
@@ -607,6 +656,7 @@ REFUSALS = [
     ("pp_tied", ValueError, "tie_word_embeddings=True is not supported with a pp_mesh"),
     ("pp_fp8", ValueError, r"reduces its amaxes over the ranks that hold the same stage, and pp_mesh is its mesh's "
      r"only dim: pass DelayedScaling\(reduce_amax=False\)"),
+    ("pp_fp8_compiled", ValueError, r"compile=True with fp8=DelayedScaling\(...\) and a pp_mesh is not supported"),
     ("pp_forward", ValueError, r"a pipelined parallelize_hf_model model trains through model.pipeline.step\(batch\)"),
     ("global_num_items", TypeError, "global_num_items takes a model returned by parallelize_hf_model, got Linear"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),

@@ -21,6 +21,8 @@ from torch.distributed.checkpoint.state_dict import (
     set_model_state_dict,
 )
 
+from torchdist_ext.fp8.state import Fp8State
+
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
 
 _SHARDED = "sharded"  # the ranks' own files, under the target directory while they are consolidated
@@ -49,12 +51,26 @@ def _nbytes(tensor: Tensor) -> int:
     return tensor.numel() * tensor.element_size()  # (a DTensor's numel is the full tensor's)
 
 
-def _file_of_each_weight(state: dict[str, Tensor], max_shard_bytes: int) -> dict[str, int]:
-    """Weight name -> output file number (1, 2, ...): in state-dict order, a new file when the next weight would
-    take the current one over ``max_shard_bytes`` (HF's rule; a larger weight gets a file of its own)."""
+def _every_rank_weights(state: dict[str, Tensor], group) -> dict[str, int]:
+    """Weight name -> bytes over every rank's ``state`` (pipeline ranks hold different weights), in rank order and
+    then state-dict order: the same on every rank."""
+    sizes = [(name, _nbytes(tensor)) for name, tensor in state.items()]
+    if group is None:
+        return dict(sizes)
+    gathered = [None] * dist.get_world_size(group)
+    dist.all_gather_object(gathered, sizes, group=group)
+    every: dict[str, int] = {}
+    for rank_sizes in gathered:
+        for name, size in rank_sizes:
+            every.setdefault(name, size)
+    return every
+
+
+def _file_of_each_weight(sizes: dict[str, int], max_shard_bytes: int) -> dict[str, int]:
+    """Weight name -> output file number (1, 2, ...): in order, a new file when the next weight would take the
+    current one over ``max_shard_bytes`` (HF's rule; a larger weight gets a file of its own)."""
     files, index, filled = {}, 1, 0
-    for name, tensor in state.items():
-        size = _nbytes(tensor)
+    for name, size in sizes.items():
         if filled and filled + size > max_shard_bytes:
             index, filled = index + 1, 0
         files[name] = index
@@ -79,8 +95,8 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, max_shard_b
     if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
         raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
     state = _weights(model)
-    files = _file_of_each_weight(state, max_shard_bytes)
     group = _default_group()
+    files = _file_of_each_weight(_every_rank_weights(state, group), max_shard_bytes)
     path = os.fspath(path)
     sharded = os.path.join(path, _SHARDED)
     dcp.save(state, storage_writer=HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=files,
@@ -101,12 +117,15 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, max_shard_b
 
 def _materialise(model: nn.Module) -> None:
     """A model built on the meta device (parameters and buffers) gets storage on the CPU, or on this rank's
-    accelerator when torch has one; the rotary embedding's frequencies (buffers no checkpoint holds) are
-    computed again."""
+    accelerator when torch has one; the buffers no HF checkpoint holds are set to their start: the rotary
+    embedding's frequencies computed again, fp8 histories and scales reset."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
     device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
     model.to_empty(device=device)
+    for module in model.modules():
+        if isinstance(module, Fp8State) and module.fp8_recipe is not None:
+            module.reset_fp8_state()
     rotary = getattr(model.model, "rotary_emb", None)
     if rotary is not None:
         with torch.device(device):

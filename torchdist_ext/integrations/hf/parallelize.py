@@ -165,7 +165,8 @@ def _check_fp8(recipe, all_gather: bool, decoder: nn.Module, tp_size: int, fsdp:
                                  f"over tp = {tp_size}); fp8 GEMMs need multiples of 16")
 
 
-def _check_pipeline(model: nn.Module, pp_mesh, schedule: str, num_microbatches, virtual_stages: int, fp8) -> None:
+def _check_pipeline(model: nn.Module, pp_mesh, schedule: str, num_microbatches, virtual_stages: int, fp8,
+                    compile: bool) -> None:
     if not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1:
         raise TypeError(f"pp_mesh must be a 1-D DeviceMesh or None, got {pp_mesh!r}")
     if schedule not in SCHEDULES:
@@ -180,6 +181,10 @@ def _check_pipeline(model: nn.Module, pp_mesh, schedule: str, num_microbatches, 
     if model.lm_head.weight is model.model.embed_tokens.weight:
         raise ValueError("tie_word_embeddings=True is not supported with a pp_mesh: the embedding (first stage) and "
                          "the LM head (last stage) would share one weight across pipeline ranks")
+    if isinstance(fp8, DelayedScaling) and compile:
+        raise ValueError("compile=True with fp8=DelayedScaling(...) and a pp_mesh is not supported: a compiled "
+                         "layer saves its amax history for the backward, and the next micro-batch's forward updates "
+                         "it first (autograd refuses); use compile=False or CurrentScaling")
     if isinstance(fp8, DelayedScaling) and fp8.reduce_amax and _amax_mesh(pp_mesh) is None:
         raise ValueError(f"fp8={fp8} reduces its amaxes over the ranks that hold the same stage, and pp_mesh is its "
                          "mesh's only dim: pass DelayedScaling(reduce_amax=False) (or CurrentScaling)")
@@ -343,7 +348,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     fsdp_mesh = _fsdp_mesh(dp_mesh, cp_mesh)  # (checked before anything changes)
     _check_fp8(fp8, fp8_all_gather, decoder, tp.size if tp is not None else 1, fsdp_mesh is not None)
     if pp_mesh is not None:
-        _check_pipeline(model, pp_mesh, pp_schedule, num_microbatches, virtual_stages, fp8)
+        _check_pipeline(model, pp_mesh, pp_schedule, num_microbatches, virtual_stages, fp8, compile)
 
     _own_config(model)
     if tp is not None:
