@@ -216,6 +216,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                      f"scale), got --fp8 {args.fp8}")
     if args.grad_accum > 1 and args.pp > 1:
         parser.error("--grad-accum with --pp: the pipeline's --microbatches already accumulate; use those")
+    if args.fp8 == "delayed" and args.compile and args.pp > 1:
+        parser.error("--fp8 delayed with --compile and --pp is not supported: a compiled block saves its amax history "
+                     "for the backward, and the next micro-batch's forward updates it first (autograd refuses); "
+                     "drop --compile or use --fp8 current")
     if args.check and args.resume is not None:
         parser.error("--check trains a whole run in one process: it cannot start from --resume")
     refusals = layout_refusals(args, int(os.environ.get("WORLD_SIZE", "1")))

@@ -242,6 +242,7 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
     (("--tp", "3", "--dp", "1", "--pp", "1"), "--dp 1 x --cp 1 x --tp 3 x --pp 1 must equal the world size 4"),
     (("--grad-accum", "3"), "--batch 8 / dp=2 must be divisible by --grad-accum 3"),
     (("--grad-accum", "2", "--pp", "2"), "--grad-accum with --pp: the pipeline's --microbatches already accumulate"),
+    (("--pp", "2", "--compile", "--fp8", "delayed"), "--fp8 delayed with --compile and --pp is not supported"),
     (("--dp", "1", "--cp", "2", "--experts", "4", "--ep", "2", "--ledger"),
      "--ledger sets the run beside the planner, whose expert-parallel ranks are data-parallel ranks: --ep 2 must "
      "divide dp=1 (here ep spans cp ranks, which the planner does not model)"),
@@ -250,7 +251,7 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
      "num_stages=8"),
     (("--tp", "8"), "--cp 1 x --tp 8 x --pp 1 = 8 must divide the world size 4 (dp takes the rest)"),
 ], ids=["batch", "interleaved", "sequence-parallel", "experts", "world", "grad-accum", "grad-accum-pp",
-        "ledger-ep-over-cp", "stages-over-layers", "world-without-dp"])
+        "fp8-delayed-compiled-pp", "ledger-ep-over-cp", "stages-over-layers", "world-without-dp"])
 def test_a_layout_that_cannot_run_is_refused_before_any_process_group(flags, message, monkeypatch, capsys):
     """The main job's argument parsing, in this process with WORLD_SIZE=4 and no process group: the refusal
     comes before any group is built, with the planner's finding code where the planner sees the problem."""
