@@ -356,7 +356,7 @@ def test_fp8_matches_the_same_recipe_in_one_process(family, layout, recipe, all_
     assert all(world.run(check_fp8, family, layout, recipe, all_gather, compiled))
 
 
-def check_pipeline(layout: str, schedule: str, num_microbatches: int, fp8: bool = False):
+def check_pipeline(layout: str, schedule: str, num_microbatches: int, fp8: bool = False, compiled: bool = False):
     """pp2 x tp2 (SP), pp2 x dp2 or pp2 x cp2: model.pipeline.step on padded and packed batches (4 rows of unequal target
     counts), two AdamW steps: the loss, every gradient this rank's stages hold and the parameters after the
     steps are the single-process model's."""
@@ -370,12 +370,14 @@ def check_pipeline(layout: str, schedule: str, num_microbatches: int, fp8: bool 
     else:
         mesh = cached_mesh((2, n // 2), ("pp", "dp"))
         kwargs = {"dp_mesh": mesh["dp"]}
+    torch._dynamo.reset()
     config = tiny_config("llama", tied=False, fp8=fp8, layers=4)
     reference, model = build(config), build(config)
     if fp8:  # (fp8_step reduces the reference's amaxes over the world's identical copies: one process's)
         reference = convert_to_fp8(reference, DelayedScaling(), filter_fn=lambda name, module: name != "lm_head")
     model = parallelize_hf_model(model, **kwargs, pp_mesh=mesh["pp"], pp_schedule=schedule,
-                                 num_microbatches=num_microbatches, fp8=DelayedScaling() if fp8 else None)
+                                 num_microbatches=num_microbatches, fp8=DelayedScaling() if fp8 else None,
+                                 compile=compiled)
     parameters = dict(model.named_parameters())
     assert parameters and set(parameters) < set(dict(reference.named_parameters()))
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
@@ -408,6 +410,10 @@ def check_pipeline(layout: str, schedule: str, num_microbatches: int, fp8: bool 
     ("pp2_cp2", "gpipe", 4)])
 def test_pipeline_matches_single_process(world4, layout, schedule, num_microbatches):
     assert all(world4.run(check_pipeline, layout, schedule, num_microbatches))
+
+
+def test_pipeline_compiled_matches_single_process(world4):
+    assert all(world4.run(check_pipeline, "pp2_dp2", "zb-h1", 2, False, True))
 
 
 @pytest.mark.parametrize("layout", ["pp2_tp2_sp", "pp2_dp2"])
@@ -624,6 +630,9 @@ def refuses(case: str):
         options["compile"] = case == "pp_fp8_compiled"
         parallelize_hf_model(model, pp_mesh=pp_mesh, num_microbatches=2, **options)
         model(**batches()["plain"])
+    elif case == "fp8_converted_before":
+        convert_to_fp8(model, DelayedScaling())
+        parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)))
     elif case == "global_num_items":
         global_num_items(torch.nn.Linear(2, 2), [batches()["plain"]])
     elif case == "batch_key":
@@ -658,6 +667,8 @@ REFUSALS = [
      r"only dim: pass DelayedScaling\(reduce_amax=False\)"),
     ("pp_fp8_compiled", ValueError, r"compile=True with fp8=DelayedScaling\(...\) and a pp_mesh is not supported"),
     ("pp_forward", ValueError, r"a pipelined parallelize_hf_model model trains through model.pipeline.step\(batch\)"),
+    ("fp8_converted_before", ValueError, r"the model already has fp8 modules \(layers.0.self_attn.q_proj, ...\), "
+     r"which tensor parallelism would replace"),
     ("global_num_items", TypeError, "global_num_items takes a model returned by parallelize_hf_model, got Linear"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
 ]

@@ -10,6 +10,7 @@ from torch.distributed.fsdp import fully_shard
 
 from torchdist_ext.fp8 import convert_to_fp8
 from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
+from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.integrations.hf.attention import (
     ATTENTION_NAME,
     CP_METHODS,
@@ -152,6 +153,11 @@ def _check_fp8(recipe, all_gather: bool, decoder: nn.Module, tp_size: int, fsdp:
     if all_gather and not (isinstance(recipe, DelayedScaling) and recipe.reduce_amax):
         raise ValueError(f"fp8_all_gather=True needs DelayedScaling(reduce_amax=True): every FSDP rank casts its "
                          f"shard with the same scale, known before the gather; got {recipe}")
+    converted = [name for name, module in decoder.named_modules() if isinstance(module, Fp8State)]
+    if converted:
+        raise ValueError(f"the model already has fp8 modules ({converted[0]}, ...), which tensor parallelism would "
+                         "replace by linears in the activation dtype; pass the recipe as parallelize_hf_model("
+                         "..., fp8=recipe) to the single-process model instead")
     if recipe is None:
         return
     for index, layer in enumerate(decoder.layers):
