@@ -509,6 +509,21 @@ def check_hf_round_trip(directory: str):
     return True
 
 
+def test_hf_checkpoint_in_one_process(tmp_path):
+    """Without torch.distributed: save_hf_checkpoint of a plain model is what from_pretrained reads, and
+    load_hf_checkpoint of it into a model built on the meta device gives the same weights."""
+    model = tiny_model("llama", tied=True)
+    save_hf_checkpoint(model, tmp_path)
+    reloaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    with torch.device("meta"):
+        loaded = transformers.LlamaForCausalLM(model.config)
+    load_hf_checkpoint(loaded, tmp_path)
+    for key, want in model.named_parameters():
+        assert torch.equal(dict(reloaded.named_parameters())[key], want), key
+        assert torch.equal(dict(loaded.named_parameters())[key], want), key
+    torch.testing.assert_close(loaded(**batches()["plain"]).loss, model(**batches()["plain"]).loss, rtol=0, atol=0)
+
+
 def test_hf_checkpoint_round_trip(world4, tmp_path):
     assert all(world4.run(check_hf_round_trip, str(tmp_path)))
 
@@ -633,6 +648,31 @@ def refuses(case: str):
     elif case == "fp8_converted_before":
         convert_to_fp8(model, DelayedScaling())
         parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)))
+    elif case == "pp_arguments_without_pp_mesh":
+        parallelize_hf_model(model, dp_mesh=cached_mesh((n,), ("dp",)), num_microbatches=4)
+    elif case == "separate_meshes":
+        parallelize_hf_model(model, tp_mesh=cached_mesh((n,), ("tp",)), pp_mesh=cached_mesh((n,), ("pp",)),
+                             num_microbatches=2)
+    elif case == "pipeline_batches_differ":
+        model = tiny_model("llama", tied=False)
+        parallelize_hf_model(model, pp_mesh=cached_mesh((n,), ("pp",)), num_microbatches=2)
+        ids = batches()["plain"]["input_ids"][: 2 if dist.get_rank() == 0 else 1].repeat(2, 1)
+        model.pipeline.step({"input_ids": ids, "labels": ids})
+    elif case == "global_num_items_on_one_rank":
+        parallelize_hf_model(model, dp_mesh=cached_mesh((n,), ("dp",)))
+        plain = batches()["plain"]
+        global_num_items(model, [plain] if dist.get_rank() == 0 else [{"input_ids": plain["input_ids"]}])
+    elif case == "load_missing_weight":
+        from safetensors.torch import load_file, save_file
+        directory = f"/tmp/tdx-test-missing-{os.getppid()}"
+        if dist.get_rank() == 0:
+            tiny_model("llama", tied=False).save_pretrained(directory)
+            weights = load_file(f"{directory}/model.safetensors")
+            del weights["model.layers.1.mlp.up_proj.weight"]
+            save_file(weights, f"{directory}/model.safetensors", metadata={"format": "pt"})
+        dist.barrier()
+        parallelize_hf_model(model, dp_mesh=cached_mesh((n,), ("dp",)))
+        load_hf_checkpoint(model, directory)
     elif case == "global_num_items":
         global_num_items(torch.nn.Linear(2, 2), [batches()["plain"]])
     elif case == "batch_key":
@@ -669,6 +709,14 @@ REFUSALS = [
     ("pp_forward", ValueError, r"a pipelined parallelize_hf_model model trains through model.pipeline.step\(batch\)"),
     ("fp8_converted_before", ValueError, r"the model already has fp8 modules \(layers.0.self_attn.q_proj, ...\), "
      r"which tensor parallelism would replace"),
+    ("pp_arguments_without_pp_mesh", ValueError, r"num_microbatches=4, pp_schedule='1f1b' and virtual_stages=1 "
+     r"configure pipeline parallelism, which needs a pp_mesh"),
+    ("separate_meshes", ValueError, r"tp_mesh \('tp',\), pp_mesh \('pp',\) must be distinct named dims of one "
+     r"init_device_mesh mesh"),
+    ("pipeline_batches_differ", ValueError, r"HFPipeline.step: the ranks of the group must agree on input_ids"),
+    ("global_num_items_on_one_rank", ValueError, "every batch given to global_num_items needs labels"),
+    ("load_missing_weight", ValueError, r"load_hf_checkpoint\('/tmp/tdx-test-missing-\d+'\) failed on rank \d: "
+     r"RuntimeError: Missing key in checkpoint state_dict: model.layers.1.mlp.up_proj.weight"),
     ("global_num_items", TypeError, "global_num_items takes a model returned by parallelize_hf_model, got Linear"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
 ]

@@ -8,6 +8,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext import _collectives as collectives
+from torchdist_ext.agreement import check_agreement
 from torchdist_ext.parallel import shard_sequence
 from torchdist_ext.parallel.sequence_sharding import check_order
 
@@ -105,16 +106,22 @@ def global_num_items(model: nn.Module, batches: Iterable[Mapping]) -> Tensor:
     if data_group is False:
         raise TypeError(f"global_num_items takes a model returned by parallelize_hf_model, got "
                         f"{type(model).__name__} without its loss")
-    count = None
-    for batch in batches:
-        labels = batch.get("shift_labels")
-        if labels is None:
-            if batch.get("labels") is None:
-                raise ValueError("every batch given to global_num_items needs labels (or shard_hf_batch's "
-                                 "shift_labels)")
-            labels = shifted_labels(batch["labels"])
-        local = (labels != IGNORE_INDEX).sum()
-        count = local if count is None else count + local
-    if count is None:
-        raise ValueError("global_num_items needs at least one batch")
+    batches = list(batches)
+    counts = []
+
+    def validate():
+        if not batches:
+            raise ValueError("global_num_items needs at least one batch")
+        for batch in batches:
+            labels = batch.get("shift_labels")
+            if labels is None:
+                if batch.get("labels") is None:
+                    raise ValueError("every batch given to global_num_items needs labels (or shard_hf_batch's "
+                                     "shift_labels)")
+                labels = shifted_labels(batch["labels"])
+            counts.append((labels != IGNORE_INDEX).sum())
+
+    # A rank that refuses its batches stops every rank of the group, before the all-reduce.
+    check_agreement(None if data_group is None else data_group.name, "global_num_items", {}, validate)
+    count = torch.stack(counts).sum()
     return count if data_group is None else collectives.all_reduce(count, data_group.name)

@@ -1,6 +1,7 @@
 """A parallelised HF model's weights to and from a ``save_pretrained`` directory (safetensors shards and their
 index), each rank reading and writing only its own shards, through torch DCP's Hugging Face storage."""
 
+import contextlib
 import os
 import shutil
 
@@ -13,14 +14,17 @@ from torch.distributed.checkpoint import (
     HuggingFaceStorageWriter,
 )
 from torch.distributed.checkpoint._consolidate_hf_safetensors import (
+    consolidate_safetensors_files,
     consolidate_safetensors_files_on_every_rank,
 )
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_model_state_dict,
     set_model_state_dict,
 )
 
+from torchdist_ext.agreement import check_agreement
 from torchdist_ext.fp8.state import Fp8State
 
 __all__ = ["load_hf_checkpoint", "save_hf_checkpoint"]
@@ -78,6 +82,18 @@ def _file_of_each_weight(sizes: dict[str, int], max_shard_bytes: int) -> dict[st
     return files
 
 
+@contextlib.contextmanager
+def _plain_errors(call: str, path: str):
+    """DCP's ``CheckpointException`` (a ``BaseException``, raised on every rank, its causes in a traceback text)
+    as a ``ValueError`` naming the call, the path and the first rank's cause: a weight the checkpoint lacks, a
+    shape that differs, a path that cannot be written."""
+    try:
+        yield
+    except CheckpointException as error:
+        rank, (cause, _) = next(iter(error.failures.items()))
+        raise ValueError(f"{call}({path!r}) failed on rank {rank}: {type(cause).__name__}: {cause}") from error
+
+
 def _default_group():
     """Every rank holds a part of the model: the default group (None in one process)."""
     return dist.group.WORLD if dist.is_initialized() else None
@@ -89,20 +105,31 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, max_shard_b
     ``model.safetensors.index.json`` and ``config.json``, which ``from_pretrained`` reads in one process.
 
     Call it on every rank of a ``parallelize_hf_model`` model (or in one process with a plain HF model); a
-    pipelined model's ranks each write their stages' weights. Each rank first writes the parts of the weights it holds (DTensor shards: tp and FSDP2 slices; a replicated
-    weight once) under ``path/sharded``; then the ranks assemble the output files, each rank some of them, one
-    weight at a time: no rank ever holds more than one full weight. Weights keep their dtype."""
-    if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
-        raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
-    state = _weights(model)
-    group = _default_group()
-    files = _file_of_each_weight(_every_rank_weights(state, group), max_shard_bytes)
+    pipelined model's ranks each write their stages' weights. Each rank first writes the parts of the weights
+    it holds (DTensor shards: tp and FSDP2 slices; a replicated weight once) under ``path/sharded``; then the
+    ranks assemble the output files, each rank some of them, one weight at a time: no rank ever holds more
+    than one full weight. Weights keep their dtype. A failure (a path that cannot be written) raises a
+    ``ValueError`` on every rank."""
     path = os.fspath(path)
+
+    def validate():
+        if not isinstance(max_shard_bytes, int) or isinstance(max_shard_bytes, bool) or max_shard_bytes < 1:
+            raise ValueError(f"max_shard_bytes must be a positive int, got {max_shard_bytes!r}")
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise ValueError(f"path {path!r} is a file; save_hf_checkpoint writes a directory")
+
+    group = _default_group()
+    check_agreement(group, "save_hf_checkpoint", {"path": path, "max_shard_bytes": max_shard_bytes}, validate)
+    state = _weights(model)
+    files = _file_of_each_weight(_every_rank_weights(state, group), max_shard_bytes)
     sharded = os.path.join(path, _SHARDED)
-    dcp.save(state, storage_writer=HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=files,
-                                                            save_distributed=True),
-             process_group=group, no_dist=group is None)
-    consolidate_safetensors_files_on_every_rank(sharded, path, files, process_group=group)
+    with _plain_errors("save_hf_checkpoint", path):
+        writer = HuggingFaceStorageWriter(sharded, fqn_to_index_mapping=files, save_distributed=True)
+        dcp.save(state, storage_writer=writer, process_group=group, no_dist=group is None)
+    if group is None:  # (the every-rank form writes the index only under torch.distributed)
+        consolidate_safetensors_files(sharded, path, files)
+    else:
+        consolidate_safetensors_files_on_every_rank(sharded, path, files, process_group=group)
     if group is not None:
         dist.barrier(group)
     if group is None or dist.get_rank(group) == 0:
@@ -117,12 +144,16 @@ def save_hf_checkpoint(model: nn.Module, path: str | os.PathLike, *, max_shard_b
 
 def _materialise(model: nn.Module) -> None:
     """A model built on the meta device (parameters and buffers) gets storage on the CPU, or on this rank's
-    accelerator when torch has one; the buffers no HF checkpoint holds are set to their start: the rotary
-    embedding's frequencies computed again, fp8 histories and scales reset."""
+    accelerator when torch has one; a tied LM head stays tied; the buffers no HF checkpoint holds are set to
+    their start: the rotary embedding's frequencies computed again, fp8 histories and scales reset."""
     if not any(t.is_meta for t in (*model.parameters(), *model.buffers())):
         return
     device = torch.accelerator.current_accelerator() if torch.accelerator.is_available() else torch.device("cpu")
+    head, embedding = getattr(model, "lm_head", None), getattr(model.model, "embed_tokens", None)
+    tied = head is not None and embedding is not None and head.weight is embedding.weight
     model.to_empty(device=device)
+    if tied:  # (to_empty gives each module a new Parameter off the meta device)
+        head.weight = embedding.weight
     for module in model.modules():
         if isinstance(module, Fp8State) and module.fp8_recipe is not None:
             module.reset_fp8_state()
@@ -142,16 +173,23 @@ def load_hf_checkpoint(model: nn.Module, path: str | os.PathLike) -> None:
     built on the meta device (``with torch.device("meta"): model = AutoModelForCausalLM.from_config(config)``)
     and parallelised there: it is then given storage here and no rank ever holds the full model. Each rank
     reads only the slices of the safetensors files its shards hold; weights are cast to the model's dtype. A
-    weight the model has and the directory lacks is an error naming it."""
+    weight the model has and the directory lacks, or holds at another shape, is a ``ValueError`` on every rank
+    naming it."""
     path = os.fspath(path)
-    if not os.path.isdir(path):
-        raise ValueError(f"path must be a directory written by save_pretrained or save_hf_checkpoint, got {path!r}")
-    if not any(name.endswith(".safetensors") for name in os.listdir(path)):
-        raise ValueError(f"{path!r} holds no .safetensors files (save_pretrained(..., safe_serialization=True) "
-                         "writes them)")
-    _check_model(model)
+
+    def validate():
+        if not os.path.isdir(path):
+            raise ValueError(f"path must be a directory written by save_pretrained or save_hf_checkpoint, got "
+                             f"{path!r}")
+        if not any(name.endswith(".safetensors") for name in os.listdir(path)):
+            raise ValueError(f"{path!r} holds no .safetensors files (save_pretrained(..., safe_serialization=True) "
+                             "writes them)")
+        _check_model(model)
+
+    group = _default_group()
+    check_agreement(group, "load_hf_checkpoint", {"path": path}, validate)
     _materialise(model)
     state = _weights(model)
-    group = _default_group()
-    dcp.load(state, storage_reader=HuggingFaceStorageReader(path), process_group=group, no_dist=group is None)
+    with _plain_errors("load_hf_checkpoint", path):
+        dcp.load(state, storage_reader=HuggingFaceStorageReader(path), process_group=group, no_dist=group is None)
     set_model_state_dict(model, state, options=StateDictOptions(strict=False))  # (no tied LM head in state)

@@ -171,6 +171,22 @@ def _check_fp8(recipe, all_gather: bool, decoder: nn.Module, tp_size: int, fsdp:
                                  f"over tp = {tp_size}); fp8 GEMMs need multiples of 16")
 
 
+def _check_one_mesh(**meshes: DeviceMesh | None) -> None:
+    """The meshes given are dims of one ``init_device_mesh`` mesh, each dim in at most one of them: a rank's
+    groups then partition the world as the layout says (separate meshes would overlap or leave the
+    product of the sizes unchecked, and FSDP2 or the pipeline would fail later or wait forever)."""
+    given = {name: mesh for name, mesh in meshes.items() if mesh is not None}
+    if len(given) < 2:
+        return
+    roots = {id(mesh._get_root_mesh()) for mesh in given.values()}
+    dims = {name: mesh.mesh_dim_names or () for name, mesh in given.items()}
+    flat = [dim for names in dims.values() for dim in names]
+    if len(roots) > 1 or len(flat) != len(set(flat)) or not all(dims.values()):
+        listed = ", ".join(f"{name} {dims[name]}" for name in given)
+        raise ValueError(f"{listed} must be distinct named dims of one init_device_mesh mesh (slice them from it, "
+                         "e.g. mesh['tp'], mesh['dp'])")
+
+
 def _check_pipeline(model: nn.Module, pp_mesh, schedule: str, num_microbatches, virtual_stages: int, fp8,
                     compile: bool) -> None:
     if not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1:
@@ -337,6 +353,10 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     for name, mesh in (("tp_mesh", tp_mesh), ("dp_mesh", dp_mesh), ("cp_mesh", cp_mesh)):
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"{name} must be a DeviceMesh or None, got {type(mesh).__name__}")
+    _check_one_mesh(tp_mesh=tp_mesh, dp_mesh=dp_mesh, cp_mesh=cp_mesh, pp_mesh=pp_mesh)
+    if pp_mesh is None and (num_microbatches is not None or pp_schedule != "1f1b" or virtual_stages != 1):
+        raise ValueError(f"num_microbatches={num_microbatches!r}, pp_schedule={pp_schedule!r} and virtual_stages="
+                         f"{virtual_stages!r} configure pipeline parallelism, which needs a pp_mesh")
     if cp_method not in CP_METHODS:
         raise ValueError(f"cp_method must be one of {sorted(CP_METHODS)}, got {cp_method!r}")
     check_order(cp_order)

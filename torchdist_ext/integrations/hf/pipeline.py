@@ -5,6 +5,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext import _collectives as collectives
+from torchdist_ext.agreement import check_agreement
 from torchdist_ext.integrations.hf.batch import IGNORE_INDEX, prepare_batch
 from torchdist_ext.integrations.hf.loss import ParallelCausalLMLoss
 from torchdist_ext.parallel import shard_sequence
@@ -63,6 +64,7 @@ class HFPipeline:
                  virtual_stages: int, tp: MeshGroup | None, tp_mesh: DeviceMesh | None,
                  data_group: MeshGroup | None, cp_mesh: DeviceMesh | None, cp_order: str):
         self.stages, self.data_group, self.cp_mesh, self.cp_order = stages, data_group, cp_mesh, cp_order
+        self.pp_group = pp_mesh.get_group()
         self._loss = ParallelCausalLMLoss(tp, tp_mesh, None, context_parallel=False)
         self._num_items: Tensor | None = None
         self.schedule = Pipeline(stages, pp_mesh=pp_mesh, schedule=schedule, num_microbatches=num_microbatches,
@@ -73,13 +75,22 @@ class HFPipeline:
         return self._loss(logits, None, num_items_in_batch=self._num_items, shift_labels=shift_labels)
 
     def step(self, batch: dict) -> Tensor:
-        if self.cp_mesh is None:
-            local = prepare_batch(batch, lambda x: x, None)
-        else:
-            local = prepare_batch(batch, lambda x: shard_sequence(x.contiguous(), cp_mesh=self.cp_mesh, dim=1,
-                                                                  order=self.cp_order), self.cp_order)
-        if local.get("shift_labels") is None:
-            raise ValueError("a pipelined parallelize_hf_model model trains on batches with labels")
+        local = {}
+
+        def validate():
+            if self.cp_mesh is None:
+                local.update(prepare_batch(batch, lambda x: x, None))
+            else:
+                local.update(prepare_batch(batch, lambda x: shard_sequence(x.contiguous(), cp_mesh=self.cp_mesh,
+                                                                           dim=1, order=self.cp_order),
+                                           self.cp_order))
+            if local.get("shift_labels") is None:
+                raise ValueError("a pipelined parallelize_hf_model model trains on batches with labels")
+
+        # The ranks of one pipeline take the same batch: its shapes and target count agree, or all raise.
+        check_agreement(self.pp_group, "HFPipeline.step", lambda: {
+            "input_ids": local["input_ids"], "document_ids": local["document_ids"],
+            "target tokens": int((local["shift_labels"] != IGNORE_INDEX).sum())}, validate)
         count = (local["shift_labels"] != IGNORE_INDEX).sum()
         self._num_items = count if self.data_group is None else collectives.all_reduce(count, self.data_group.name)
         stage_inputs = {"position_ids": local["position_ids"]}
