@@ -4,6 +4,7 @@ index), each rank reading and writing only its own shards, through torch DCP's H
 import contextlib
 import os
 import shutil
+import warnings
 
 import torch
 import torch.distributed as dist
@@ -86,9 +87,12 @@ def _file_of_each_weight(sizes: dict[str, int], max_shard_bytes: int) -> dict[st
 def _plain_errors(call: str, path: str):
     """DCP's ``CheckpointException`` (a ``BaseException``, raised on every rank, its causes in a traceback text)
     as a ``ValueError`` naming the call, the path and the first rank's cause: a weight the checkpoint lacks, a
-    shape that differs, a path that cannot be written."""
+    shape that differs, a path that cannot be written. Without torch.distributed, DCP's warning that it
+    assumes one process is not shown: that is what the call asks for."""
     try:
-        yield
+        with warnings.catch_warnings():  # (in one process DCP warns that it assumes one process: we ask for it)
+            warnings.filterwarnings("ignore", message="torch.distributed is disabled, unavailable or uninitialized")
+            yield
     except CheckpointException as error:
         rank, (cause, _) = next(iter(error.failures.items()))
         raise ValueError(f"{call}({path!r}) failed on rank {rank}: {type(cause).__name__}: {cause}") from error
