@@ -195,22 +195,27 @@ def test_matches_single_process(family, layout, tied, request):
     assert all(world.run(check_matches_single_process, family, layout, tied))
 
 
-def check_optimizer_steps(family: str, layout: str):
-    """Three AdamW steps, each on another batch kind whose dp halves hold different numbers of target tokens:
-    the reference's parameters."""
-    kwargs = meshes(layout)
-    config = tiny_config(family, tied=False)
-    reference, model = build(config), parallelize_hf_model(build(config), **kwargs)
-    # Adam's first step is lr * g / (|g| + eps): an eps well above the gradients' rounding keeps it a
-    # well-conditioned function of them.
+def train_both(reference, model, kwargs: dict, kinds: tuple[str, ...]) -> None:
+    """One AdamW step per batch kind: the reference on the whole batch, the parallel model on this rank's part.
+    Adam's first step is lr * g / (|g| + eps): an eps well above the gradients' rounding keeps it a
+    well-conditioned function of them."""
     optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
-    for kind in ("left_padded", "ignored_labels", "right_padded"):
+    for kind in kinds:
         batch = batches()[kind]
         for trained, inputs, optimizer in ((reference, batch, optimizers[0]),
                                            (model, local_inputs(batch, kwargs), optimizers[1])):
             trained(**inputs, use_cache=False).loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+
+
+def check_optimizer_steps(family: str, layout: str):
+    """Three AdamW steps, each on another batch kind whose dp halves hold different numbers of target tokens:
+    the reference's parameters."""
+    kwargs = meshes(layout)
+    config = tiny_config(family, tied=False)
+    reference, model = build(config), parallelize_hf_model(build(config), **kwargs)
+    train_both(reference, model, kwargs, ("left_padded", "ignored_labels", "right_padded"))
     parameters = dict(model.named_parameters())
     for key, want in reference.named_parameters():
         torch.testing.assert_close(full(parameters[key]).detach(), want.detach(), rtol=1e-4, atol=1e-5, msg=key)
@@ -489,14 +494,7 @@ def check_hf_round_trip(directory: str):
     parameters = dict(model.named_parameters())
     for key, want in reference.named_parameters():
         assert torch.equal(full(parameters[key]).detach(), want.detach()), key
-    optimizers = [torch.optim.AdamW(m.parameters(), lr=1e-2, eps=1e-4) for m in (reference, model)]
-    for kind in ("left_padded", "packed"):
-        batch = batches()[kind]
-        for trained, inputs, optimizer in ((reference, batch, optimizers[0]),
-                                           (model, local_inputs(batch, kwargs), optimizers[1])):
-            trained(**inputs, use_cache=False).loss.backward()
-            optimizer.step()
-            optimizer.zero_grad()
+    train_both(reference, model, kwargs, ("left_padded", "packed"))
     save_hf_checkpoint(model, target, max_shard_bytes=20_000)
     assert not os.path.exists(os.path.join(target, "sharded"))
     files = [name for name in os.listdir(target) if name.endswith(".safetensors")]

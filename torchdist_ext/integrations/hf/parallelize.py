@@ -410,18 +410,18 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     if pp_mesh is not None:
         stages = split_into_stages(model, pp_mesh, pp_schedule, virtual_stages)
         model.forward = refuse_forward
+    layers = list(decoder.layers.values() if stages is not None else decoder.layers)  # (this rank's)
     if fsdp_mesh is not None:
-        for layer in decoder.layers.values() if stages is not None else decoder.layers:
+        for layer in layers:
             fully_shard(layer, mesh=fsdp_mesh)
         roots = list(stages.values()) if stages is not None else [model]
         for root in roots:
             fully_shard(root, mesh=fsdp_mesh)
-        for unit in (*(decoder.layers.values() if stages is not None else decoder.layers), *roots):
-            # each rank's gradient is its part of the whole batch's: summed
+        for unit in (*layers, *roots):  # each rank's gradient is its part of the whole batch's: summed
             unit.set_gradient_divide_factor(1.0)
             unit.set_force_sum_reduction_for_comms(True)
     if compile:
-        for layer in decoder.layers.values() if stages is not None else decoder.layers:
+        for layer in layers:
             layer.forward = torch.compile(layer.forward, fullgraph=True)
     if stages is not None:
         model.pipeline = HFPipeline(stages, pp_mesh=pp_mesh, schedule=pp_schedule, num_microbatches=num_microbatches,

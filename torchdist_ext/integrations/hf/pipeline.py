@@ -6,9 +6,12 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext import _collectives as collectives
 from torchdist_ext.agreement import check_agreement
-from torchdist_ext.integrations.hf.batch import IGNORE_INDEX, prepare_batch
+from torchdist_ext.integrations.hf.batch import (
+    IGNORE_INDEX,
+    prepare_batch,
+    shard_hf_batch,
+)
 from torchdist_ext.integrations.hf.loss import ParallelCausalLMLoss
-from torchdist_ext.parallel import shard_sequence
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.pipeline import (
     Pipeline,
@@ -78,20 +81,17 @@ class HFPipeline:
         local = {}
 
         def validate():
-            if self.cp_mesh is None:
-                local.update(prepare_batch(batch, lambda x: x, None))
-            else:
-                local.update(prepare_batch(batch, lambda x: shard_sequence(x.contiguous(), cp_mesh=self.cp_mesh,
-                                                                           dim=1, order=self.cp_order),
-                                           self.cp_order))
+            local.update(prepare_batch(batch, lambda x: x, None) if self.cp_mesh is None else
+                         shard_hf_batch(batch, cp_mesh=self.cp_mesh, order=self.cp_order))
             if local.get("shift_labels") is None:
                 raise ValueError("a pipelined parallelize_hf_model model trains on batches with labels")
+            local["count"] = (local["shift_labels"] != IGNORE_INDEX).sum()
 
         # The ranks of one pipeline take the same batch: its shapes and target count agree, or all raise.
         check_agreement(self.pp_group, "HFPipeline.step", lambda: {
             "input_ids": local["input_ids"], "document_ids": local["document_ids"],
-            "target tokens": int((local["shift_labels"] != IGNORE_INDEX).sum())}, validate)
-        count = (local["shift_labels"] != IGNORE_INDEX).sum()
+            "target tokens": int(local["count"])}, validate)
+        count = local["count"]
         self._num_items = count if self.data_group is None else collectives.all_reduce(count, self.data_group.name)
         stage_inputs = {"position_ids": local["position_ids"]}
         if local["document_ids"] is not None:
