@@ -37,7 +37,6 @@ def largest_relative_difference(output: str) -> float:
     [
         ("--steps", "4"),
         ("--steps", "3", "--tp", "4", "--no-sequence-parallel"),
-        ("--steps", "2", "--compile"),
         ("--steps", "2", "--dp", "1", "--cp", "2", "--compile"),
         ("--steps", "3", "--dp", "1", "--cp", "2", "--cp-method", "ulysses", "--experts", "4", "--ep", "2",
          "--capacity-factor", "1.0"),
@@ -52,11 +51,11 @@ def largest_relative_difference(output: str) -> float:
          "--microbatches", "4"),
         ("--steps", "3", "--grad-accum", "2", "--experts", "4", "--ep", "2"),
     ],
-    ids=["dp2-tp2-sp", "tp4", "dp2-tp2-sp-compiled", "cp2-ring-tp2-compiled", "cp2-ulysses-tp2-ep2-capacity",
+    ids=["dp2-tp2-sp", "tp4", "cp2-ring-tp2-compiled", "cp2-ulysses-tp2-ep2-capacity",
          "dp4-ep4-top1", "dp2-tp2-sp-ep2-compiled", "pp2-dp2-zb-v-recompute-selective",
          "pp2-tp2-sp-interleaved-recompute-full", "pp2-dp2-ep2-zb-h1-capacity", "pp2-cp2-ring-zb-h1",
          "dp2-tp2-sp-ep2-grad-accum2"],
-)
+)  # (dp2 x tp2 compiled without experts: dp2-tp2-sp-ep2-compiled compiles the same attention and norms)
 def test_matches_single_process(flags):
     output = run_main_job(*flags)
     assert re.search(r"step +0 +loss \d+\.\d+ .* tokens/s", output), output
@@ -176,14 +175,16 @@ def test_eight_ranks_of_every_axis_in_fp8_match_one_process_running_the_same_rec
 
 def test_fp8_all_gather_trains_exactly_as_full_precision_gathers_when_compiled(tmp_path):
     """FSDP2 gathering the fp8 bytes (cast with the delayed scale on each shard) changes the traffic, not
-    the numbers: the compiled blocks see the same fp8 weights, so every loss is bit-for-bit the same."""
+    the numbers: the compiled blocks see the same fp8 weights, so every loss is bit-for-bit the same (the first
+    run also against one process)."""
     losses = {}
     for gather in (False, True):
         path = tmp_path / f"losses-{gather}.json"
         flags = ("--fp8-all-gather",) if gather else ()
-        output = run_main_job("--steps", "3", "--fp8", "delayed", "--compile", *flags, "--losses", str(path))
+        output = run_main_job("--steps", "3", "--fp8", "delayed", "--compile", *flags, "--losses", str(path),
+                              check=not gather)
         assert ("(fp8 all-gathers)" in output) == gather, output
-        assert largest_relative_difference(output) < 2e-2
+        assert gather or largest_relative_difference(output) < 2e-2
         losses[gather] = json.loads(path.read_text())["losses"]
     assert losses[True] == losses[False]
 
