@@ -125,7 +125,7 @@ def comm_totals(groups: dict) -> tuple[dict[str, float], dict[str, int]]:
 def planner_bytes(e: Estimate, label: str) -> float | None:
     """The planner's bytes for an axis label ("dp+ep": both summed); None for what it does not model."""
     axes = label.split("+")
-    if any(axis not in ("tp", "cp", "ep", "dp", "pp") for axis in axes):
+    if any(axis not in ("tp", "cp", "ep", "dp", "dp_replicate", "pp") for axis in axes):
         return None
     return sum(e.comm[axis].bytes if axis in e.comm else 0.0 for axis in axes)
 

@@ -91,6 +91,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("dp", &Layout::dp)
       .def_readwrite("cp", &Layout::cp)
       .def_readwrite("cp_ulysses", &Layout::cp_ulysses)
+      .def_readwrite("dp_replicate", &Layout::dp_replicate)
       .def_readwrite("ep", &Layout::ep)
       .def_readwrite("zero_stage", &Layout::zero_stage)
       .def_readwrite("sequence_parallel", &Layout::sequence_parallel)

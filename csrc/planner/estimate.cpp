@@ -35,7 +35,8 @@ int64_t axis_size(const Layout& l, const std::string& axis) {
   if (axis == "tp") return l.tp;
   if (axis == "cp") return l.cp;
   if (axis == "ep") return l.ep;
-  if (axis == "dp") return l.dp;
+  if (axis == "dp") return l.dp / l.dp_replicate;
+  if (axis == "dp_replicate") return l.dp_replicate;
   return l.pp;
 }
 
@@ -207,7 +208,8 @@ std::vector<RankMemory> rank_memory(const ModelSpec& model, const Layout& l) {
   const RankParams held = rank_params(model, l);
   const RankActivations activations = rank_activations(model, l);
   const double t = static_cast<double>(l.tp), layers = static_cast<double>(model.num_layers);
-  const int64_t dense_replicas = l.dp * l.cp * l.ep, expert_replicas = l.dp * l.cp;
+  // ZeRO shards over the ranks of one HSDP replica.
+  const int64_t dense_replicas = l.dp * l.cp * l.ep / l.dp_replicate, expert_replicas = l.dp * l.cp / l.dp_replicate;
   const double element = element_bytes(l.precision);
   const double layer_params_gpu = ((params.total - params.embedding) / layers) / t;
   const bool unsharded_through_step = l.zero_stage == 3 && l.pp > 1;
@@ -369,12 +371,14 @@ double dp_bytes(const ModelSpec& model, const Layout& l) {
   // keeps the root unsharded from its forward to its backward); with pp everything once per step (a
   // pipeline keeps the parameters unsharded through the step: torchdist_ext.pipeline, torchtitan).
   // Overlapped with all the compute. Dense parameters are replicated over dp x cp x ep ranks, experts over
-  // dp x cp (rank_memory); the busiest pipeline rank's are counted.
+  // dp x cp (rank_memory); the busiest pipeline rank's are counted. With HSDP all this is within a replica
+  // (dp x cp x ep / dp_replicate ranks): dp_replicate_bytes() adds the replicas' all-reduce.
   const double m = static_cast<double>(l.num_microbatches), element = element_bytes(l.precision);
   const RankParams held = rank_params(model, l);
   const double dense_per_stage = held.dense(held.busiest);
   const double ends_per_stage = held.ends.at(static_cast<size_t>(held.busiest));
-  const double dense_dp = static_cast<double>(l.dp * l.cp * l.ep), expert_dp = static_cast<double>(l.dp * l.cp);
+  const double r = static_cast<double>(l.dp_replicate);
+  const double dense_dp = static_cast<double>(l.dp * l.cp * l.ep) / r, expert_dp = static_cast<double>(l.dp * l.cp) / r;
   const double block_gathers = l.pp > 1 ? 1 : 2 * m, root_gathers = l.pp > 1 ? 1 : m;
   auto volume = [&](double n, double param_count, double gathers) {
     if (n <= 1) return 0.0;
@@ -383,6 +387,18 @@ double dp_bytes(const ModelSpec& model, const Layout& l) {
   };
   return volume(dense_dp, dense_per_stage - ends_per_stage, block_gathers) +
          volume(dense_dp, ends_per_stage, root_gathers) + volume(expert_dp, held.experts, block_gathers);
+}
+
+double dp_replicate_bytes(const ModelSpec& model, const Layout& l) {
+  // HSDP's replicas all-reduce each rank's gradient shard once per step (FSDP2: after the reduce-scatter
+  // within the replica), (r - 1) / r x 2 x the shard's bytes, overlapped with the compute like dp's.
+  if (l.dp_replicate <= 1) return 0;
+  const double r = static_cast<double>(l.dp_replicate), element = element_bytes(l.precision);
+  const RankParams held = rank_params(model, l);
+  const double dense_shard = static_cast<double>(l.dp * l.cp * l.ep) / r;
+  const double expert_shard = static_cast<double>(l.dp * l.cp) / r;
+  const double shard = held.dense(held.busiest) / dense_shard + held.experts / expert_shard;
+  return 2 * (r - 1) / r * shard * element;
 }
 
 double pp_bytes(const ModelSpec& model, const Layout& l) {
@@ -439,7 +455,11 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   }
   if (l.ep > 1) add("ep", ep_bytes(model, l), 0.0);
   const double dp = dp_bytes(model, l);
-  if (dp > 0) add("dp", dp, l.zero_stage == 3 ? e.compute_seconds : e.compute_seconds * 2 / 3);
+  const double hidden_behind = l.zero_stage == 3 ? e.compute_seconds : e.compute_seconds * 2 / 3;
+  if (dp > 0) add("dp", dp, hidden_behind);
+  // The replicas' all-reduce follows the reduce-scatter: it hides behind what compute dp leaves uncovered.
+  const double dp_seconds = dp > 0 ? e.comm["dp"].seconds : 0.0;
+  if (l.dp_replicate > 1) add("dp_replicate", dp_replicate_bytes(model, l), std::max(0.0, hidden_behind - dp_seconds));
   if (l.pp > 1) add("pp", pp_bytes(model, l), 0.0);
 
   double exposed = 0;

@@ -122,6 +122,8 @@ double ep_bytes(const ModelSpec& model, const Layout& layout);
 double dp_bytes(const ModelSpec& model, const Layout& layout);
 // pp: activations and their gradients at the stage boundaries.
 double pp_bytes(const ModelSpec& model, const Layout& layout);
+// HSDP's all-reduce of each rank's gradient shard across the dp_replicate replicas, per step (0 without HSDP).
+double dp_replicate_bytes(const ModelSpec& model, const Layout& layout);
 
 // 6 N D (Kaplan et al. 2020; Hoffmann et al. 2022): forward 2ND, backward 4ND.
 double training_flops(double num_params, double num_tokens);

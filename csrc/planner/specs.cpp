@@ -140,7 +140,8 @@ void ClusterSpec::validate() const {
 }
 
 int64_t Layout::stride(const std::string& axis) const {
-  const std::pair<const char*, int64_t> order[] = {{"tp", tp}, {"cp", cp}, {"ep", ep}, {"dp", dp}, {"pp", pp}};
+  const std::pair<const char*, int64_t> order[] = {
+      {"tp", tp}, {"cp", cp}, {"ep", ep}, {"dp", dp / dp_replicate}, {"dp_replicate", dp_replicate}, {"pp", pp}};
   int64_t stride = 1;
   for (const auto& [name, size] : order) {
     if (axis == name) return stride;
@@ -156,6 +157,11 @@ void Layout::validate() const {
   require_positive("Layout.cp", cp);
   require_positive("Layout.ep", ep);
   require_positive("Layout.cp_ulysses", cp_ulysses);
+  require_positive("Layout.dp_replicate", dp_replicate);
+  if (dp % dp_replicate) {
+    invalid("Layout.dp_replicate=" + str(dp_replicate) + " must divide Layout.dp=" + str(dp) +
+            " (HSDP's replicas are groups of the dp ranks)");
+  }
   if (cp % cp_ulysses) {
     invalid("Layout.cp_ulysses=" + str(cp_ulysses) + " must divide Layout.cp=" + str(cp) +
             " (the Ulysses ranks are a part of the cp ranks)");
@@ -170,6 +176,10 @@ void Layout::validate() const {
             "] (the busiest ep rank's routed rows over the mean), got " + str(expert_imbalance));
   }
   if (zero_stage < 0 || zero_stage > 3) invalid("Layout.zero_stage must be 0, 1, 2 or 3, got " + str(zero_stage));
+  if (dp_replicate > 1 && zero_stage == 0) {
+    invalid("Layout.dp_replicate=" + str(dp_replicate) + " needs zero_stage >= 1 (HSDP shards within a replica; " +
+            "with zero_stage=0 every dp rank is a replica already)");
+  }
   if (schedule != Schedule::kInterleaved && virtual_stages != 1) {
     invalid("Layout.virtual_stages=" + str(virtual_stages) + " needs schedule='interleaved-1f1b', got '" +
             option_name(schedule) + "'");

@@ -75,7 +75,7 @@ struct ClusterSpec {
 };
 
 // Parallel layout and training settings. Mesh order, innermost first:
-// tp, cp, ep, dp, pp (tp groups are consecutive ranks). Expert-parallel ranks
+// tp, cp, ep, dp (its dp / dp_replicate shard ranks, then dp_replicate), pp (tp groups are consecutive ranks). Expert-parallel ranks
 // see different tokens: dense parameters are data-parallel over dp x ep and
 // expert parameters over dp. A step trains micro_batch x num_microbatches x
 // dp x ep sequences of seq_len tokens (context parallelism splits each sequence).
@@ -85,6 +85,10 @@ struct Layout {
   // cp Ulysses over all of them, and between the two cp / cp_ulysses ring ranks around Ulysses groups
   // (hybrid_attention). It sets how cp communicates (estimate.cpp), not what a rank holds.
   int64_t cp_ulysses = 1;
+  // HSDP: the replicas among the dp ranks (1: none). The ZeRO shards span dp x cp x ep / dp_replicate ranks of
+  // one replica (a dp axis of dp / dp_replicate ranks), the replicas all-reduce the sharded gradients across
+  // dp_replicate groups (the next axis out, before pp). Needs zero_stage >= 1 and must divide dp.
+  int64_t dp_replicate = 1;
   int zero_stage = 0;
   bool sequence_parallel = false;
   Recompute recompute = Recompute::kNone;

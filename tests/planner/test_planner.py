@@ -384,6 +384,42 @@ def test_zero3_gathers_blocks_twice_per_micro_batch_the_root_once_and_under_pp_o
     assert small_estimate(piped).comm["dp"].bytes == pytest.approx(3 / 4 * 4 * stage * 2)
 
 
+def test_hsdp_shards_within_a_replica_and_all_reduces_the_shards_across_replicas():
+    """dp=4 as 2 replicas of 2 shards (dp_replicate=2, cp=2): the states shard over one replica's dp x cp = 4
+    ranks (twice the 8 ranks' shard of plain FSDP), the gathers and reduce-scatter run within it, and the
+    replicas all-reduce each rank's gradient shard once per step: 2 (r - 1) / r x the shard's bytes."""
+    count = ModelSpec(4, 128, 8, **SMALL).count_params()
+    blocks, ends = count.total - count.embedding, count.embedding
+    flat = Layout(dp=4, cp=2, zero_stage=3, seq_len=128, micro_batch=1, num_microbatches=2, precision="fp32")
+    hsdp = dataclasses.replace(flat, dp_replicate=2)
+    assert small_estimate(hsdp).params == pytest.approx(2 * small_estimate(flat).params)
+    assert small_estimate(hsdp).optimizer == pytest.approx(count.total * 8 / 4)
+    assert small_estimate(hsdp).comm["dp"].bytes == pytest.approx(3 / 4 * 4 * (blocks * 5 + ends * 3))
+    assert small_estimate(hsdp).comm["dp_replicate"].bytes == pytest.approx(2 * 1 / 2 * count.total / 4 * 4)
+    assert "dp_replicate" not in small_estimate(flat).comm
+
+
+def test_hsdp_replicas_cross_nodes_while_shards_stay_inside_one():
+    """16 GPUs as 2 replicas of 8: the shard groups are the 8 GPUs of a node (NVLink), the replicas' all-reduce
+    crosses nodes; with no replicas FSDP's 16 ranks span both nodes."""
+    model, cluster = ModelSpec.preset("llama3-8b"), ClusterSpec.preset("h100-80gb", 16)
+    flat = estimate(model, cluster, Layout(dp=16, zero_stage=3, seq_len=8192, recompute="selective"))
+    hsdp = estimate(model, cluster, Layout(dp=16, dp_replicate=2, zero_stage=3, seq_len=8192, recompute="selective"))
+    assert not flat.comm["dp"].intra_domain
+    assert hsdp.comm["dp"].intra_domain and not hsdp.comm["dp_replicate"].intra_domain
+    assert hsdp.comm["dp_replicate"].bytes == pytest.approx(model.count_params().total / 8 * 2)
+
+
+@pytest.mark.parametrize("fields, message", [
+    ({"dp": 6, "dp_replicate": 4, "zero_stage": 3}, "Layout.dp_replicate=4 must divide Layout.dp=6"),
+    ({"dp": 4, "dp_replicate": 2, "zero_stage": 0}, "Layout.dp_replicate=2 needs zero_stage >= 1"),
+    ({"dp": 4, "dp_replicate": 0, "zero_stage": 3}, "dp_replicate"),
+])
+def test_hsdp_layouts_that_cannot_exist_are_refused(fields, message):
+    with pytest.raises(ValueError, match=message):
+        Layout(**fields)
+
+
 def test_fp32_training_states_are_sixteen_bytes_per_parameter():
     assert model_state_bytes(1, precision="fp32") == {"params": 4, "grads": 4, "optimizer": 8, "total": 16}
     layout = Layout(dp=1, seq_len=128, micro_batch=1)

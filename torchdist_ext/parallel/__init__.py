@@ -6,12 +6,14 @@
   ``ring_attention``, ``ulysses_attention``, ``hybrid_attention``, ``shard_sequence``, ``unshard_sequence``.
 - Expert parallelism (``ep_mesh``): ``MoE``, ``fully_shard_moe``.
 - Activation recompute: ``recompute(module, mode)``, ``mode`` in ``RECOMPUTE_MODES``.
+- The axes of a run and their meshes, built once: ``ParallelDims``, ``ParallelMeshes``.
 
 Example: ``ColumnParallelLinear.from_linear(linear, tp_mesh=tp_mesh)``. Signatures: docs/api.md.
 """
 
 from torchdist_ext.parallel.context_attention import hybrid_attention, ring_attention, ulysses_attention
 from torchdist_ext.parallel.cross_entropy import vocab_parallel_cross_entropy
+from torchdist_ext.parallel.dims import ParallelDims, ParallelMeshes
 from torchdist_ext.parallel.embedding import VocabParallelEmbedding
 from torchdist_ext.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from torchdist_ext.parallel.moe import MoE, fully_shard_moe
@@ -23,6 +25,8 @@ __all__ = [
     "RECOMPUTE_MODES",
     "ColumnParallelLinear",
     "MoE",
+    "ParallelDims",
+    "ParallelMeshes",
     "RMSNorm",
     "RowParallelLinear",
     "VocabParallelEmbedding",

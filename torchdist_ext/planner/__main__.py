@@ -75,6 +75,8 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{axis}", type=_count, default=None)
     parser.add_argument("--cp-ulysses", type=_count, default=1, metavar="U",
                         help="Ulysses ranks within cp (1: ring attention; cp: Ulysses; between: hybrid)")
+    parser.add_argument("--dp-replicate", type=_count, default=1, metavar="R",
+                        help="HSDP: replicas among the dp ranks, each sharding over dp / R (needs --zero >= 1)")
     parser.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
     parser.add_argument("--sp", action="store_true", help="sequence parallelism (with tp)")
     parser.add_argument("--recompute", default="selective", choices=_planner.OPTIONS["recompute"])
@@ -98,7 +100,7 @@ def _layout(args, gpus: int) -> Layout:
     per_step = dp * sizes["ep"] * args.micro_batch
     if global_batch % per_step:
         raise ValueError(f"--global-batch {global_batch} must be divisible by dp x ep x micro-batch = {per_step}")
-    return Layout(**sizes, dp=dp, cp_ulysses=args.cp_ulysses, zero_stage=args.zero, sequence_parallel=args.sp,
+    return Layout(**sizes, dp=dp, cp_ulysses=args.cp_ulysses, dp_replicate=args.dp_replicate, zero_stage=args.zero, sequence_parallel=args.sp,
                   recompute=args.recompute, micro_batch=args.micro_batch,
                   num_microbatches=global_batch // per_step, schedule=args.schedule,
                   virtual_stages=args.virtual_stages, seq_len=args.seq, precision=args.precision,
@@ -109,6 +111,8 @@ def _describe(layout: Layout) -> str:
     parts = [f"{axis}={getattr(layout, axis)}" for axis in ("tp", "pp", "dp", "cp", "ep") if getattr(layout, axis) > 1]
     if layout.cp_ulysses > 1:
         parts.append("ulysses" if layout.cp_ulysses == layout.cp else f"ulysses={layout.cp_ulysses}")
+    if layout.dp_replicate > 1:
+        parts.append(f"hsdp={layout.dp_replicate}")
     parts.append(f"zero{layout.zero_stage}")
     if layout.sequence_parallel:
         parts.append("sp")

@@ -206,7 +206,9 @@ class Layout:
     (csrc/planner/specs.h). ``cp_ulysses``: the Ulysses ranks within cp (1: ring attention over every cp
     rank; cp: Ulysses over every one; between: ``hybrid_attention``'s cp / cp_ulysses ring ranks around
     Ulysses groups), which sets how cp communicates: Ulysses' all-to-alls on the critical path, the ring's
-    K/V hidden behind the attention.
+    K/V hidden behind the attention. ``dp_replicate``: HSDP's replicas among the dp ranks (1: none; needs
+    ``zero_stage`` >= 1): the ZeRO shards span one replica's dp x cp x ep / dp_replicate ranks, and the replicas
+    all-reduce the gradient shards (the ``dp_replicate`` axis of the estimate's communication).
     """
 
     tp: int = 1
@@ -215,6 +217,7 @@ class Layout:
     cp: int = 1
     ep: int = 1
     cp_ulysses: int = 1
+    dp_replicate: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
     recompute: str = "none"
