@@ -186,3 +186,16 @@ def test_extra_values_load_without_a_model(tmp_path):
         checkpoint.load_extra(tmp_path / "missing", {"step": 0})
     with pytest.raises(TypeError, match="extra must be a dict, got NoneType"):
         checkpoint.load_extra(tmp_path, None)
+
+
+def test_latest_is_the_checkpoint_itself_or_the_largest_step_in_a_directory(tmp_path):
+    for step in (2, 10, 4):
+        (tmp_path / f"step-{step}").mkdir()
+        (tmp_path / f"step-{step}" / ".metadata").write_bytes(b"")
+    (tmp_path / "step-20").mkdir()  # a save that never finished: no .metadata
+    assert checkpoint.latest(tmp_path) == tmp_path / "step-10"
+    assert checkpoint.latest(tmp_path / "step-4") == tmp_path / "step-4"
+    with pytest.raises(FileNotFoundError, match="step-20 holds no checkpoint"):
+        checkpoint.latest(tmp_path / "step-20")
+    with pytest.raises(FileNotFoundError, match="missing holds no checkpoint"):
+        checkpoint.latest(tmp_path / "missing")

@@ -4,6 +4,7 @@ any other layout: another dp / tp / cp / pp split, or one process.
     torchdist_ext.checkpoint.save(path, parts, optimizers, extra={"step": step, "sampler": sampler.state_dict()})
     extra = torchdist_ext.checkpoint.load(path, parts, optimizers, extra={"step": 0, "sampler": {...}})
     step = torchdist_ext.checkpoint.load_extra(path, {"step": 0})["step"]   # no model, no process group
+    path = torchdist_ext.checkpoint.latest(directory)   # its step-N checkpoint of the largest N
 
 Every entry is keyed by the full model's parameter and buffer names (a part must keep them: a pipeline stage
 holds its modules under the names they have in the whole model), the optimizer state flattened per parameter
@@ -34,7 +35,7 @@ from torch.distributed.checkpoint.state_dict import (
 )
 from torch.optim import Optimizer
 
-__all__ = ["load", "load_extra", "save"]
+__all__ = ["latest", "load", "load_extra", "save"]
 
 _OPTIONS = StateDictOptions(flatten_optimizer_state_dict=True)
 _NOT_OURS = "is corrupt or not a checkpoint written by torchdist_ext.checkpoint"
@@ -208,6 +209,19 @@ def load(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: 
             optimizer.state.clear()
             _set_hyperparameters(optimizer, part, loaded)
     return state.get("extra")
+
+
+def latest(path: str | PathLike) -> Path:
+    """``path`` when it holds a checkpoint (its ``.metadata``), else the ``step-N`` directory in it of the largest
+    N that holds one (a run saving every few steps); FileNotFoundError naming ``path`` when there is none."""
+    path = Path(path)
+    if (path / ".metadata").is_file():
+        return path
+    steps = [(int(child.name[5:]), child) for child in path.glob("step-*")
+             if child.name[5:].isdigit() and (child / ".metadata").is_file()] if path.is_dir() else []
+    if not steps:
+        raise FileNotFoundError(f"{path} holds no checkpoint: neither its .metadata nor a step-N directory with one")
+    return max(steps)[1]
 
 
 def load_extra(checkpoint_id: str | PathLike, extra: dict[str, Any]) -> dict[str, Any]:
