@@ -112,6 +112,21 @@ def cublas_workspace_bytes(device: torch.device) -> int:
     return before - torch.cuda.memory_allocated(device)
 
 
+def ledger_axes(meshes, experts: bool) -> dict:
+    """The ledger's axes of a run's ``ParallelMeshes``: FSDP2's traffic goes over dp_shard x cp (the experts'
+    over the ranks holding the same experts), HSDP's replicas' all-reduce over dp_replicate; the groups of no
+    axis (the gradient norm's, fp8's amax reductions) are "other"."""
+    def shard_and_replicas(mesh, shard_dim: str) -> tuple[list, list]:
+        return ([mesh[shard_dim]], [mesh["dp_replicate"]]) if mesh.ndim == 2 else ([mesh], [])
+
+    dp, replicas = shard_and_replicas(meshes.fsdp, "dp_shard_cp")
+    if experts:
+        expert_dp, expert_replicas = shard_and_replicas(meshes.expert_fsdp, "expert_dp_shard")
+        dp, replicas = dp + expert_dp, replicas + expert_replicas
+    return {"tp": meshes.tp, "cp": [meshes.world["ring"], meshes.world["ulysses"]], "pp": meshes.pp, "dp": dp,
+            **({"dp_replicate": replicas} if replicas else {}), **({"ep": meshes.ep} if experts else {})}
+
+
 def comm_totals(groups: dict) -> tuple[dict[str, float], dict[str, int]]:
     """Bytes sent and calls per axis label since the ledger's last reset (``groups`` as ``ledger.by_label``'s;
     groups of no axis under "other"), without the rank-agreement check's all-gathers (the planner prices a run

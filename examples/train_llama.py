@@ -6,17 +6,20 @@ parallelism.
     torchrun --nproc-per-node 4 examples/train_llama.py --cp 2 --cp-method ring   # dp=1 x cp=2 x tp=2
     torchrun --nproc-per-node 4 examples/train_llama.py --tp 1 --cp 4 --cp-method hybrid --cp-ulysses 2
     torchrun --nproc-per-node 4 examples/train_llama.py --bf16 --check      # FSDP2 mixed precision
+    torchrun --nproc-per-node 4 examples/train_llama.py --tp 1 --dp-replicate 2 --check   # HSDP: 2 replicas x 2
     torchrun --nproc-per-node 8 examples/train_llama.py --device cuda       # 8 GPUs: dp=4 x tp=2, NCCL, bf16
     torchrun --nproc-per-node 4 examples/train_llama.py --experts 4 --ep 2 --check   # MoE FFNs: ep=2 of dp=2
     torchrun --nproc-per-node 4 examples/train_llama.py --fp8 delayed --check        # fp8 GEMMs, delayed scaling
     torchrun --nproc-per-node 4 examples/train_llama.py --pp 2 --schedule zb-h1 --microbatches 4 --check
     torchrun --nproc-per-node 4 examples/train_llama.py --pp 2 --tp 1 --experts 4 --ep 2 --check  # MoE stages
-    torchrun --nproc-per-node 8 examples/train_llama.py --pp 2 --steps 2 --save ckpt  # dp2 x tp2 x pp2, saved
+    torchrun --nproc-per-node 8 examples/train_llama.py --pp 2 --steps 2 --save ckpt  # dp2 x tp2 x pp2: ckpt/step-2
     torchrun --nproc-per-node 4 examples/train_llama.py --steps 4 --resume ckpt      # continued at dp2 x tp2
+    torchrun --nproc-per-node 4 examples/train_llama.py --lr-schedule wsd --warmup-steps 5 --metrics run.jsonl
 
-Every rank builds the same single-process model (same seed), converts it to
+The layout is a ``torchdist_ext.parallel.ParallelDims``, which builds every mesh once
+and gives the planner the same layout. Every rank builds the same single-process model (same seed), converts it to
 tensor-parallel layers with the same weights and shards it with FSDP2 over
-dp x cp. ``--experts E`` makes every FFN a mixture of E experts (top ``--top-k``,
+dp x cp (``--dp-replicate R``: HSDP, R replicas each sharding over dp / R x cp). ``--experts E`` makes every FFN a mixture of E experts (top ``--top-k``,
 dropless or ``--capacity-factor c``), split over ``--ep`` ranks carved out of the
 dp x cp ranks (ep divides dp x cp), each step printing the busiest expert's load
 over the mean; ``--check``'s single process then routes each rank's tokens as
@@ -37,9 +40,12 @@ all-gathers, fp32 gradient reduction, master weights and optimizer state.
 over P ranks, each stage tensor-/context-parallel and sharded by FSDP2 as above, and
 prints the last step's measured bubble next to the planner's (``--timeline out.png``
 draws it); the gradient norm is taken over every stage and mesh (``torchdist_ext.clip_grad_norm_``).
-``--save DIR`` writes a distributed checkpoint after the last step (model, optimizer, fp8 histories, data
-position, step: ``torchdist_ext.checkpoint``), and ``--resume DIR`` continues it at any layout up to ``--steps``:
-the losses equal the uninterrupted run's.
+``--save DIR`` writes a distributed checkpoint ``DIR/step-N`` after the last step (and every ``--save-every``
+steps: model, optimizer, fp8 histories, data position, step: ``torchdist_ext.checkpoint``), and ``--resume``
+continues one at any layout up to ``--steps``: the losses equal the uninterrupted run's. ``--lr-schedule``
+warms up and decays the learning rate (``torchdist_ext.lr_schedules``); each step prints its loss, gradient
+norm, lr, tokens/s (MFU on a GPU) and peak memory (on the CPU with ``--ledger``), and ``--metrics`` appends
+them to a JSON-lines file.
 ``--ledger`` counts every process group's communication (``torchdist_ext.ledger``) and prints, after the last
 step, the planner's memory per rank, bubble and bytes per axis for the layout next to that step's measured peak
 memory, idle fraction and ledger bytes (``examples/predicted_vs_measured.py``).
@@ -61,7 +67,6 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -71,19 +76,15 @@ from llama import (  # noqa: E402
 
 from one_process_check import check_losses, exit_now  # noqa: E402
 from predicted_vs_measured import (  # noqa: E402
-    RoutingLoad, StepMeasurement, comm_totals, gather_measurements, peak_memory, print_report, reset_peak_memory,
+    RoutingLoad, StepMeasurement, comm_totals, gather_measurements, ledger_axes, peak_memory, print_report,
+    reset_peak_memory,
 )
 
 from torchdist_ext import checkpoint, clip_grad_norm_, cpu_memory, ledger  # noqa: E402
 from torchdist_ext.data import DataParallelSampler  # noqa: E402
 from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_modules, fp8_step  # noqa: E402
-from torchdist_ext.parallel import (  # noqa: E402
-    MoE,
-    hybrid_attention,
-    ring_attention,
-    shard_sequence,
-    ulysses_attention,
-)
+from torchdist_ext.lr_schedules import WarmupCosine, WarmupStableDecay, lr_scheduler  # noqa: E402
+from torchdist_ext.parallel import MoE, ParallelDims, shard_sequence  # noqa: E402
 from torchdist_ext.parallel.recompute import RECOMPUTE_MODES  # noqa: E402
 from torchdist_ext.pipeline import (  # noqa: E402
     SCHEDULES,
@@ -145,6 +146,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--dp", type=positive_int, default=None,
                         help="data-parallel size (default: world size / (tp x cp x pp))")
+    parser.add_argument("--dp-replicate", type=positive_int, default=1,
+                        help="HSDP: replicas among the dp ranks, each sharding over dp / this (default 1: FSDP)")
     parser.add_argument("--tp", type=positive_int, default=2, help="tensor-parallel size")
     parser.add_argument("--cp", type=positive_int, default=1, help="context-parallel size (sequence sharding)")
     parser.add_argument("--pp", type=positive_int, default=1,
@@ -170,7 +173,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--grad-accum", type=positive_int, default=1,
                         help="micro-steps per step: each rank's rows in this many forward/backward passes, FSDP2 "
                              "reducing the gradients once, after the last (set_requires_gradient_sync)")
-    parser.add_argument("--lr", type=float, default=3e-3)
+    parser.add_argument("--lr", type=float, default=3e-3, help="peak learning rate (AdamW)")
+    parser.add_argument("--lr-schedule", choices=("constant", "warmup-cosine", "wsd"), default="constant",
+                        help="warmup-cosine: linear warmup, then a cosine to --min-lr-ratio x --lr at --steps; wsd: "
+                             "warmup, the peak held, then a decay over the last --decay-steps")
+    parser.add_argument("--warmup-steps", type=non_negative_int, default=0)
+    parser.add_argument("--decay-steps", type=non_negative_int, default=None,
+                        help="wsd's decay (default: the last fifth of --steps)")
+    parser.add_argument("--min-lr-ratio", type=float, default=None,
+                        help="the last lr over the peak (default: 0.1 for warmup-cosine, 0 for wsd)")
     parser.add_argument("--max-grad-norm", type=float, default=1.0)
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--compile", action="store_true", help="torch.compile every transformer block (fullgraph)")
@@ -193,11 +204,17 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="with --fp8 delayed: FSDP2 all-gathers the fp8 linears' weights as fp8 bytes")
     parser.add_argument("--losses", type=Path, default=None,
                         help="write the per-step global losses here as JSON (examples/plot_losses.py plots runs)")
+    parser.add_argument("--metrics", type=Path, default=None,
+                        help="append each step's line here as JSON (step, loss, grad_norm, lr, tokens_per_s, mfu, "
+                             "peak_memory_bytes, expert_load; examples/plot_losses.py plots it)")
     parser.add_argument("--save", type=Path, default=None,
-                        help="write a distributed checkpoint here after the last step (model, optimizer, fp8 "
-                             "histories, data position, step)")
+                        help="write a distributed checkpoint to DIR/step-N after the last step N (model, "
+                             "optimizer, fp8 histories, data position, step)")
+    parser.add_argument("--save-every", type=positive_int, default=None,
+                        help="with --save: also after every this many steps")
     parser.add_argument("--resume", type=Path, default=None,
-                        help="continue from this checkpoint (written at any layout) up to --steps")
+                        help="continue from this checkpoint (a step-N directory, or --save's DIR: its latest), "
+                             "written at any layout, up to --steps")
     parser.add_argument("--ledger", action="store_true",
                         help="count every process group's communication (torchdist_ext.ledger, a c10d backend "
                              "wrapping gloo / NCCL) and print the last step's bytes per axis, peak memory and "
@@ -222,14 +239,21 @@ def parse_args(argv=None) -> argparse.Namespace:
                      "drop --compile or use --fp8 current")
     if args.check and args.resume is not None:
         parser.error("--check trains a whole run in one process: it cannot start from --resume")
+    if args.save_every is not None and args.save is None:
+        parser.error("--save-every needs --save DIR (where the step-N checkpoints go)")
+    try:
+        lr_schedule(args)
+    except ValueError as error:
+        parser.error(f"--lr-schedule {args.lr_schedule}: {error}")
     refusals = layout_refusals(args, int(os.environ.get("WORLD_SIZE", "1")))
     if refusals:  # before any process group is built
         parser.error("this layout cannot run:\n  " + "\n  ".join(refusals))
-    dp, _, _ = data_and_context_split(args, int(os.environ.get("WORLD_SIZE", "1")))
-    if args.ledger and args.experts and dp % args.ep:
+    dims = parallel_dims(args, int(os.environ.get("WORLD_SIZE", "1")))
+    if args.ledger and dims.dp_shard % dims.ep:
         parser.error(f"--ledger sets the run beside the planner, whose expert-parallel ranks are data-parallel "
-                     f"ranks: --ep {args.ep} must divide dp={dp} (here ep spans cp ranks, which the planner does "
-                     f"not model)")
+                     f"ranks: --ep {args.ep} must divide "
+                     f"{f'dp={dims.dp}' if dims.dp_replicate == 1 else f'dp / --dp-replicate = {dims.dp_shard}'} "
+                     f"(here ep spans cp ranks, which the planner does not model)")
     if args.resume is not None:
         check_resumed_step(parser, args)
     if args.check_tolerance is None:
@@ -241,12 +265,25 @@ def check_resumed_step(parser: argparse.ArgumentParser, args: argparse.Namespace
     """Refuses (before any process group) a --resume checkpoint that cannot be read, and a --steps below the step
     it was saved at: --steps counts from the start of the run, so such a run would train no step."""
     try:
+        args.resume = checkpoint.latest(args.resume)
         saved = checkpoint.load_extra(args.resume, {"step": 0})["step"]
     except (FileNotFoundError, ValueError) as error:
         parser.error(f"--resume {args.resume}: {error}")
     if args.steps < saved:
         parser.error(f"--steps {args.steps} is smaller than step {saved}, where the checkpoint --resume {args.resume} "
                      f"was saved: --steps counts from the start of the run, so give --steps {saved} or more")
+
+
+def lr_schedule(args):
+    """The lr factor of each step (``torchdist_ext.lr_schedules``) of --lr-schedule over --steps."""
+    if args.lr_schedule == "constant":
+        return lambda step: 1.0
+    if args.lr_schedule == "warmup-cosine":
+        return WarmupCosine(total_steps=args.steps, warmup_steps=args.warmup_steps,
+                            min_ratio=0.1 if args.min_lr_ratio is None else args.min_lr_ratio)
+    decay = args.steps // 5 if args.decay_steps is None else args.decay_steps
+    return WarmupStableDecay(total_steps=args.steps, decay_steps=decay, warmup_steps=args.warmup_steps,
+                             min_ratio=0.0 if args.min_lr_ratio is None else args.min_lr_ratio)
 
 
 def planner_model(args) -> ModelSpec:
@@ -264,32 +301,30 @@ def layout_refusals(args, world_size: int) -> list[str]:
     TDX008 findings (sizes that do not divide the model, a schedule without the micro-batches it needs) and the
     model's and experts' own divisibility rules. Empty when it can run."""
     try:
-        dp, ring, ulysses = data_and_context_split(args, world_size)
+        dims = parallel_dims(args, world_size)
         check_layout(LlamaConfig(), args.tp)
         check_pipeline_stages(args, LlamaConfig().num_layers)
-        check_expert_parallel(args, dp * ring * ulysses)
     except ValueError as error:
         return [str(error)]
     try:
+        # The planner's ep ranks are data-parallel ranks; an ep reaching into cp is checked by
+        # check_expert_parallel above, and the planner checks the rest without it.
+        planned = dims if dims.dp_shard % dims.ep == 0 else replace(dims, ep=1)
         findings = check(planner_model(args), ClusterSpec.preset("h100-80gb", world_size),
-                         planner_layout(args, dp))
+                         planner_layout(args, planned))
     except ValueError as error:
         return [str(error)]
     return [f"{f.code} {f.severity}: {f.message}" for f in findings if f.code == "TDX008"]
 
 
-def planner_layout(args, dp: int) -> Layout:
-    """This run's layout as the planner sees it: FSDP2 is ZeRO-3 over dp x cp, its micro-batches those of the
-    pipeline (or of --grad-accum), in the run's precision; recompute stops at the experts
-    (``apply_recompute_and_compile``)."""
-    # The planner's ep ranks are data-parallel ranks; --ledger refuses an ep that spans cp ranks (parse_args).
-    ep = args.ep if args.experts and dp % args.ep == 0 else 1
+def planner_layout(args, dims: ParallelDims) -> Layout:
+    """This run's layout as the planner sees it: the dims' (FSDP2 is ZeRO-3 over dp_shard x cp), its
+    micro-batches those of the pipeline (or of --grad-accum), in the run's precision; recompute stops at the
+    experts (``apply_recompute_and_compile``)."""
     m = microbatches(args) if args.pp > 1 else args.grad_accum
-    _, ulysses = context_parallel_split(args)
-    return Layout(tp=args.tp, pp=args.pp, dp=dp // ep, cp=args.cp, ep=ep, cp_ulysses=ulysses, zero_stage=3,
-                  sequence_parallel=args.sequence_parallel, recompute=args.recompute,
+    return dims.layout(sequence_parallel=args.sequence_parallel, recompute=args.recompute,
                   recompute_experts=False, seq_len=args.seq,
-                  micro_batch=args.batch // dp // m, num_microbatches=m,
+                  micro_batch=args.batch // dims.dp // m, num_microbatches=m,
                   schedule=args.schedule if args.pp > 1 else "1f1b",
                   virtual_stages=virtual_stages(args) if args.pp > 1 else 1,
                   precision=PLANNER_PRECISION[precision(args), bool(args.fp8)],
@@ -363,32 +398,21 @@ def check_pipeline_stages(args, num_layers: int) -> None:
 
 
 def check_expert_parallel(args, ranks: int) -> None:
-    """--ep must divide the dp x cp ``ranks`` and --experts."""
+    """--ep must divide the dp x cp ``ranks`` (of one HSDP replica) and --experts."""
     if args.experts and (ranks % args.ep or args.experts % args.ep):
-        raise ValueError(f"--ep {args.ep} must divide dp x cp = {ranks} and --experts {args.experts}")
+        raise ValueError(f"--ep {args.ep} must divide dp x cp = {ranks}"
+                         f"{' of an HSDP replica' if args.dp_replicate > 1 else ''} and --experts {args.experts}")
 
 
-def expert_parallel_meshes(args, dp: int, ring: int, ulysses: int):
-    """(ep mesh, expert data-parallel mesh): the dp x cp ranks of each pipeline rank and tp index cut into
-    groups of ep consecutive ranks; the expert-dp mesh joins the ranks that hold the same experts."""
-    if args.experts == 0:
-        return None, None
-    ranks = dp * ring * ulysses  # parse_args checked it against --ep (layout_refusals)
-    layout = torch.arange(args.pp * ranks * args.tp).view(args.pp, ranks // args.ep, args.ep, args.tp)
-    mesh = DeviceMesh(args.device, layout, mesh_dim_names=("pp", "expert_dp", "ep", "tp"))
-    mesh["expert_dp", "ep"]._flatten("experts")  # the experts' gradient norm in one all-reduce
-    return mesh["ep"], mesh["expert_dp"]
-
-
-def expert_token_groups(args, dp: int, ring: int, ulysses: int) -> list[torch.Tensor]:
+def expert_token_groups(args, dims: ParallelDims) -> list[torch.Tensor]:
     """The flattened ``[batch * seq]`` token indices each dp x cp rank routes in one MoE call, in that rank's
     order: its batch rows (with --pp, one micro-batch of them at a time), and its sequence shard (zigzag over
     the ring ranks, or over the Ulysses ranks for --cp-method ulysses; the hybrid's Ulysses ranks take
     contiguous blocks of each ring shard)."""
-    zigzag, inner = (ulysses, 1) if args.cp_method == "ulysses" else (ring, ulysses)
+    zigzag, inner = (dims.cp_ulysses, 1) if args.cp_method == "ulysses" else (dims.ring, dims.cp_ulysses)
     chunks = torch.arange(args.seq).chunk(2 * zigzag)
     groups = []
-    for rank_rows in torch.arange(args.batch).chunk(dp):
+    for rank_rows in torch.arange(args.batch).chunk(dims.dp):
         for rows in rank_rows.chunk(microbatches(args) if args.pp > 1 else args.grad_accum):
             for z in range(zigzag):
                 for positions in torch.cat([chunks[z], chunks[2 * zigzag - 1 - z]]).chunk(inner):
@@ -403,29 +427,15 @@ def expert_load(model, group) -> float:
     return (counts.max(1).values / counts.mean(1)).max().item()
 
 
-def context_parallel_split(args) -> tuple[int, int]:
-    """(ring ranks, Ulysses ranks) of the context-parallel axis."""
+def ulysses_ranks(args) -> int:
+    """The Ulysses ranks within --cp (ParallelDims.cp_ulysses) of --cp-method."""
     if args.cp == 1 or args.cp_method == "ring":
-        return args.cp, 1
+        return 1
     if args.cp_method == "ulysses":
-        return 1, args.cp
+        return args.cp
     if args.cp % args.cp_ulysses:
         raise ValueError(f"--cp {args.cp} must be divisible by --cp-ulysses {args.cp_ulysses}")
-    return args.cp // args.cp_ulysses, args.cp_ulysses
-
-
-def context_parallel_plan(args, mesh):
-    """(attention function or None, the cp_mesh of the attention and of shard_sequence). Every method
-    shards the sequence zigzag, which balances causal work over the ring (or Ulysses) ranks."""
-    if args.cp == 1:
-        return None, None
-    if args.cp_method == "ring":
-        cp_mesh, attention = mesh["ring"], ring_attention
-    elif args.cp_method == "ulysses":
-        cp_mesh, attention = mesh["ulysses"], ulysses_attention
-    else:
-        cp_mesh, attention = mesh["ring", "ulysses"], hybrid_attention
-    return partial(attention, cp_mesh=cp_mesh, causal=True, order="zigzag"), cp_mesh
+    return args.cp_ulysses
 
 
 def microbatches(args) -> int:
@@ -472,9 +482,9 @@ def report_bubble(args, pipe: Pipeline, kept: list[list], rank: int) -> tuple[fl
     return predicted, overall
 
 
-def data_and_context_split(args, world_size: int) -> tuple[int, int, int]:
-    """(dp, ring ranks, Ulysses ranks), checked against the world size and the batch."""
-    ring, ulysses = context_parallel_split(args)
+def parallel_dims(args, world_size: int) -> ParallelDims:
+    """This run's axes, checked against the world size and the batch (each error naming its flags)."""
+    ulysses = ulysses_ranks(args)
     others = args.tp * args.cp * args.pp
     if args.dp is None and world_size % others:
         raise ValueError(f"--cp {args.cp} x --tp {args.tp} x --pp {args.pp} = {others} must divide the world size "
@@ -489,7 +499,11 @@ def data_and_context_split(args, world_size: int) -> tuple[int, int, int]:
         raise ValueError(f"--batch {args.batch} / dp={dp} must be divisible by --grad-accum {args.grad_accum}")
     if args.pp > 1 and (args.batch // dp) % microbatches(args):
         raise ValueError(f"--batch {args.batch} / dp={dp} must be divisible by --microbatches {microbatches(args)}")
-    return dp, ring, ulysses
+    if dp % args.dp_replicate:
+        raise ValueError(f"--dp-replicate {args.dp_replicate} must divide dp={dp}")
+    check_expert_parallel(args, dp // args.dp_replicate * args.cp)
+    return ParallelDims(world_size=world_size, dp_replicate=args.dp_replicate, dp_shard=dp // args.dp_replicate,
+                        cp=args.cp, cp_ulysses=ulysses, tp=args.tp, pp=args.pp, ep=args.ep if args.experts else 1)
 
 
 def accumulate_gradients(model, tokens: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
@@ -507,31 +521,25 @@ def accumulate_gradients(model, tokens: torch.Tensor, target: torch.Tensor, posi
 
 
 def train_parallel(args, world_size: int, rank: int, device: torch.device) -> list[float]:
-    dp, ring, ulysses = data_and_context_split(args, world_size)
-    mesh = init_device_mesh(args.device, (args.pp, dp, ring, ulysses, args.tp),
-                            mesh_dim_names=("pp", "dp", "ring", "ulysses", "tp"))
-    # FSDP shards over dp x cp: context-parallel ranks hold the same parameters and see different tokens.
-    fsdp_mesh = mesh["dp", "ring", "ulysses"]._flatten("dp_cp")
-    # The ranks of one pipeline stage: DTensor reduces a gradient norm over them in one all-reduce, and fp8
-    # reduces its amaxes over them (other stages hold other linears).
-    stage_mesh = mesh["dp", "ring", "ulysses", "tp"]._flatten("stage")
-    attend, cp_mesh = context_parallel_plan(args, mesh)
-    ep_mesh, expert_dp_mesh = expert_parallel_meshes(args, dp, ring, ulysses)
+    dims = parallel_dims(args, world_size)
+    # FSDP2 shards over dp_shard x cp (context-parallel ranks hold the same parameters and see other tokens),
+    # HSDP replicates that over dp_replicate; fp8 reduces its amaxes over a pipeline stage's ranks.
+    meshes = dims.build_meshes(args.device)
     single = build_model(args, device)
     flops_per_token = model_flops_per_token(single, args.seq)
     peak = gpu_peak_flops(device) if device.type == "cuda" else None
-    parallelize = partial(parallelize_llama, tp_mesh=mesh["tp"], dp_mesh=fsdp_mesh,
-                          sequence_parallel=args.sequence_parallel, attend=attend, compile=args.compile,
-                          mp_policy=PRECISION_POLICY[precision(args)], ep_mesh=ep_mesh,
-                          expert_dp_mesh=expert_dp_mesh, fp8=FP8_RECIPES.get(args.fp8),
-                          fp8_all_gather=args.fp8_all_gather, fp8_amax_mesh=stage_mesh,
-                          recompute_mode=args.recompute)
+    experts = {"ep_mesh": meshes.ep, "expert_dp_mesh": meshes.expert_fsdp} if args.experts else {}
+    parallelize = partial(parallelize_llama, tp_mesh=meshes.tp, dp_mesh=meshes.fsdp,
+                          sequence_parallel=args.sequence_parallel, attend=meshes.context_attention(),
+                          compile=args.compile, mp_policy=PRECISION_POLICY[precision(args)], **experts,
+                          fp8=FP8_RECIPES.get(args.fp8), fp8_all_gather=args.fp8_all_gather,
+                          fp8_amax_mesh=meshes.stage, recompute_mode=args.recompute)
     pipe = None
     if args.pp > 1:
-        stages = {s: parallelize(stage) for s, stage in pipeline_stages(args, single, mesh["pp"].get_local_rank()).items()}
+        stages = {s: parallelize(stage) for s, stage in pipeline_stages(args, single, meshes.pp.get_local_rank()).items()}
         del single  # with the other stages' blocks, which this rank never runs
         last = num_stages(args.schedule, args.pp, virtual_stages(args)) - 1
-        pipe = Pipeline(stages, pp_mesh=mesh["pp"], schedule=args.schedule, num_microbatches=microbatches(args),
+        pipe = Pipeline(stages, pp_mesh=meshes.pp, schedule=args.schedule, num_microbatches=microbatches(args),
                         loss_fn=lambda logits, target: stages[last].loss_fn(logits, target),
                         virtual_stages=virtual_stages(args))
         model = torch.nn.ModuleList(pipe.stages.values())
@@ -547,19 +555,23 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         moe.aux_loss_coef /= calls_per_step
         moe.z_loss_coef /= calls_per_step
     optimizers = [torch.optim.AdamW(part.parameters(), lr=args.lr) for part in parts]
-    fsdp_group = fsdp_mesh.get_group()
+    # Made before a checkpoint's load, whose optimizer state then keeps the base lr (initial_lr).
+    schedulers = [lr_scheduler(optimizer, lr_schedule(args)) for optimizer in optimizers]
+    batch_group = meshes.batch.get_group()  # the ranks whose losses make the step's mean
     windows = corpus_windows(args.seq)
-    sampler = DataParallelSampler(len(windows), dp_mesh=mesh["dp"], batch_size=args.batch // dp, seed=args.seed)
+    sampler = DataParallelSampler(len(windows), dp_mesh=meshes.dp, batch_size=args.batch // dims.dp, seed=args.seed)
     first_step = 0
     if args.resume is not None:
         saved = checkpoint.load(args.resume, parts, optimizers, extra={"step": 0, "sampler": sampler.state_dict()})
         sampler.load_state_dict(saved["sampler"])
         first_step = saved["step"]
+        schedulers = [lr_scheduler(optimizer, lr_schedule(args), step=first_step) for optimizer in optimizers]
     if rank == 0:
         print(f"world {world_size}: "
               f"{f'pp={args.pp} ({args.schedule}, {microbatches(args)} micro-batches) x ' if args.pp > 1 else ''}"
-              f"dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
-              f"ring {ring} x ulysses {ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
+              f"dp={dims.dp}{f' (HSDP: {dims.dp_replicate} x {dims.dp_shard})' if dims.dp_replicate > 1 else ''} "
+              f"x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
+              f"ring {dims.ring} x ulysses {dims.cp_ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
               f"compile={args.compile}, recompute={args.recompute}, {precision(args)}"
               f"{f' with fp8 GEMMs ({args.fp8}) in {len(fp8_modules(model))} linears' if args.fp8 else ''}"
               f"{' (fp8 all-gathers)' if args.fp8_all_gather else ''} "
@@ -567,16 +579,12 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
               f"{f', {args.experts} experts (top {args.top_k}) over ep={args.ep}' if args.experts else ''}; "
               f"{sum(p.numel() for p in model.parameters()):,} parameters"
               f"{' on pipeline rank 0' if args.pp > 1 else ''}", flush=True)
-    # The ledger's axes: FSDP2's traffic goes over dp x cp (and the experts' over their dp ranks); the groups of
-    # no axis (the gradient norm's, fp8's amax reductions) are "other".
-    axes = {"tp": mesh["tp"], "cp": [mesh["ring"], mesh["ulysses"]], "pp": mesh["pp"],
-            "dp": [fsdp_mesh, *([expert_dp_mesh] if expert_dp_mesh is not None else [])],
-            **({"ep": ep_mesh} if ep_mesh is not None else {})}
-    measurement = StepMeasurement(pipeline_rank=mesh["pp"].get_local_rank())
+    axes = ledger_axes(meshes, experts=bool(args.experts))
+    measurement = StepMeasurement(pipeline_rank=meshes.pp.get_local_rank())
     routing = RoutingLoad([m for part in parts for m in part.modules() if isinstance(m, MoE)])
     positions = torch.arange(args.seq, device=device)
-    if cp_mesh is not None:
-        positions = shard_sequence(positions, cp_mesh=cp_mesh, dim=0, order="zigzag")
+    if meshes.cp is not None:
+        positions = shard_sequence(positions, cp_mesh=meshes.cp, dim=0, order="zigzag")
     losses, kept = [], []  # kept: this rank's pipeline timeline of each step
     data = batches(windows, sampler)
     for step in range(first_step, args.steps):
@@ -587,8 +595,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             routing.start()
         start = time.perf_counter()
         tokens, target = (t.to(device) for t in next(data))
-        if cp_mesh is not None:
-            tokens, target = (shard_sequence(t, cp_mesh=cp_mesh, dim=1, order="zigzag") for t in (tokens, target))
+        if meshes.cp is not None:
+            tokens, target = (shard_sequence(t, cp_mesh=meshes.cp, dim=1, order="zigzag") for t in (tokens, target))
         if pipe is None:
             loss = accumulate_gradients(model, tokens, target, positions, args.grad_accum)
         else:
@@ -596,63 +604,91 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
                 stage.positions = positions
             loss = pipe.step(tokens, target)
         # The norm of the whole model's gradient (every mesh, every stage), as one process would clip.
-        grad_norm = clip_grad_norm_(parts, args.max_grad_norm, pp_mesh=mesh["pp"])
-        for part, optimizer in zip(parts, optimizers):
+        grad_norm = clip_grad_norm_(parts, args.max_grad_norm, pp_mesh=meshes.pp)
+        lr = optimizers[0].param_groups[0]["lr"]
+        for part, optimizer, scheduler in zip(parts, optimizers, schedulers):
             optimizer.step()
             optimizer.zero_grad()
+            scheduler.step()
             fp8_step(part)  # no-op without --fp8; one amax all-reduce per stage
         if measuring:
             measurement.peak_memory = peak_memory(device)
             if pipe is not None:
                 measurement.peak_between_passes = max(a.live_bytes for a in pipe.timeline)
             measurement.sent_bytes, measurement.calls = comm_totals(axes)
-            measurement.expert_imbalance = routing.imbalance(ep_mesh)
+            measurement.expert_imbalance = routing.imbalance(meshes.ep)
         sampler.advance()
         # Every dp x cp rank's loss is the mean over the same number of tokens.
         global_loss = loss.detach().to(torch.float32, copy=True)  # with --bf16 the loss is bf16
-        dist.all_reduce(global_loss, group=fsdp_group)
-        global_loss /= fsdp_mesh.size()
+        dist.all_reduce(global_loss, group=batch_group)
+        global_loss /= meshes.batch.size()
         losses.append(global_loss.item())
         elapsed = time.perf_counter() - start  # .item() above waited for the step's work
         if pipe is not None:
             kept.append(pipe.timeline)
-        load = expert_load(model, fsdp_group) if args.experts else None
+        load = expert_load(model, batch_group) if args.experts else None
         if rank == 0:
             tokens_per_second = args.batch * args.seq / elapsed  # the whole world's: one global batch per step
-            line = (f"step {step:3d}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  "
+            mfu = tokens_per_second * flops_per_token / (peak * world_size) if peak is not None else None
+            memory = step_peak_memory(device)
+            line = (f"step {step:3d}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  lr {lr:.2e}  "
                     f"{tokens_per_second:,.0f} tokens/s")
-            if peak is not None:
-                line += f"  MFU {100 * tokens_per_second * flops_per_token / (peak * world_size):.2f}%"
+            if mfu is not None:
+                line += f"  MFU {100 * mfu:.2f}%"
+            if memory is not None:
+                line += f"  peak {memory / 2**20:,.1f} MiB"
             if load is not None:
                 line += f"  expert load max/mean {load:.2f}"
             print(line, flush=True)
+            if args.metrics is not None:
+                with args.metrics.open("a") as metrics:
+                    metrics.write(json.dumps({"step": step, "loss": losses[-1], "grad_norm": grad_norm.item(),
+                                              "lr": lr, "tokens_per_s": tokens_per_second, "mfu": mfu,
+                                              "peak_memory_bytes": memory, "expert_load": load}) + "\n")
+        if args.save_every is not None and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
+            save_checkpoint(args, step + 1, parts, optimizers, sampler, rank)
     bubbles = report_bubble(args, pipe, kept, rank) if kept else None
     if args.ledger and first_step < args.steps:
         measured = gather_measurements(measurement)
         if rank == 0:
-            print_report(planner_model(args), planner_layout(args, dp), world_size, measured, bubbles)
+            print_report(planner_model(args), planner_layout(args, dims), world_size, measured, bubbles)
     if args.save is not None:
-        checkpoint.save(args.save, parts, optimizers, extra={"step": args.steps, "sampler": sampler.state_dict()})
-        if rank == 0:
-            print(f"saved step {args.steps} to {args.save}", flush=True)
+        save_checkpoint(args, args.steps, parts, optimizers, sampler, rank)
     return first_step, losses
 
 
-def train_single_process(args, device: torch.device, dp: int, ring: int, ulysses: int) -> list[float]:
+def step_peak_memory(device: torch.device) -> int | None:
+    """This rank's peak of live tensor bytes so far (CUDA's allocator; on the CPU when ``cpu_memory`` tracks,
+    as with --ledger), or None."""
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated(device)
+    return cpu_memory.max_memory_allocated() if cpu_memory.tracking() else None
+
+
+def save_checkpoint(args, step: int, parts, optimizers, sampler: DataParallelSampler, rank: int) -> None:
+    """The model, optimizers, data position and step after ``step`` steps, to --save's DIR/step-{step}."""
+    path = args.save / f"step-{step}"
+    checkpoint.save(path, parts, optimizers, extra={"step": step, "sampler": sampler.state_dict()})
+    if rank == 0:
+        print(f"saved step {step} to {path}", flush=True)
+
+
+def train_single_process(args, device: torch.device, dims: ParallelDims) -> list[float]:
     model = build_model(args, device)
     if args.fp8 and args.check_reference == "same":  # one process sees every amax: nothing to reduce
         recipe = replace(FP8_RECIPES[args.fp8], reduce_amax=False) if args.fp8 == "delayed" else FP8_RECIPES[args.fp8]
         apply_fp8(model, recipe, all_gather=False, amax_mesh=None)
     experts = [m for m in model.modules() if isinstance(m, MixtureOfExperts)]
     for moe in experts:  # route as the parallel ranks do: each rank's tokens on their own
-        moe.groups = [group.to(device) for group in expert_token_groups(args, dp, ring, ulysses)]
+        moe.groups = [group.to(device) for group in expert_token_groups(args, dims)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
+    scheduler = lr_scheduler(optimizer, lr_schedule(args))
     windows = corpus_windows(args.seq)
     data = batches(windows, DataParallelSampler(len(windows), batch_size=args.batch, seed=args.seed))
     # Against the same fp8 recipe: each rank's gradients are those of its own tokens' mean loss (FSDP2 then
     # averages them), dp x cp times the whole batch's. Scale the backward alike, so that the gradients' amaxes,
     # and with them the delayed scales (which decide what underflows), are the ranks'.
-    grad_scale = dp * ring * ulysses if args.fp8 and args.check_reference == "same" else 1
+    grad_scale = dims.dp * dims.cp if args.fp8 and args.check_reference == "same" else 1
     losses = []
     for _ in range(args.steps):
         tokens, target = next(data)
@@ -665,6 +701,7 @@ def train_single_process(args, device: torch.device, dp: int, ring: int, ulysses
         clip_grad_norm_(model, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad()
+        scheduler.step()
         fp8_step(model)  # no-op without fp8 modules
         losses.append(loss.item())
     return losses
@@ -694,8 +731,8 @@ def main(argv=None) -> int:
                                                "losses": losses}))
         if not args.check:
             return 0
-        split = data_and_context_split(args, world_size)
-        return check_losses(losses, lambda: train_single_process(args, device, *split), args.check_tolerance)
+        dims = parallel_dims(args, world_size)
+        return check_losses(losses, lambda: train_single_process(args, device, dims), args.check_tolerance)
     finally:
         dist.destroy_process_group()
 

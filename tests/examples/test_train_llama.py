@@ -164,6 +164,20 @@ def test_ledger_counts_what_the_planner_predicts_for_context_parallelism(flags, 
     assert rows["cp bytes sent"][1] > 0, output
 
 
+def test_hsdp_with_experts_matches_one_process_and_the_planners_bytes():
+    """dp=4 as 2 HSDP replicas of 2 shards, experts over ep=2 within each replica: the same losses as one
+    process, and FSDP2's traffic within the replicas (dp) and the replicas' all-reduce (dp_replicate) equal to
+    the planner's bytes for the layout (measured 1.00 and 1.00; ep 0.99 at the measured routing)."""
+    output = run_main_job("--steps", "3", "--tp", "1", "--dp-replicate", "2", "--experts", "4", "--ep", "2",
+                          "--ledger")
+    assert "dp=4 (HSDP: 2 x 2)" in output, output
+    assert largest_relative_difference(output) < 1e-4
+    rows = ledger_rows(output)
+    for axis in ("dp", "dp_replicate"):
+        assert 0.99 <= rows[f"{axis} bytes sent"][2] <= 1.01, output
+    assert 0.9 <= rows["ep bytes sent"][2] <= 1.1, output
+
+
 def test_eight_ranks_of_every_axis_in_fp8_match_one_process_running_the_same_recipe():
     """Delayed scaling against one process with the same recipe and scales: measured 7.7e-5 over 4 steps (fp8
     rounding flips from the GEMMs' summation order, compounded by the updates); 5e-6 after 2 steps."""
@@ -208,29 +222,33 @@ def losses_of_run(*flags: str, processes: int, path: Path) -> tuple[int, list[fl
 
 
 def test_resumes_at_another_layout_as_if_uninterrupted(tmp_path):
-    """Saved after 2 of 4 steps at dp2 x tp2 x pp2 (SP, zb-h1) on 8 ranks; resumed at dp4 x tp2 and in one
-    process: steps 2 and 3 equal the uninterrupted run's (measured: equal at dp4 x tp2, about 1e-7 in one process)."""
+    """4 steps at dp2 x tp2 x pp2 (SP, zb-h1) on 8 ranks with a WSD schedule whose lr changes at every step but
+    one, saved every 2 steps; resumed from step 2 at dp4 x tp2 and in one process: steps 2 and 3 equal the
+    uninterrupted run's, lr included (measured: equal at dp4 x tp2, about 1e-7 in one process)."""
     layout = ("--pp", "2", "--schedule", "zb-h1", "--microbatches", "4")
-    _, uninterrupted = losses_of_run("--steps", "4", *layout, processes=8, path=tmp_path / "whole.json")
-    run_main_job("--steps", "2", *layout, "--save", str(tmp_path / "ckpt"), processes=8, check=False)
+    schedule = ("--lr-schedule", "wsd", "--warmup-steps", "1", "--decay-steps", "2")  # lr x 1/2, 1, 1, 1/2
+    _, uninterrupted = losses_of_run("--steps", "4", *layout, *schedule, "--save", str(tmp_path / "ckpt"),
+                                     "--save-every", "2", processes=8, path=tmp_path / "whole.json")
+    assert sorted(p.name for p in (tmp_path / "ckpt").iterdir()) == ["step-2", "step-4"]
     for flags, processes in [(("--tp", "2"), 8), (("--tp", "1"), 1)]:
-        first, resumed = losses_of_run("--steps", "4", *flags, "--resume", str(tmp_path / "ckpt"),
+        first, resumed = losses_of_run("--steps", "4", *flags, *schedule, "--resume", str(tmp_path / "ckpt" / "step-2"),
                                        processes=processes, path=tmp_path / f"resumed{processes}.json")
         assert first == 2 and resumed == pytest.approx(uninterrupted[2:], rel=1e-5), (flags, resumed, uninterrupted)
 
 
 def test_fp8_histories_resume_with_the_model(tmp_path):
-    """--fp8 delayed at dp2 x tp2, within the fp8 tolerance of the fp32 process; saved after 2 of 4 steps:
-    resumed at the same layout, the fp8 amax histories and scales
-    come back and the losses equal the uninterrupted run's exactly; at tp1 x pp2 within 1e-4 (measured 1.0e-5:
-    fp8 rounding of sums in another order)."""
-    uninterrupted = fp8_run_against_fp32("--fp8", "delayed", steps=4, losses=tmp_path / "whole.json")
-    run_main_job("--steps", "2", "--fp8", "delayed", "--save", str(tmp_path / "ckpt"), check=False)
-    _, same = losses_of_run("--steps", "4", "--fp8", "delayed", "--resume", str(tmp_path / "ckpt"), processes=4,
+    """--fp8 delayed at dp2 x tp2, within the fp8 tolerance of the fp32 process, saved every 2 of 4 steps:
+    resumed from step 2 at the same layout, the fp8 amax histories and scales come back and the losses equal
+    the uninterrupted run's exactly; at tp1 x pp2 within 1e-4 (measured 1.0e-5: fp8 rounding of sums in
+    another order)."""
+    ckpt = tmp_path / "ckpt"
+    uninterrupted = fp8_run_against_fp32("--fp8", "delayed", "--save", str(ckpt), "--save-every", "2", steps=4,
+                                         losses=tmp_path / "whole.json")
+    _, same = losses_of_run("--steps", "4", "--fp8", "delayed", "--resume", str(ckpt / "step-2"), processes=4,
                             path=tmp_path / "same.json")
     assert same == uninterrupted[2:]
     _, other = losses_of_run("--steps", "4", "--fp8", "delayed", "--tp", "1", "--pp", "2", "--resume",
-                             str(tmp_path / "ckpt"), processes=4, path=tmp_path / "other.json")
+                             str(ckpt / "step-2"), processes=4, path=tmp_path / "other.json")
     assert other == pytest.approx(uninterrupted[2:], rel=1e-4)
 
 
@@ -251,8 +269,17 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
      "--pp 4 with --schedule zb-v makes 8 pipeline stages (2 per rank): num_layers=4 must be divisible by "
      "num_stages=8"),
     (("--tp", "8"), "--cp 1 x --tp 8 x --pp 1 = 8 must divide the world size 4 (dp takes the rest)"),
+    (("--dp-replicate", "4"), "--dp-replicate 4 must divide dp=2"),
+    (("--lr-schedule", "wsd", "--steps", "10", "--warmup-steps", "9"), "--lr-schedule wsd: WarmupStableDecay: "
+     "warmup_steps + decay_steps = 9 + 2 must not exceed total_steps=10"),
+    (("--lr-schedule", "warmup-cosine", "--min-lr-ratio", "2"), "--lr-schedule warmup-cosine: WarmupCosine: "
+     "min_ratio=2.0 must be a number in [0, 1]"),
+    (("--save-every", "2",), "--save-every needs --save DIR"),
+    (("--tp", "1", "--dp-replicate", "2", "--experts", "4", "--ep", "4"),
+     "--ep 4 must divide dp x cp = 2 of an HSDP replica and --experts 4"),
 ], ids=["batch", "interleaved", "sequence-parallel", "experts", "world", "grad-accum", "grad-accum-pp",
-        "fp8-delayed-compiled-pp", "ledger-ep-over-cp", "stages-over-layers", "world-without-dp"])
+        "fp8-delayed-compiled-pp", "ledger-ep-over-cp", "stages-over-layers", "world-without-dp", "hsdp",
+        "lr-wsd", "lr-cosine", "save-every", "hsdp-ep"])
 def test_a_layout_that_cannot_run_is_refused_before_any_process_group(flags, message, monkeypatch, capsys):
     """The main job's argument parsing, in this process with WORLD_SIZE=4 and no process group: the refusal
     comes before any group is built, with the planner's finding code where the planner sees the problem."""
@@ -276,7 +303,7 @@ def assert_refused(flags: tuple[str, ...], message: str, monkeypatch, capsys) ->
 @pytest.mark.parametrize("flag, value", [
     ("--tp", "0"), ("--pp", "0"), ("--cp", "0"), ("--dp", "0"), ("--microbatches", "0"), ("--microbatches", "-1"),
     ("--cp-ulysses", "0"), ("--virtual-stages", "0"), ("--ep", "0"), ("--steps", "0"), ("--batch", "-8"),
-    ("--grad-accum", "0"), ("--tp", "two"),
+    ("--grad-accum", "0"), ("--tp", "two"), ("--dp-replicate", "0"),
 ])
 def test_a_size_below_one_is_refused_naming_its_flag(flag, value, monkeypatch, capsys):
     """Not divided by (ZeroDivisionError), nor read as the default (--dp 0, --microbatches 0), nor passed on to
@@ -309,8 +336,8 @@ def test_steps_below_the_resumed_step_are_refused_before_any_process_group(tmp_p
     from train_llama import parse_args
 
     assert parse_args([*resume, "--steps", "5"]).steps == 5
-    assert_refused(("--resume", str(tmp_path / "missing")), f"--resume {tmp_path / 'missing'}: no checkpoint at",
-                   monkeypatch, capsys)
+    assert_refused(("--resume", str(tmp_path / "missing")), f"--resume {tmp_path / 'missing'}: {tmp_path / 'missing'} "
+                   "holds no checkpoint", monkeypatch, capsys)
     (tmp_path / "ckpt" / ".metadata").write_bytes(b"garbage")
     assert_refused(resume, f"--resume {tmp_path / 'ckpt'}: checkpoint {tmp_path / 'ckpt'}: its metadata file",
                    monkeypatch, capsys)

@@ -89,7 +89,7 @@ def test_meshes_of_pipeline_and_ulysses(world_pool, cp_ulysses, attention):
         stage = list(range(rank // 4 * 4, rank // 4 * 4 + 4))
         assert groups["pp"] == [[rank % 4, rank % 4 + 4]]
         assert groups["stage"] == groups["batch"] == groups["fsdp"] == [stage]
-        assert groups["dp"] == [[rank]] and groups["ep"] is None and groups["expert_fsdp"] is None
+        assert groups["dp"] == groups["ep"] == [[rank]] and groups["expert_fsdp"] == [stage]
         assert [r for group in groups["cp"] for r in group] == stage and groups["attention"] == attention.__name__
 
 

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import init_device_mesh
 
 from torchdist_ext.parallel.context_attention import hybrid_attention, ring_attention, ulysses_attention
 from torchdist_ext.planner import Layout
@@ -130,8 +130,8 @@ class ParallelMeshes:
     ``(ring, ulysses)`` 2-D); ``fsdp`` (FSDP2's: dp_shard x cp flattened, or with dp_replicate > 1 the 2-D HSDP
     mesh ``(dp_replicate, dp_shard_cp)``); ``batch`` (every rank that sees other tokens than this one's tp peers:
     dp x cp flattened, over which a loss is averaged); ``stage`` (all of a pipeline stage's ranks); ``ep`` and
-    ``expert_fsdp`` (None without ep > 1: the expert-parallel ranks, and the ranks holding the same experts, the
-    2-D ``(dp_replicate, expert_dp_shard)`` with HSDP). ``world`` has the dims ``pp, dp_replicate, dp_shard,
+    ``expert_fsdp`` (an MoE's: the expert-parallel ranks, one each with ep = 1, and the ranks holding the same
+    experts, the 2-D ``(dp_replicate, expert_dp_shard)`` with HSDP). ``world`` has the dims ``pp, dp_replicate, dp_shard,
     ring, ulysses, tp``."""
 
     def __init__(self, dims: ParallelDims, device_type: str):
@@ -141,30 +141,34 @@ class ParallelMeshes:
             raise ValueError(f"ParallelDims.build_meshes: world_size={dims.world_size} but the process group has "
                              f"{torch.distributed.get_world_size()} ranks")
         self.dims = dims
-        self.world = init_device_mesh(device_type, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.ring,
-                                                    dims.cp_ulysses, dims.tp),
-                                      mesh_dim_names=("pp", "dp_replicate", "dp_shard", "ring", "ulysses", "tp"))
+        # Every view unflattens one 1-D mesh of the world, so that all share its root (FSDP2 composes with the
+        # DTensors of another view's tp mesh) and no flattened dim is sliced from a root.
+        flat = init_device_mesh(device_type, (dims.world_size,), mesh_dim_names=("world",))
+        self.world = flat._unflatten(0, (dims.pp, dims.dp_replicate, dims.dp_shard, dims.ring, dims.cp_ulysses,
+                                         dims.tp), ("pp", "dp_replicate", "dp_shard", "ring", "ulysses", "tp"))
         world = self.world
         self.pp, self.tp = world["pp"], world["tp"]
         self.dp = world["dp_replicate", "dp_shard"]._flatten("dp")
         self.batch = world["dp_replicate", "dp_shard", "ring", "ulysses"]._flatten("batch")
         self.stage = world["dp_replicate", "dp_shard", "ring", "ulysses", "tp"]._flatten("stage")
-        shard_cp = world["dp_shard", "ring", "ulysses"]._flatten("dp_shard_cp")
-        self.fsdp = world["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else shard_cp
+        shard_cp = dims.dp_shard * dims.cp
+        dense = flat._unflatten(0, (dims.pp, dims.dp_replicate, shard_cp, dims.tp),
+                                ("pp", "dp_replicate", "dp_shard_cp", "tp"))
+        self.fsdp = dense["dp_replicate", "dp_shard_cp"] if dims.dp_replicate > 1 else dense["dp_shard_cp"]
+        if dims.dp_replicate > 1:  # a gradient norm's one all-reduce over the dims HSDP's DTensors are partial on
+            dense["dp_shard_cp", "tp"]._flatten("replica")
         self.cp = None
         if dims.cp > 1:
             self.cp = {1: world["ring"], dims.cp: world["ulysses"]}.get(dims.cp_ulysses, world["ring", "ulysses"])
-        self.ep = self.expert_fsdp = None
-        if dims.ep > 1:
-            ranks = dims.dp_shard * dims.cp
-            layout = torch.arange(dims.world_size).view(dims.pp, dims.dp_replicate, ranks // dims.ep, dims.ep,
-                                                        dims.tp)
-            experts = DeviceMesh(device_type, layout,
-                                 mesh_dim_names=("pp", "dp_replicate", "expert_dp_shard", "ep", "tp"))
-            experts["dp_replicate", "expert_dp_shard", "ep"]._flatten("experts")  # their gradient norm's group
-            self.ep = experts["ep"]
-            self.expert_fsdp = (experts["dp_replicate", "expert_dp_shard"] if dims.dp_replicate > 1
-                                else experts["expert_dp_shard"])
+        experts = flat._unflatten(0, (dims.pp, dims.dp_replicate, shard_cp // dims.ep, dims.ep, dims.tp),
+                                  ("pp", "dp_replicate", "expert_dp_shard", "ep", "tp"))
+        # The experts' gradient norm: one all-reduce over the dims their DTensors are partial on.
+        experts["expert_dp_shard", "ep"]._flatten("experts")
+        if dims.dp_replicate > 1:
+            experts["dp_replicate", "expert_dp_shard", "ep"]._flatten("replicated_experts")
+        self.ep = experts["ep"]
+        self.expert_fsdp = (experts["dp_replicate", "expert_dp_shard"] if dims.dp_replicate > 1
+                            else experts["expert_dp_shard"])
 
     def context_attention(self, *, causal: bool = True, order: str = "zigzag"):
         """The attention of these dims' cp (``ring_attention``, ``ulysses_attention`` or ``hybrid_attention``
