@@ -35,7 +35,7 @@ from torchdist_ext.integrations.hf import (
     save_hf_checkpoint,
     shard_hf_batch,
 )
-from torchdist_ext.parallel import RMSNorm, unshard_sequence
+from torchdist_ext.parallel import ParallelDims, RMSNorm, unshard_sequence
 from torchdist_ext.testing import cached_mesh
 
 VOCAB, SEQ = 64, 16
@@ -95,8 +95,12 @@ def batches() -> dict[str, dict]:
 
 
 def meshes(layout: str) -> dict:
-    """parallelize_hf_model's mesh arguments for one layout name."""
+    """parallelize_hf_model's mesh arguments for one layout name (hsdp...: one ParallelMeshes, 2 replicas)."""
     n = dist.get_world_size()
+    if layout.startswith("hsdp"):
+        cp, tp = (2, 1) if layout.endswith("cp2") else (1, 2)
+        built = ParallelDims(world_size=n, dp_replicate=2, cp=cp, tp=tp).build_meshes("cpu")
+        return {"meshes": built, "sequence_parallel": tp > 1}
     if layout.startswith("tp"):
         return {"tp_mesh": cached_mesh((n,), ("tp",)), "sequence_parallel": layout.endswith("sp")}
     if layout == "cp2_tp2":
@@ -115,9 +119,17 @@ def meshes(layout: str) -> dict:
     return {"dp_mesh": mesh["dp"], "tp_mesh": mesh["tp"], "sequence_parallel": layout.endswith("sp")}
 
 
+def axis(kwargs: dict, name: str):
+    """The mesh of ``name`` ("dp_mesh", "tp_mesh" or "cp_mesh") in ``meshes(layout)``'s arguments."""
+    if "meshes" not in kwargs:
+        return kwargs.get(name)
+    built = kwargs["meshes"]
+    return {"dp_mesh": built.dp, "tp_mesh": built.tp if built.dims.tp > 1 else None, "cp_mesh": built.cp}[name]
+
+
 def rows(kwargs: dict) -> slice:
     """The batch rows this rank's data-parallel rank feeds (all rows without dp)."""
-    dp_mesh = kwargs.get("dp_mesh")
+    dp_mesh = axis(kwargs, "dp_mesh")
     if dp_mesh is None:
         return slice(None)
     per_rank = 2 // dp_mesh.size()
@@ -127,7 +139,7 @@ def rows(kwargs: dict) -> slice:
 def local_inputs(batch: dict, kwargs: dict) -> dict:
     """What this rank feeds the parallel model: its dp rows, sharded over cp by shard_hf_batch."""
     mine = {key: value[rows(kwargs)] for key, value in batch.items()}
-    cp_mesh = kwargs.get("cp_mesh")
+    cp_mesh = axis(kwargs, "cp_mesh")
     return shard_hf_batch(mine, cp_mesh=cp_mesh) if cp_mesh is not None else mine
 
 
@@ -137,13 +149,13 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 def full_logits(logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
     """This rank's rows' [rows, seq, vocab] logits from its vocab (tp) and sequence (cp) shard."""
-    tp_mesh = kwargs.get("tp_mesh")
+    tp_mesh = axis(kwargs, "tp_mesh")
     if tp_mesh is not None and tp_mesh.size() > 1:
         parts = [torch.empty_like(logits) for _ in range(tp_mesh.size())]
         dist.all_gather(parts, logits.contiguous(), group=tp_mesh.get_group())
         logits = torch.cat(parts, dim=-1)
-    if kwargs.get("cp_mesh") is not None:
-        logits = unshard_sequence(logits, cp_mesh=kwargs["cp_mesh"], dim=1)
+    if axis(kwargs, "cp_mesh") is not None:
+        logits = unshard_sequence(logits, cp_mesh=axis(kwargs, "cp_mesh"), dim=1)
     return logits
 
 
@@ -175,7 +187,7 @@ def check_matches_single_process(family: str, layout: str, tied: bool, kinds=Non
 
 LAYOUTS = {"tp2": "world2", "tp4": "world4", "tp2_sp": "world2", "cp2_ring": "world2", "cp2_ulysses": "world2",
            "cp4_hybrid": "world4", "dp2": "world2", "dp2_tp2": "world4", "dp2_tp2_sp": "world4",
-           "dp2_cp2": "world4", "cp2_tp2": "world4"}
+           "dp2_cp2": "world4", "cp2_tp2": "world4", "hsdp2_tp2_sp": "world4", "hsdp2_cp2": "world4"}
 
 
 def matrix() -> list[tuple[str, str, bool]]:
@@ -678,6 +690,15 @@ def refuses(case: str):
         load_hf_checkpoint(model, directory)
     elif case == "global_num_items":
         global_num_items(torch.nn.Linear(2, 2), [batches()["plain"]])
+    elif case == "meshes_and_a_mesh":
+        parallelize_hf_model(model, meshes=ParallelDims(world_size=n, tp=n).build_meshes("cpu"),
+                             tp_mesh=cached_mesh((n,), ("tp",)))
+    elif case == "meshes_with_experts":
+        parallelize_hf_model(model, meshes=ParallelDims(world_size=n, ep=n).build_meshes("cpu"))
+    elif case == "meshes_cp_method":
+        parallelize_hf_model(model, meshes=ParallelDims(world_size=n, cp=n).build_meshes("cpu"), cp_method="ulysses")
+    elif case == "meshes_type":
+        parallelize_hf_model(model, meshes=cached_mesh((n,), ("tp",)))
     elif case == "batch_key":
         shard_hf_batch({"input_ids": torch.zeros(2, SEQ, dtype=torch.long), "pixel_values": 0},
                        cp_mesh=cached_mesh((n,), ("cp",)))
@@ -722,6 +743,10 @@ REFUSALS = [
      r"RuntimeError: Missing key in checkpoint state_dict: model.layers.1.mlp.up_proj.weight"),
     ("global_num_items", TypeError, "global_num_items takes a model returned by parallelize_hf_model, got Linear"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
+    ("meshes_and_a_mesh", ValueError, r"meshes= gives every mesh; \['tp_mesh'\] must be left None with it"),
+    ("meshes_with_experts", ValueError, "meshes has ep=2: parallelize_hf_model has no expert parallelism"),
+    ("meshes_cp_method", ValueError, r"cp_method='ulysses', but meshes' cp=2 with cp_ulysses=1 is 'ring'"),
+    ("meshes_type", TypeError, r"meshes must be a ParallelMeshes \(ParallelDims.build_meshes\) or None, got DeviceMesh"),
 ]
 
 

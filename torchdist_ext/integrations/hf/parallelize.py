@@ -31,6 +31,7 @@ from torchdist_ext.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
+from torchdist_ext.parallel.dims import ParallelMeshes
 from torchdist_ext.parallel.mesh_group import MeshGroup
 from torchdist_ext.parallel.sequence_sharding import (
     check_order,
@@ -188,7 +189,7 @@ def _check_one_mesh(**meshes: DeviceMesh | None) -> None:
 
 
 def _check_pipeline(model: nn.Module, pp_mesh, schedule: str, num_microbatches, virtual_stages: int, fp8,
-                    compile: bool) -> None:
+                    compile: bool, amax_mesh: DeviceMesh | None) -> None:
     if not isinstance(pp_mesh, DeviceMesh) or pp_mesh.ndim != 1:
         raise TypeError(f"pp_mesh must be a 1-D DeviceMesh or None, got {pp_mesh!r}")
     if schedule not in SCHEDULES:
@@ -207,7 +208,7 @@ def _check_pipeline(model: nn.Module, pp_mesh, schedule: str, num_microbatches, 
         raise ValueError("compile=True with fp8=DelayedScaling(...) and a pp_mesh is not supported: a compiled "
                          "layer saves its amax history for the backward, and the next micro-batch's forward updates "
                          "it first (autograd refuses); use compile=False or CurrentScaling")
-    if isinstance(fp8, DelayedScaling) and fp8.reduce_amax and _amax_mesh(pp_mesh) is None:
+    if isinstance(fp8, DelayedScaling) and fp8.reduce_amax and amax_mesh is None:
         raise ValueError(f"fp8={fp8} reduces its amaxes over the ranks that hold the same stage, and pp_mesh is its "
                          "mesh's only dim: pass DelayedScaling(reduce_amax=False) (or CurrentScaling)")
 
@@ -223,6 +224,31 @@ def _amax_mesh(pp_mesh: DeviceMesh | None) -> DeviceMesh | None:
     if not others:
         return None
     return root[others[0]] if len(others) == 1 else root[others]._flatten("_".join(others))
+
+
+def _from_parallel_meshes(meshes: ParallelMeshes, cp_method: str, **given) -> dict:
+    """The mesh arguments of a ``ParallelMeshes`` (the other mesh arguments left None): tp, cp with the method
+    its cp_ulysses sets, pp, FSDP2's mesh (HSDP's 2-D with dp_replicate), the loss's dp x cp ranks and the fp8
+    amaxes' stage ranks."""
+    if not isinstance(meshes, ParallelMeshes):
+        raise TypeError(f"meshes must be a ParallelMeshes (ParallelDims.build_meshes) or None, got "
+                        f"{type(meshes).__name__}")
+    passed = sorted(name for name, value in given.items() if value is not None)
+    if passed:
+        raise ValueError(f"meshes= gives every mesh; {passed} must be left None with it")
+    dims = meshes.dims
+    if dims.ep > 1:
+        raise ValueError(f"meshes has ep={dims.ep}: parallelize_hf_model has no expert parallelism (its models' "
+                         f"FFNs are dense)")
+    method = {1: "ring", dims.cp: "ulysses"}.get(dims.cp_ulysses, "hybrid")
+    if dims.cp > 1 and cp_method not in ("ring", method):
+        raise ValueError(f"cp_method={cp_method!r}, but meshes' cp={dims.cp} with cp_ulysses={dims.cp_ulysses} "
+                         f"is {method!r}; leave cp_method out")
+    data = dims.dp * dims.cp > 1
+    return {"tp_mesh": meshes.tp if dims.tp > 1 else None, "cp_mesh": meshes.cp,
+            "cp_method": method if dims.cp > 1 else cp_method, "pp_mesh": meshes.pp if dims.pp > 1 else None,
+            "fsdp_mesh": meshes.fsdp if data else None, "batch_mesh": meshes.batch if data else None,
+            "amax_mesh": meshes.stage if dims.pp > 1 else None}
 
 
 def _fsdp_mesh(dp_mesh: DeviceMesh | None, cp_mesh: DeviceMesh | None) -> DeviceMesh | None:
@@ -278,7 +304,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
                          cp_method: str = "ring", cp_order: str = "zigzag", compile: bool = False,
                          fp8: Recipe | None = None, fp8_all_gather: bool = False, pp_mesh: DeviceMesh | None = None,
                          pp_schedule: str = "1f1b", num_microbatches: int | None = None,
-                         virtual_stages: int = 1) -> nn.Module:
+                         virtual_stages: int = 1, meshes: ParallelMeshes | None = None) -> nn.Module:
     """Parallelises a Hugging Face Llama-family causal LM in place; returns it.
 
     - tensor parallelism: q/k/v and gate/up become ``ColumnParallelLinear``, o/down ``RowParallelLinear``, the
@@ -336,6 +362,9 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         pp_schedule: one of ``torchdist_ext.pipeline.SCHEDULES``.
         num_microbatches: micro-batches per step (with ``pp_mesh``; the batch rows divisible by it).
         virtual_stages: stages per rank for "interleaved-1f1b".
+        meshes: every mesh at once, from ``ParallelDims(...).build_meshes(...)`` (then tp_mesh, dp_mesh, cp_mesh
+            and pp_mesh stay None): its tp, cp (the method its cp_ulysses sets), pp, and FSDP2 over its
+            ``fsdp`` mesh, HSDP's 2-D one with dp_replicate > 1. ep must be 1.
 
     All meshes are slices of one ``init_device_mesh`` mesh, dp before cp. Refused with a clear error instead of
     ignored: model types other than ``MODEL_TYPES`` (e.g. Gemma, whose norms scale by 1 + weight), 4-D
@@ -353,7 +382,12 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     for name, mesh in (("tp_mesh", tp_mesh), ("dp_mesh", dp_mesh), ("cp_mesh", cp_mesh)):
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"{name} must be a DeviceMesh or None, got {type(mesh).__name__}")
-    _check_one_mesh(tp_mesh=tp_mesh, dp_mesh=dp_mesh, cp_mesh=cp_mesh, pp_mesh=pp_mesh)
+    if meshes is not None:
+        derived = _from_parallel_meshes(meshes, cp_method, tp_mesh=tp_mesh, dp_mesh=dp_mesh, cp_mesh=cp_mesh,
+                                        pp_mesh=pp_mesh)
+        tp_mesh, cp_mesh, pp_mesh, cp_method = (derived[k] for k in ("tp_mesh", "cp_mesh", "pp_mesh", "cp_method"))
+    else:
+        _check_one_mesh(tp_mesh=tp_mesh, dp_mesh=dp_mesh, cp_mesh=cp_mesh, pp_mesh=pp_mesh)
     if pp_mesh is None and (num_microbatches is not None or pp_schedule != "1f1b" or virtual_stages != 1):
         raise ValueError(f"num_microbatches={num_microbatches!r}, pp_schedule={pp_schedule!r} and virtual_stages="
                          f"{virtual_stages!r} configure pipeline parallelism, which needs a pp_mesh")
@@ -371,10 +405,14 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
                              f"cp_mesh, got a {cp_mesh.ndim}-D mesh")
     tp = MeshGroup.of(tp_mesh) if tp_mesh is not None else None
     _check_config(model.config, decoder, tp.size if tp is not None else 1)
-    fsdp_mesh = _fsdp_mesh(dp_mesh, cp_mesh)  # (checked before anything changes)
+    if meshes is not None:
+        fsdp_mesh, batch_mesh, amax_mesh = derived["fsdp_mesh"], derived["batch_mesh"], derived["amax_mesh"]
+    else:
+        fsdp_mesh = batch_mesh = _fsdp_mesh(dp_mesh, cp_mesh)  # (checked before anything changes)
+        amax_mesh = _amax_mesh(pp_mesh)
     _check_fp8(fp8, fp8_all_gather, decoder, tp.size if tp is not None else 1, fsdp_mesh is not None)
     if pp_mesh is not None:
-        _check_pipeline(model, pp_mesh, pp_schedule, num_microbatches, virtual_stages, fp8, compile)
+        _check_pipeline(model, pp_mesh, pp_schedule, num_microbatches, virtual_stages, fp8, compile, amax_mesh)
 
     _own_config(model)
     if tp is not None:
@@ -394,7 +432,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     register_attention()
     model.set_attn_implementation(ATTENTION_NAME)
     decoder.register_forward_pre_hook(_inputs_hook(cp_mesh, cp_order), with_kwargs=True)
-    data_group = None if fsdp_mesh is None else MeshGroup.of(fsdp_mesh, "dp_mesh")
+    data_group = None if batch_mesh is None else MeshGroup.of(batch_mesh, "dp_mesh")
     model.loss_function = ParallelCausalLMLoss(tp, tp_mesh, data_group, context_parallel=cp_mesh is not None)
 
     model._tdx_parallelized = True
@@ -405,7 +443,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         model.generation_config.use_cache = False
         model._is_fsdp_managed_module = fsdp_mesh is not None  # (read by HF generate: synced_gpus)
     if fp8 is not None:
-        convert_to_fp8(decoder.layers, fp8, amax_reduction_mesh=_amax_mesh(pp_mesh), fp8_all_gather=fp8_all_gather)
+        convert_to_fp8(decoder.layers, fp8, amax_reduction_mesh=amax_mesh, fp8_all_gather=fp8_all_gather)
     stages = None
     if pp_mesh is not None:
         stages = split_into_stages(model, pp_mesh, pp_schedule, virtual_stages)
