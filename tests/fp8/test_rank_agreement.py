@@ -38,3 +38,27 @@ def test_ranks_that_convert_differently_are_refused_on_every_rank(world2, case, 
 
 def test_ranks_that_agree_convert(world2):
     assert world2.run(convert_per_rank, "none") == ["converted", "converted"]
+
+
+def step_per_rank(case: str) -> str:
+    """Rank 1's Fp8Linear built with another recipe than rank 0's (``Fp8Linear.from_linear`` takes one per
+    call, with no check across ranks); returns what fp8_step raised on this rank."""
+    from torchdist_ext.fp8 import Fp8Linear, fp8_step
+
+    recipe = DelayedScaling()
+    if dist.get_rank() == 1:
+        recipe = {"reduce_amax": DelayedScaling(reduce_amax=False), "delayed_and_current": CurrentScaling()}[case]
+    layer = Fp8Linear.from_linear(nn.Linear(16, 16), recipe)
+    try:
+        fp8_step(layer)
+    except ValueError as error:
+        return str(error)
+    return "stepped"
+
+
+@pytest.mark.parametrize("case", ["reduce_amax", "delayed_and_current"])
+def test_fp8_step_refuses_ranks_whose_modules_have_other_recipes_on_every_rank(world2, case):
+    """Before the fix rank 0 all-reduced its amaxes alone until the collective's timeout."""
+    for rank, text in enumerate(world2.run(step_per_rank, case)):
+        assert text.startswith(f"fp8_step: the ranks of the group must agree on recipes: rank {rank} has "), text
+    assert world2.alive

@@ -250,6 +250,40 @@ def test_hybrid_ulysses_ranks_that_disagree_are_refused(world4):
         assert text.startswith("hybrid_attention: the ranks of the group must agree on causal"), text
 
 
+def refused_on_one_rank(function: str) -> str:
+    """The last rank passes a v that its k does not match (ring) or, in the hybrid, another causal than its
+    Ulysses peer (only the last Ulysses group disagrees); returns what this rank raised."""
+    last = dist.get_rank() == dist.get_world_size() - 1
+    q = torch.randn(1, 4, 4, 8)
+    try:
+        if function == "ring":
+            ring_attention(q, q, q[..., :4] if last else q, cp_mesh=tp())
+        else:
+            hybrid_attention(q, q, q, cp_mesh=cached_mesh((2, 2), ("ring", "ulysses")), causal=not last)
+    except (ValueError, TypeError, RuntimeError) as error:
+        return f"{type(error).__name__}: {error}"
+    return "ran"
+
+
+def test_a_ring_attention_input_refused_on_one_rank_stops_every_rank(world2):
+    """Before the fix the wrapper's checks raised on rank 1 alone and rank 0 waited in the ring."""
+    rank0, rank1 = world2.run(refused_on_one_rank, "ring")
+    assert rank1 == "ValueError: k (1, 4, 4, 8) and v (1, 4, 4, 4) must have the same shape", rank1
+    assert rank0 == f"ValueError: ring_attention: rank 1 of the group refused its input, so every rank stops: " \
+                    f"{rank1.removeprefix('ValueError: ')}", rank0
+
+
+def test_a_hybrid_ulysses_group_that_disagrees_stops_the_other_groups(world4):
+    """Ranks 2 and 3 (one Ulysses group) disagree on causal; ranks 0 and 1 agree with each other and, before
+    the fix, waited in the ring for ranks 2 and 3. Now every rank raises."""
+    texts = world4.run(refused_on_one_rank, "hybrid")
+    for text in texts[2:]:
+        assert text.startswith("ValueError: hybrid_attention: the ranks of the group must agree on causal"), text
+    for text in texts[:2]:
+        assert text.startswith("ValueError: hybrid_attention: rank 1 of the group refused its input, so every rank "
+                               "stops: hybrid_attention: the ranks of the group must agree on causal"), text
+
+
 def empty_local_sequence():
     """No tokens on any rank: an empty output and empty gradients, not a crash of the block kernel."""
     q = torch.randn(1, 2, 0, 8, requires_grad=True)

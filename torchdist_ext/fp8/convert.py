@@ -147,11 +147,28 @@ def fp8_modules(model: nn.Module) -> list[nn.Module]:
 
 
 @torch.no_grad()
+def _agree_on_step(modules: list[nn.Module]) -> None:
+    """The ranks that reduce amaxes together (the first module's ``amax_reduction_mesh``, the default group
+    without one) agree on their modules' recipes before any reduction: a rank whose modules were converted with
+    another recipe (``Fp8Linear.from_linear`` takes one per call) would otherwise reduce alone."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    mesh = modules[0].amax_reduction_mesh
+    recipes = list(dict.fromkeys(repr(m.fp8_recipe) for m in modules))
+    reduces = any(isinstance(m.fp8_recipe, DelayedScaling) and m.fp8_recipe.reduce_amax for m in modules)
+    check_agreement(None if mesh is None else mesh.get_group(), "fp8_step",
+                    {"recipes": recipes, "reduces amaxes": reduces})
+
+
 def fp8_step(model: nn.Module) -> None:
     """Once per optimizer step, on every rank: reduce this step's amaxes (one all-reduce over the modules'
     ``amax_reduction_mesh`` when the recipe says ``reduce_amax`` and a process group exists), then update
     every delayed scale and roll every history (``torchdist_ext.fp8.scaling``). No host sync."""
-    modules = [m for m in fp8_modules(model) if isinstance(m.fp8_recipe, DelayedScaling)]
+    converted = fp8_modules(model)
+    if not converted:
+        return
+    _agree_on_step(converted)
+    modules = [m for m in converted if isinstance(m.fp8_recipe, DelayedScaling)]
     if not modules:
         return
     mesh, reduce_amax = modules[0].amax_reduction_mesh, modules[0].fp8_recipe.reduce_amax

@@ -164,11 +164,11 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, caus
     Returns:
         ``[batch, q_heads, seq_local, head_dim]``, laid out like ``q``.
     """
-    _check_qkv(q, k, v)
-    check_order(order)
-    _check_document_ids(document_ids, q)
     group = _one_dim(cp_mesh, "ring_attention")
-    _check_zigzag(q, order)
+    # This rank's checks run inside the agreement, so that a refusal stops every rank (the op's own agreement
+    # comes after them).
+    _agree(group, "ring_attention", q, k, v, causal, scale, order, document_ids, lambda: (
+        _check_qkv(q, k, v), check_order(order), _check_document_ids(document_ids, q), _check_zigzag(q, order)))
     return _ring(q, k, v, group, causal, _scale(q, scale), order, document_ids)
 
 
@@ -212,8 +212,20 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, ca
             f"hybrid_attention takes a 2-D cp_mesh [ring, ulysses] (e.g. world_mesh['ring', 'ulysses']), "
             f"got a 1-D mesh of size {ring.size}"
         )
-    _agree(ulysses, "hybrid_attention", q, k, v, causal, scale, order, document_ids, lambda: (
-        _check_qkv(q, k, v), check_order(order), _check_document_ids(document_ids, q)))
+    # Agreed within each Ulysses group, then the verdict over the ring: a refusal in one Ulysses group stops
+    # the ranks of the others too, which would otherwise wait in the ring for it.
+    refusal = None
+    try:
+        _agree(ulysses, "hybrid_attention", q, k, v, causal, scale, order, document_ids, lambda: (
+            _check_qkv(q, k, v), check_order(order), _check_document_ids(document_ids, q)))
+    except (ValueError, TypeError, RuntimeError) as error:
+        refusal = error
+
+    def carry_refusal() -> None:
+        if refusal is not None:
+            raise refusal
+
+    check_agreement(ring.name, "hybrid_attention", {}, carry_refusal)
     scale = _scale(q, scale)
     # The ids of this ring rank's shard: the Ulysses ranks' contiguous pieces, in order.
     ring_ids = None if document_ids is None else gather_from_region(document_ids, ulysses, 1)
