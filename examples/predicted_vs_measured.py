@@ -1,5 +1,5 @@
 """The main job's ``--ledger`` report: the planner's prediction for the run's layout next to what one step
-measured on every rank.
+measured on every rank (``LedgerProbe``: the trainer calls it around its last step, then ``report``).
 
     memory per rank   planner: params + grads + optimizer + activations + backward + buffers (without its framework
                       reserve; backward: what a backward pass allocates on top of the held activations, a
@@ -211,3 +211,45 @@ def gather_measurements(measurement: StepMeasurement) -> list[StepMeasurement]:
     gathered: list = [None] * dist.get_world_size()
     dist.all_gather_object(gathered, measurement)
     return gathered
+
+
+class LedgerProbe:
+    """Measures one step of a run (the ``step`` given: bytes sent per axis, this rank's peak memory and its
+    peak between pipeline passes, the experts' routing) and prints it beside the planner's figures. The
+    trainer calls ``start(step)`` before each step, ``finish(step, pipe)`` after its optimizer step and
+    ``report(...)`` after the run; every call is collective where it reduces (``finish`` with experts,
+    ``report``)."""
+
+    def __init__(self, meshes, parts: list, device: torch.device, step: int, experts: bool):
+        from torchdist_ext.parallel import MoE
+
+        self.meshes, self.device, self.step = meshes, device, step
+        self.axes = ledger_axes(meshes, experts)
+        self.routing = RoutingLoad([m for part in parts for m in part.modules() if isinstance(m, MoE)])
+        self.measurement = StepMeasurement(pipeline_rank=meshes.pp.get_local_rank())
+        self.measured = False
+
+    def start(self, step: int) -> None:
+        if step == self.step:
+            ledger.reset()
+            reset_peak_memory(self.device)
+            self.routing.start()
+
+    def finish(self, step: int, pipe) -> None:
+        if step != self.step:
+            return
+        self.measurement.peak_memory = peak_memory(self.device)
+        if pipe is not None:
+            self.measurement.peak_between_passes = max(a.live_bytes for a in pipe.timeline)
+        self.measurement.sent_bytes, self.measurement.calls = comm_totals(self.axes)
+        self.measurement.expert_imbalance = self.routing.imbalance(self.meshes.ep)
+        self.measured = True
+
+    def report(self, model: ModelSpec, layout: Layout, world_size: int, bubbles: tuple[float, float] | None,
+               rank: int) -> None:
+        """Rank 0 prints the table (nothing when the measured step did not run: a run resumed past it)."""
+        if not self.measured:
+            return
+        measured = gather_measurements(self.measurement)
+        if rank == 0:
+            print_report(model, layout, world_size, measured, bubbles)

@@ -75,10 +75,7 @@ from llama import (  # noqa: E402
 )
 
 from one_process_check import check_losses, exit_now  # noqa: E402
-from predicted_vs_measured import (  # noqa: E402
-    RoutingLoad, StepMeasurement, comm_totals, gather_measurements, ledger_axes, peak_memory, print_report,
-    reset_peak_memory,
-)
+from predicted_vs_measured import LedgerProbe  # noqa: E402
 
 from torchdist_ext import checkpoint, clip_grad_norm_, cpu_memory, ledger  # noqa: E402
 from torchdist_ext.data import DataParallelSampler  # noqa: E402
@@ -579,20 +576,16 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
               f"{f', {args.experts} experts (top {args.top_k}) over ep={args.ep}' if args.experts else ''}; "
               f"{sum(p.numel() for p in model.parameters()):,} parameters"
               f"{' on pipeline rank 0' if args.pp > 1 else ''}", flush=True)
-    axes = ledger_axes(meshes, experts=bool(args.experts))
-    measurement = StepMeasurement(pipeline_rank=meshes.pp.get_local_rank())
-    routing = RoutingLoad([m for part in parts for m in part.modules() if isinstance(m, MoE)])
+    # --ledger measures the last step against the planner (examples/predicted_vs_measured.py).
+    probe = LedgerProbe(meshes, parts, device, args.steps - 1, bool(args.experts)) if args.ledger else None
     positions = torch.arange(args.seq, device=device)
     if meshes.cp is not None:
         positions = shard_sequence(positions, cp_mesh=meshes.cp, dim=0, order="zigzag")
     losses, kept = [], []  # kept: this rank's pipeline timeline of each step
     data = batches(windows, sampler)
     for step in range(first_step, args.steps):
-        measuring = args.ledger and step == args.steps - 1
-        if measuring:
-            ledger.reset()
-            reset_peak_memory(device)
-            routing.start()
+        if probe is not None:
+            probe.start(step)
         start = time.perf_counter()
         tokens, target = (t.to(device) for t in next(data))
         if meshes.cp is not None:
@@ -611,12 +604,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
             optimizer.zero_grad()
             scheduler.step()
             fp8_step(part)  # no-op without --fp8; one amax all-reduce per stage
-        if measuring:
-            measurement.peak_memory = peak_memory(device)
-            if pipe is not None:
-                measurement.peak_between_passes = max(a.live_bytes for a in pipe.timeline)
-            measurement.sent_bytes, measurement.calls = comm_totals(axes)
-            measurement.expert_imbalance = routing.imbalance(meshes.ep)
+        if probe is not None:
+            probe.finish(step, pipe)
         sampler.advance()
         # Every dp x cp rank's loss is the mean over the same number of tokens.
         global_loss = loss.detach().to(torch.float32, copy=True)  # with --bf16 the loss is bf16
@@ -629,32 +618,34 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         load = expert_load(model, batch_group) if args.experts else None
         if rank == 0:
             tokens_per_second = args.batch * args.seq / elapsed  # the whole world's: one global batch per step
-            mfu = tokens_per_second * flops_per_token / (peak * world_size) if peak is not None else None
-            memory = step_peak_memory(device)
-            line = (f"step {step:3d}  loss {losses[-1]:.4f}  grad_norm {grad_norm.item():.3f}  lr {lr:.2e}  "
-                    f"{tokens_per_second:,.0f} tokens/s")
-            if mfu is not None:
-                line += f"  MFU {100 * mfu:.2f}%"
-            if memory is not None:
-                line += f"  peak {memory / 2**20:,.1f} MiB"
-            if load is not None:
-                line += f"  expert load max/mean {load:.2f}"
-            print(line, flush=True)
-            if args.metrics is not None:
-                with args.metrics.open("a") as metrics:
-                    metrics.write(json.dumps({"step": step, "loss": losses[-1], "grad_norm": grad_norm.item(),
-                                              "lr": lr, "tokens_per_s": tokens_per_second, "mfu": mfu,
-                                              "peak_memory_bytes": memory, "expert_load": load}) + "\n")
+            log_step(args, {"step": step, "loss": losses[-1], "grad_norm": grad_norm.item(), "lr": lr,
+                            "tokens_per_s": tokens_per_second,
+                            "mfu": tokens_per_second * flops_per_token / (peak * world_size) if peak else None,
+                            "peak_memory_bytes": step_peak_memory(device), "expert_load": load})
         if args.save_every is not None and (step + 1) % args.save_every == 0 and step + 1 < args.steps:
             save_checkpoint(args, step + 1, parts, optimizers, sampler, rank)
     bubbles = report_bubble(args, pipe, kept, rank) if kept else None
-    if args.ledger and first_step < args.steps:
-        measured = gather_measurements(measurement)
-        if rank == 0:
-            print_report(planner_model(args), planner_layout(args, dims), world_size, measured, bubbles)
+    if probe is not None:
+        probe.report(planner_model(args), planner_layout(args, dims), world_size, bubbles, rank)
     if args.save is not None:
         save_checkpoint(args, args.steps, parts, optimizers, sampler, rank)
     return first_step, losses
+
+
+def log_step(args, metrics: dict) -> None:
+    """Rank 0's line for a step (what a person reads at a glance), and with --metrics the same as a JSON line."""
+    line = (f"step {metrics['step']:3d}  loss {metrics['loss']:.4f}  grad_norm {metrics['grad_norm']:.3f}  "
+            f"lr {metrics['lr']:.2e}  {metrics['tokens_per_s']:,.0f} tokens/s")
+    if metrics["mfu"] is not None:
+        line += f"  MFU {100 * metrics['mfu']:.2f}%"
+    if metrics["peak_memory_bytes"] is not None:
+        line += f"  peak {metrics['peak_memory_bytes'] / 2**20:,.1f} MiB"
+    if metrics["expert_load"] is not None:
+        line += f"  expert load max/mean {metrics['expert_load']:.2f}"
+    print(line, flush=True)
+    if args.metrics is not None:
+        with args.metrics.open("a") as file:
+            file.write(json.dumps(metrics) + "\n")
 
 
 def step_peak_memory(device: torch.device) -> int | None:
