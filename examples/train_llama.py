@@ -269,6 +269,13 @@ def check_resumed_step(parser: argparse.ArgumentParser, args: argparse.Namespace
     if args.steps < saved:
         parser.error(f"--steps {args.steps} is smaller than step {saved}, where the checkpoint --resume {args.resume} "
                      f"was saved: --steps counts from the start of the run, so give --steps {saved} or more")
+    try:  # a schedule's lr at a step depends on --steps and its flags: a resumed run keeps them
+        saved_schedule = checkpoint.load_extra(args.resume, {"lr_schedule": ""})["lr_schedule"]
+    except (ValueError, RuntimeError, KeyError):  # saved without one: a constant lr
+        saved_schedule = "constant"
+    if saved_schedule != lr_schedule_name(args):
+        parser.error(f"--resume {args.resume} was saved by a run with the lr schedule {saved_schedule}; this run's "
+                     f"is {lr_schedule_name(args)}: resume with the same --steps and --lr-schedule flags")
 
 
 def lr_schedule(args):
@@ -281,6 +288,11 @@ def lr_schedule(args):
     decay = args.steps // 5 if args.decay_steps is None else args.decay_steps
     return WarmupStableDecay(total_steps=args.steps, decay_steps=decay, warmup_steps=args.warmup_steps,
                              min_ratio=0.0 if args.min_lr_ratio is None else args.min_lr_ratio)
+
+
+def lr_schedule_name(args) -> str:
+    """The schedule of this run as a checkpoint records it: "constant" or the schedule's repr."""
+    return "constant" if args.lr_schedule == "constant" else repr(lr_schedule(args))
 
 
 def planner_model(args) -> ModelSpec:
@@ -406,7 +418,7 @@ def expert_token_groups(args, dims: ParallelDims) -> list[torch.Tensor]:
     order: its batch rows (with --pp, one micro-batch of them at a time), and its sequence shard (zigzag over
     the ring ranks, or over the Ulysses ranks for --cp-method ulysses; the hybrid's Ulysses ranks take
     contiguous blocks of each ring shard)."""
-    zigzag, inner = (dims.cp_ulysses, 1) if args.cp_method == "ulysses" else (dims.ring, dims.cp_ulysses)
+    zigzag, inner = (dims.cp_ulysses, 1) if dims.ring == 1 else (dims.ring, dims.cp_ulysses)
     chunks = torch.arange(args.seq).chunk(2 * zigzag)
     groups = []
     for rank_rows in torch.arange(args.batch).chunk(dims.dp):
@@ -422,6 +434,12 @@ def expert_load(model, group) -> float:
     counts = torch.stack([m.last_tokens_per_expert for m in model.modules() if isinstance(m, MoE)]).float()
     dist.all_reduce(counts, group=group)
     return (counts.max(1).values / counts.mean(1)).max().item()
+
+
+def cp_method_run(dims: ParallelDims) -> str:
+    """The context-parallel attention the dims run (--cp-method hybrid with --cp-ulysses equal to --cp is
+    Ulysses over every cp rank)."""
+    return "off" if dims.cp == 1 else {1: "ring", dims.cp: "ulysses"}.get(dims.cp_ulysses, "hybrid")
 
 
 def ulysses_ranks(args) -> int:
@@ -567,7 +585,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         print(f"world {world_size}: "
               f"{f'pp={args.pp} ({args.schedule}, {microbatches(args)} micro-batches) x ' if args.pp > 1 else ''}"
               f"dp={dims.dp}{f' (HSDP: {dims.dp_replicate} x {dims.dp_shard})' if dims.dp_replicate > 1 else ''} "
-              f"x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}: "
+              f"x cp={args.cp} ({cp_method_run(dims)}: "
               f"ring {dims.ring} x ulysses {dims.cp_ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
               f"compile={args.compile}, recompute={args.recompute}, {precision(args)}"
               f"{f' with fp8 GEMMs ({args.fp8}) in {len(fp8_modules(model))} linears' if args.fp8 else ''}"
@@ -659,7 +677,8 @@ def step_peak_memory(device: torch.device) -> int | None:
 def save_checkpoint(args, step: int, parts, optimizers, sampler: DataParallelSampler, rank: int) -> None:
     """The model, optimizers, data position and step after ``step`` steps, to --save's DIR/step-{step}."""
     path = args.save / f"step-{step}"
-    checkpoint.save(path, parts, optimizers, extra={"step": step, "sampler": sampler.state_dict()})
+    checkpoint.save(path, parts, optimizers, extra={"step": step, "sampler": sampler.state_dict(),
+                                                    "lr_schedule": lr_schedule_name(args)})
     if rank == 0:
         print(f"saved step {step} to {path}", flush=True)
 

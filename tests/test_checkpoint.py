@@ -199,3 +199,18 @@ def test_latest_is_the_checkpoint_itself_or_the_largest_step_in_a_directory(tmp_
         checkpoint.latest(tmp_path / "step-20")
     with pytest.raises(FileNotFoundError, match="missing holds no checkpoint"):
         checkpoint.latest(tmp_path / "missing")
+
+
+def test_a_hyperparameter_the_checkpoint_lacks_keeps_this_runs_value(tmp_path):
+    """Saved without an lr scheduler, loaded into an optimizer that has one (its initial_lr): the state and the
+    saved lr load, initial_lr stays this run's (before the fix DCP refused the missing key)."""
+    from torchdist_ext.lr_schedules import WarmupCosine, lr_scheduler
+
+    parts, optimizers = trained_parts()
+    checkpoint.save(tmp_path, parts, optimizers)
+    whole = model()
+    optimizer = torch.optim.AdamW(whole.parameters(), lr=0.5)
+    lr_scheduler(optimizer, WarmupCosine(total_steps=10))
+    checkpoint.load(tmp_path, [whole], [optimizer])
+    assert optimizer.param_groups[0]["initial_lr"] == 0.5 and optimizer.param_groups[0]["lr"] == 0.1
+    assert all(torch.equal(optimizer.state[p]["step"], torch.tensor(1.0)) for p in whole.parameters())

@@ -62,6 +62,7 @@ def test_a_resumed_scheduler_continues_the_uninterrupted_one():
     (lambda: WarmupCosine(total_steps=4, warmup_steps=4), ValueError, "warmup_steps=4 must be below total_steps=4"),
     (lambda: WarmupCosine(total_steps=4, warmup_steps=1.5), TypeError, "warmup_steps must be an int, got float"),
     (lambda: WarmupCosine(total_steps=4, min_ratio=1.5), ValueError, r"min_ratio=1.5 must be a number in \[0, 1\]"),
+    (lambda: WarmupCosine(total_steps=4, min_ratio="0.1"), TypeError, "min_ratio must be a number, got str '0.1'"),
     (lambda: WarmupStableDecay(total_steps=4, decay_steps=3, warmup_steps=2), ValueError,
      "warmup_steps \\+ decay_steps = 2 \\+ 3 must not exceed total_steps=4"),
     (lambda: WarmupStableDecay(total_steps=4, decay_steps=-1), ValueError, "decay_steps=-1 must be at least 0"),

@@ -16,6 +16,7 @@ A checkpoint that cannot be read (a corrupt or foreign metadata or shard file) r
 
 import copy
 import pickle
+import re
 import warnings
 import zipfile
 from collections.abc import Sequence
@@ -193,11 +194,17 @@ def load(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: 
     _check_extra(extra)
     saved = _saved_keys(checkpoint_id)
     per_part = _per_part(parts, optimizers, saving=False)
+    kept = []  # hyperparameters the checkpoint lacks (e.g. a scheduler's initial_lr): this run's values stay
     for _, optimizer_state in per_part:  # state that was never saved stays unloaded
-        for key in [k for k in optimizer_state if k.startswith("state.") and f"optimizer.{k}" not in saved]:
+        missing = [k for k in optimizer_state if f"optimizer.{k}" not in saved]
+        kept.append({k: optimizer_state[k] for k in missing if k.startswith("param_groups.")})
+        for key in missing:
             del optimizer_state[key]
     state = _merged(per_part, extra)
     _dcp_load(state, checkpoint_id)  # in place: each entry resharded from the saved shards
+    for (_, optimizer_state), hyperparameters in zip(per_part, kept):
+        optimizer_state.update(hyperparameters)
+        state["optimizer"].update(hyperparameters)
     for index, ((model, optimizer_state), part, optimizer) in enumerate(zip(per_part, parts, optimizers)):
         _check_hyperparameters(optimizer, part, {k: state["optimizer"][k] for k in optimizer_state}, index)
         model_state = {name: state["model"][name] for name in model}
@@ -217,8 +224,8 @@ def latest(path: str | PathLike) -> Path:
     path = Path(path)
     if (path / ".metadata").is_file():
         return path
-    steps = [(int(child.name[5:]), child) for child in path.glob("step-*")
-             if child.name[5:].isdigit() and (child / ".metadata").is_file()] if path.is_dir() else []
+    steps = [(int(match[1]), child) for child in (path.iterdir() if path.is_dir() else ())
+             if (match := re.fullmatch(r"step-(\d+)", child.name, re.ASCII)) and (child / ".metadata").is_file()]
     if not steps:
         raise FileNotFoundError(f"{path} holds no checkpoint: neither its .metadata nor a step-N directory with one")
     return max(steps)[1]

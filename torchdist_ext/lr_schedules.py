@@ -33,7 +33,9 @@ def _check_steps(owner: str, **steps: int) -> None:
 
 
 def _check_ratio(owner: str, min_ratio: float) -> None:
-    if isinstance(min_ratio, bool) or not isinstance(min_ratio, (int, float)) or not 0 <= min_ratio <= 1:
+    if isinstance(min_ratio, bool) or not isinstance(min_ratio, (int, float)):
+        raise TypeError(f"{owner}: min_ratio must be a number, got {type(min_ratio).__name__} {min_ratio!r}")
+    if not 0 <= min_ratio <= 1:
         raise ValueError(f"{owner}: min_ratio={min_ratio!r} must be a number in [0, 1] (the last lr over the peak)")
 
 
@@ -41,7 +43,8 @@ def _check_ratio(owner: str, min_ratio: float) -> None:
 class WarmupCosine:
     """The lr factor of a step: linear warmup over ``warmup_steps`` (``(s + 1) / (warmup_steps + 1)``), then a
     cosine from 1 down to ``min_ratio`` at ``total_steps``: ``min_ratio + (1 - min_ratio) (1 + cos(pi p)) / 2``,
-    ``p = (s - warmup_steps) / (total_steps - warmup_steps)``; ``min_ratio`` from ``total_steps`` on."""
+    ``p = (s - warmup_steps) / (total_steps - warmup_steps)``; ``min_ratio`` from ``total_steps`` on (a run of
+    ``total_steps`` steps trains steps 0 to total_steps - 1, the last one step short of the minimum)."""
 
     total_steps: int
     warmup_steps: int = 0

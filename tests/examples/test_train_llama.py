@@ -343,6 +343,30 @@ def test_steps_below_the_resumed_step_are_refused_before_any_process_group(tmp_p
                    monkeypatch, capsys)
 
 
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled, unavailable or uninitialized")
+def test_a_resume_with_another_lr_schedule_is_refused_before_any_process_group(tmp_path, monkeypatch, capsys):
+    """A schedule's lr at a step depends on --steps and its flags: resuming a warmup-cosine run of 2 steps with
+    --steps 4 would jump back up the longer curve. A checkpoint saved without a schedule is a constant lr's."""
+    from torchdist_ext import checkpoint
+    from torchdist_ext.lr_schedules import WarmupCosine
+
+    layer = torch.nn.Linear(2, 2)
+    schedule = repr(WarmupCosine(total_steps=2))
+    checkpoint.save(tmp_path / "ckpt", [layer], [torch.optim.AdamW(layer.parameters())],
+                    extra={"step": 2, "lr_schedule": schedule})
+    resume = ("--resume", str(tmp_path / "ckpt"), "--lr-schedule", "warmup-cosine")
+    assert_refused((*resume, "--steps", "4"), f"was saved by a run with the lr schedule {schedule}; this run's is "
+                   "WarmupCosine(total_steps=4, warmup_steps=0, min_ratio=0.1): resume with the same --steps and "
+                   "--lr-schedule flags", monkeypatch, capsys)
+    from train_llama import parse_args
+
+    assert parse_args([*resume, "--steps", "2"]).steps == 2
+    checkpoint.save(tmp_path / "old", [layer], [torch.optim.AdamW(layer.parameters())], extra={"step": 2})
+    assert parse_args(["--resume", str(tmp_path / "old"), "--steps", "4"]).steps == 4
+    assert_refused(("--resume", str(tmp_path / "old"), "--steps", "4", "--lr-schedule", "wsd"),
+                   "was saved by a run with the lr schedule constant", monkeypatch, capsys)
+
+
 def test_device_cuda_without_a_gpu_says_so():
     """--device cuda is the GPU path (NCCL, bf16); without a visible GPU it stops with a clear message."""
     torchrun = Path(sys.executable).with_name("torchrun")

@@ -41,7 +41,7 @@ def test_the_planners_layout_both_ways():
 @pytest.mark.parametrize("call, message", [
     (lambda: ParallelDims.from_layout(Layout(dp=4, zero_stage=1)), r"zero_stage=1; .* \(set zero_stage=3\)"),
     (lambda: ParallelDims.from_layout("tp=2"), "layout must be a torchdist_ext.planner.Layout, got str"),
-    (lambda: ParallelDims(world_size=4, cp=2, ep=4).layout(), "ep=4 reaches into the cp ranks"),
+    (lambda: ParallelDims(world_size=4, cp=2, ep=4).layout(), "ep=4 does not divide dp_shard=2"),
     (lambda: ParallelDims(world_size=4, tp=2).layout(tp=2), r"\['tp'\] are the dims' own"),
 ])
 def test_what_the_planner_cannot_describe_is_refused(call, message):

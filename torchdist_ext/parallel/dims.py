@@ -96,10 +96,7 @@ class ParallelDims:
         if layout.zero_stage != 3:
             raise ValueError(f"ParallelDims.from_layout: layout.zero_stage={layout.zero_stage}; the meshes are "
                              f"FSDP2's, whose sharding is ZeRO-3 (set zero_stage=3)")
-        data = layout.dp * layout.ep
-        if data % layout.dp_replicate:
-            raise ValueError(f"ParallelDims.from_layout: layout.dp_replicate={layout.dp_replicate} must divide "
-                             f"dp x ep = {layout.dp} x {layout.ep}")
+        data = layout.dp * layout.ep  # (Layout checks that dp_replicate divides dp)
         return cls(world_size=layout.num_gpus, dp_replicate=layout.dp_replicate,
                    dp_shard=data // layout.dp_replicate, cp=layout.cp, cp_ulysses=layout.cp_ulysses,
                    tp=layout.tp, pp=layout.pp, ep=layout.ep)
@@ -107,15 +104,16 @@ class ParallelDims:
     def layout(self, **settings) -> Layout:
         """The planner's ``Layout`` of these axes (ZeRO-3, as FSDP2 shards), with its other fields from
         ``settings`` (e.g. ``seq_len``, ``micro_batch``, ``recompute``). The planner's ep ranks are
-        data-parallel ranks: an ep that reaches into cp (ep not dividing dp_shard) is refused."""
+        data-parallel ranks: an ep larger than what dp_shard can hold (ep not dividing dp_shard) is refused.
+        With cp > 1 the run's ep groups take cp ranks first (consecutive ranks of dp_shard x cp) where the
+        planner places ep outside cp: the bytes and memory agree, its node placement of ep is approximate."""
         given = set(settings) & {"tp", "pp", "dp", "dp_replicate", "cp", "ep", "cp_ulysses", "zero_stage"}
         if given:
             raise ValueError(f"ParallelDims.layout: {sorted(given)} are the dims' own; pass only training "
                              f"settings (seq_len, micro_batch, recompute, ...)")
         if self.dp_shard % self.ep:
-            raise ValueError(f"ParallelDims.layout: ep={self.ep} reaches into the cp ranks (dp_shard="
-                             f"{self.dp_shard}); the planner's ep ranks are data-parallel ranks: ep must "
-                             f"divide dp_shard")
+            raise ValueError(f"ParallelDims.layout: ep={self.ep} does not divide dp_shard={self.dp_shard}: the "
+                             f"planner's ep ranks are data-parallel ranks, it cannot price an ep that needs cp ranks")
         return Layout(tp=self.tp, pp=self.pp, dp=self.dp // self.ep, dp_replicate=self.dp_replicate, cp=self.cp,
                       cp_ulysses=self.cp_ulysses, ep=self.ep, zero_stage=3, **settings)
 

@@ -146,7 +146,7 @@ def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
     if e.comm:
         print("communication per GPU per step:")
         for axis, c in e.comm.items():
-            print(f"  {axis:<3} {c.bytes / 2**30:9.2f} GiB  {c.seconds:8.3f} s  "
+            print(f"  {axis:<12} {c.bytes / 2**30:9.2f} GiB  {c.seconds:8.3f} s  "
                   f"exposed {c.exposed_seconds:8.3f} s  {'intra-domain' if c.intra_domain else 'inter-node'}")
     print("findings:" if findings else "findings: none")
     for f in findings:
