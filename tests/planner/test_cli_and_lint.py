@@ -111,6 +111,8 @@ def test_plot_writes_png_with_a_pipeline_timeline(tmp_path, capsys, schedule):
         (["--gpus", "8", "--expert-imbalance", "nan"], "argument --expert-imbalance: must be a finite number >= 1"),
         (["--gpus", "8", "--tp", "8", "--expert-imbalance", "2"], "Layout.expert_imbalance must lie in [1, ep=1]"),
         (["--gpus", "8", "--cp", "8", "--cp-ulysses", "3"], "Layout.cp_ulysses=3 must divide Layout.cp=8"),
+        (["--gpus", "16", "--dp-replicate", "2"], "--dp-replicate 2 prices a layout: give its axes (e.g. --dp)"),
+        (["--gpus", "16", "--dp", "16", "--dp-replicate", "2", "--zero", "0"], "Layout.dp_replicate=2 needs zero_stage >= 1"),
     ],
 )
 def test_bad_arguments_end_with_one_line(capsys, argv, message):

@@ -233,6 +233,9 @@ def _plan(args) -> int:
         if args.plot is not None:
             _plot(args.plot, [(_describe(layout), e)], layout)
         return 0
+    if args.dp_replicate != 1:
+        raise ValueError(f"--dp-replicate {args.dp_replicate} prices a layout: give its axes (e.g. --dp); the search "
+                         f"does not try HSDP layouts")
     global_batch = args.global_batch or 4 * args.gpus
     results = search(model, cluster, seq_len=args.seq, global_batch=global_batch, top=args.top,
                      expert_imbalance=args.expert_imbalance)
