@@ -15,8 +15,13 @@ from pathlib import Path
 
 def read_run(path: Path) -> tuple[list[float], list[float] | None]:
     """(losses, lrs or None) of a --losses JSON file or a --metrics JSON-lines file."""
-    if path.suffix == ".jsonl":
-        steps = [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+    if path.suffix == ".jsonl":  # appended to by every run (a resumed one too): the last line of each step
+        by_step = {}
+        for line in path.read_text().splitlines():
+            if line.strip():
+                metrics = json.loads(line)
+                by_step[metrics["step"]] = metrics
+        steps = [by_step[step] for step in sorted(by_step)]
         return [s["loss"] for s in steps], [s["lr"] for s in steps]
     return json.loads(path.read_text())["losses"], None
 
