@@ -46,7 +46,7 @@ ctest: $(VENV)/.installed-deps
 	ctest --test-dir build/cpp --output-on-failure
 
 # The copy keeps this tree's extension (built against $(TORCH_VERSION)) apart from the one built here. It builds
-# for one GPU architecture: the CUDA sources include no torch headers (the main build covers every architecture);
+# without CUDA: the CUDA sources include no torch headers (the main build compiles them for every architecture);
 # what the older torch can break is the host code, built in full.
 compat:
 	mkdir -p $(COMPAT_DIR)
@@ -54,7 +54,7 @@ compat:
 	git ls-files -z --cached --others --exclude-standard | tar --null -T - -cf - | tar -xf - -C $(COMPAT_DIR)
 	test -x $(COMPAT_DIR)/.venv/bin/python || $(PYTHON) -m venv $(COMPAT_DIR)/.venv
 	$(COMPAT_DIR)/.venv/bin/python -m pip install torch==$(COMPAT_TORCH) -r requirements-dev.txt
-	cd $(COMPAT_DIR) && MAX_JOBS=$(MAX_JOBS) TORCH_CUDA_ARCH_LIST=9.0 .venv/bin/python -m pip install --no-build-isolation --no-deps -e .
+	cd $(COMPAT_DIR) && MAX_JOBS=$(MAX_JOBS) TDX_CUDA=0 .venv/bin/python -m pip install --no-build-isolation --no-deps -e .
 	cd $(COMPAT_DIR) && .venv/bin/python -c 'import torch; assert torch.__version__.startswith("$(COMPAT_TORCH)"), torch.__version__'
 	cd $(COMPAT_DIR) && .venv/bin/python -m pytest -q tests/ops tests/test_cpu_isa.py \
 		"tests/examples/test_train_llama.py::test_ledger_counts_what_the_planner_predicts_for_context_parallelism[cp2-ring-tp2]"
