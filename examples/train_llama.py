@@ -436,12 +436,6 @@ def expert_load(model, group) -> float:
     return (counts.max(1).values / counts.mean(1)).max().item()
 
 
-def cp_method_run(dims: ParallelDims) -> str:
-    """The context-parallel attention the dims run (--cp-method hybrid with --cp-ulysses equal to --cp is
-    Ulysses over every cp rank)."""
-    return "off" if dims.cp == 1 else {1: "ring", dims.cp: "ulysses"}.get(dims.cp_ulysses, "hybrid")
-
-
 def ulysses_ranks(args) -> int:
     """The Ulysses ranks within --cp (ParallelDims.cp_ulysses) of --cp-method."""
     if args.cp == 1 or args.cp_method == "ring":
@@ -585,7 +579,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         print(f"world {world_size}: "
               f"{f'pp={args.pp} ({args.schedule}, {microbatches(args)} micro-batches) x ' if args.pp > 1 else ''}"
               f"dp={dims.dp}{f' (HSDP: {dims.dp_replicate} x {dims.dp_shard})' if dims.dp_replicate > 1 else ''} "
-              f"x cp={args.cp} ({cp_method_run(dims)}: "
+              f"x cp={args.cp} ({dims.cp_method or 'off'}: "
               f"ring {dims.ring} x ulysses {dims.cp_ulysses}) x tp={args.tp}, sequence_parallel={args.sequence_parallel}, "
               f"compile={args.compile}, recompute={args.recompute}, {precision(args)}"
               f"{f' with fp8 GEMMs ({args.fp8}) in {len(fp8_modules(model))} linears' if args.fp8 else ''}"

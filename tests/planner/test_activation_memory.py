@@ -120,13 +120,13 @@ def least_of(measure, tries: int = 3, *, frozen: bool = True) -> int:
     0.15 s). Not ``frozen`` for a backward's peak counted from the bytes alive before it: a fast collection
     leaves gloo's worker no time to drop the last exchange's buffers before that count, and their release inside
     the backward then lowers the peak (measured: up to T h / 2 at tp = 2), which the least would pick."""
-    if not frozen:
-        return min(measure() for _ in range(tries))
-    gc.freeze()
+    if frozen:
+        gc.freeze()
     try:
         return min(measure() for _ in range(tries))
     finally:
-        gc.unfreeze()
+        if frozen:
+            gc.unfreeze()
 
 
 def stacked_retained_bytes(make_layer, num_layers: int, sequence_parallel: bool, dtype: torch.dtype) -> int:

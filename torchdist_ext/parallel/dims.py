@@ -81,6 +81,14 @@ class ParallelDims:
         return self.dp_replicate * self.dp_shard
 
     @property
+    def cp_method(self) -> str | None:
+        """The context-parallel attention these dims run: "ring" (cp_ulysses 1), "ulysses" (cp_ulysses = cp),
+        "hybrid" (between); None without cp."""
+        if self.cp == 1:
+            return None
+        return {1: "ring", self.cp: "ulysses"}.get(self.cp_ulysses, "hybrid")
+
+    @property
     def ring(self) -> int:
         """The ring-attention ranks of cp (cp / cp_ulysses)."""
         return self.cp // self.cp_ulysses
@@ -157,7 +165,7 @@ class ParallelMeshes:
             dense["dp_shard_cp", "tp"]._flatten("replica")
         self.cp = None
         if dims.cp > 1:
-            self.cp = {1: world["ring"], dims.cp: world["ulysses"]}.get(dims.cp_ulysses, world["ring", "ulysses"])
+            self.cp = {"ring": world["ring"], "ulysses": world["ulysses"]}.get(dims.cp_method, world["ring", "ulysses"])
         experts = flat._unflatten(0, (dims.pp, dims.dp_replicate, shard_cp // dims.ep, dims.ep, dims.tp),
                                   ("pp", "dp_replicate", "expert_dp_shard", "ep", "tp"))
         # The experts' gradient norm: one all-reduce over the dims their DTensors are partial on.
@@ -173,7 +181,7 @@ class ParallelMeshes:
         over ``cp``, with ``causal`` and the sequence ``order``), a function of (q, k, v); None without cp."""
         if self.cp is None:
             return None
-        method = {1: ring_attention, self.dims.cp: ulysses_attention}.get(self.dims.cp_ulysses, hybrid_attention)
+        method = {"ring": ring_attention, "ulysses": ulysses_attention, "hybrid": hybrid_attention}[self.dims.cp_method]
         return partial(method, cp_mesh=self.cp, causal=causal, order=order)
 
     def __repr__(self) -> str:

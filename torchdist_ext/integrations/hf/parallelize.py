@@ -240,7 +240,7 @@ def _from_parallel_meshes(meshes: ParallelMeshes, cp_method: str, **given) -> di
     if dims.ep > 1:
         raise ValueError(f"meshes has ep={dims.ep}: parallelize_hf_model has no expert parallelism (its models' "
                          f"FFNs are dense)")
-    method = {1: "ring", dims.cp: "ulysses"}.get(dims.cp_ulysses, "hybrid")
+    method = dims.cp_method
     if dims.cp > 1 and cp_method not in ("ring", method):
         raise ValueError(f"cp_method={cp_method!r}, but meshes' cp={dims.cp} with cp_ulysses={dims.cp_ulysses} "
                          f"is {method!r}; leave cp_method out")
