@@ -1,4 +1,4 @@
-"""examples/finetune_hf.py under torchrun: a Hugging Face Llama trains at dp x cp x tp and --check
+"""examples/finetune_hf.py on N ranks: a Hugging Face Llama trains at dp x cp x tp and --check
 matches one process to 1e-4 relative loss; --save-hf writes what from_pretrained reads. (compile=True is
 tested in tests/integrations/test_hf.py.)"""
 

