@@ -142,6 +142,15 @@ TORCH_LIBRARY(tdx, m) {
       "fp8_cast_transpose_amax(Tensor x, Tensor scale, ScalarType fp8_dtype, int row_multiple=1) "
       "-> (Tensor x_fp8, Tensor x_fp8_t, Tensor amax)");
 
+  // ---- init: counter-based initialisation (layout-independent, no generator state) ----
+  // self: a contiguous block at `offsets` of a tensor of shape `whole_shape`; fills it with what the whole
+  // tensor holds there: element i (its row-major index in the whole tensor) is N(mean, std^2) truncated to
+  // [a, b], a function of (seed, key, i) alone (kernels/init.h). So a shard holds the whole tensor's values
+  // on every rank, whatever the layout that cut it.
+  m.def(
+      "counter_trunc_normal_(Tensor(a!) self, int[] whole_shape, int[] offsets, int seed, int key, float mean, "
+      "float std, float a, float b) -> ()");
+
   // ---- linear_grad: a linear's backward in two halves (zero-bubble pipelines run W after B) ----
   // The input gradient: grad_out [..., out] @ weight [out, in] -> [..., in] (same dtype).
   m.def("linear_dgrad(Tensor grad_out, Tensor weight) -> Tensor");

@@ -24,6 +24,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from torchdist_ext.fp8 import convert_to_fp8
 from torchdist_ext.fp8.recipe import Recipe
+from torchdist_ext.fp8.state import Fp8State
 
 from torchdist_ext.parallel import (
     ColumnParallelLinear,
@@ -32,6 +33,7 @@ from torchdist_ext.parallel import (
     RowParallelLinear,
     VocabParallelEmbedding,
     fully_shard_moe,
+    trunc_normal_,
     vocab_parallel_cross_entropy,
 )
 from torchdist_ext.parallel.mesh_group import MeshGroup
@@ -383,3 +385,59 @@ def parallelize_llama(model: Llama, *, tp_mesh: DeviceMesh, dp_mesh: DeviceMesh,
         apply_fp8(model, fp8, all_gather=fp8_all_gather, amax_mesh=fp8_amax_mesh)
     apply_recompute_and_compile(model, recompute_mode, compile)
     return apply_fsdp(model, dp_mesh, mp_policy)
+
+
+INIT_STD = 0.02  # the projections into the residual stream's blocks; those out of them are scaled by depth
+
+
+def block_parameters(index: str, block: nn.Module) -> dict[str, tuple[nn.Parameter, float | None]]:
+    """A block's parameters by their name in ``Llama`` (``layers.<index>.…``), in any of its forms (plain,
+    tensor-parallel, expert-parallel, compiled), each with its init std (None: ones): torchtitan's Llama
+    init, the projections out of a block at 0.02 / sqrt(2 (layer + 1))."""
+    depth_std = INIT_STD / (2 * (int(index) + 1)) ** 0.5
+    attention, ffn = block.attention, block.feed_forward
+    named = {f"attention.{name}.weight": (getattr(attention, name).weight, INIT_STD) for name in ("wq", "wk", "wv")}
+    named["attention.wo.weight"] = (attention.wo.weight, depth_std)
+    if isinstance(ffn, FeedForward):
+        named.update({"feed_forward.w1.weight": (ffn.w1.weight, INIT_STD),
+                      "feed_forward.w3.weight": (ffn.w3.weight, depth_std),
+                      "feed_forward.w2.weight": (ffn.w2.weight, depth_std)})
+    else:  # MixtureOfExperts, or ExpertParallelFeedForward's MoE (the same shapes)
+        gate, experts = (ffn.gate, ffn) if isinstance(ffn, MixtureOfExperts) else (ffn.moe.gate, ffn.moe.experts)
+        named.update({"feed_forward.gate": (gate, INIT_STD), "feed_forward.w1": (experts.w1, INIT_STD),
+                      "feed_forward.w3": (experts.w3, depth_std), "feed_forward.w2": (experts.w2, depth_std)})
+    named["attention_norm.weight"] = (block.attention_norm.weight, None)
+    named["ffn_norm.weight"] = (block.ffn_norm.weight, None)
+    return {f"layers.{index}.{name}": value for name, value in named.items()}
+
+
+def init_weights(model: "Llama | LlamaStage", seed: int) -> None:
+    """Initialises ``model`` in place, in whatever layout it is (parallelised, a pipeline stage, compiled):
+    truncated normals keyed by each parameter's name in ``Llama`` (``torchdist_ext.parallel.trunc_normal_``),
+    so that every rank's shard holds what ``Llama`` initialised whole in one process holds there; the
+    embedding N(0, 1), the head N(0, 1 / dim), both cut at 3 std; norms one; the rotary tables; fp8 states
+    reset. For a model built on the meta device, after ``to_empty``."""
+    cfg = model.cfg
+    named = {}
+    for index, block in model.layers.items():
+        named.update(block_parameters(index, block))
+    with torch.no_grad():
+        for name, (parameter, std) in named.items():
+            if std is None:
+                parameter.fill_(1.0)
+            else:
+                trunc_normal_(parameter, key=name, seed=seed, std=std)
+        if model.tok_embeddings is not None:
+            trunc_normal_(model.tok_embeddings.weight, key="tok_embeddings.weight", seed=seed, a=-3.0, b=3.0)
+        if model.output is not None:
+            model.norm.weight.fill_(1.0)
+            head_std = cfg.dim ** -0.5
+            trunc_normal_(model.output.weight, key="output.weight", seed=seed, std=head_std, a=-3 * head_std,
+                          b=3 * head_std)
+        cos, sin = rope_tables(cfg.head_dim, cfg.max_seq_len, cfg.rope_theta)
+        model.rope_cos.copy_(cos)
+        model.rope_sin.copy_(sin)
+    for module in model.modules():
+        if isinstance(module, Fp8State) and module.fp8_recipe is not None:
+            module.reset_fp8_state()
+

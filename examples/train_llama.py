@@ -61,6 +61,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Iterable
 from dataclasses import replace
 from functools import partial
 from pathlib import Path
@@ -71,7 +72,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import (  # noqa: E402
-    Llama, LlamaConfig, LlamaStage, MixtureOfExperts, apply_fp8, check_layout, parallelize_llama,
+    Llama, LlamaConfig, LlamaStage, MixtureOfExperts, apply_fp8, check_layout, init_weights, parallelize_llama,
 )
 
 from one_process_check import check_losses, exit_now  # noqa: E402
@@ -387,11 +388,21 @@ def batches(windows: torch.Tensor, sampler: DataParallelSampler):
             yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
 
 
-def build_model(args, device: torch.device) -> Llama:
-    torch.manual_seed(args.seed)
+def build_model(args) -> Llama:
+    """The model on the meta device: no storage until ``materialise`` (after parallelisation, each rank's
+    shards only)."""
     config = LlamaConfig(max_seq_len=args.seq, num_experts=args.experts, top_k=args.top_k,
                          capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
-    return Llama(config).to(device)
+    with torch.device("meta"):
+        return Llama(config)
+
+
+def materialise(parts: Iterable[torch.nn.Module], args, device: torch.device) -> None:
+    """Storage on ``device`` for each part (the model, or this rank's pipeline stages), initialised from
+    --seed as the whole model would be in one process (``init_weights``)."""
+    for part in parts:
+        part.to_empty(device=device)
+        init_weights(part, args.seed)
 
 
 def check_pipeline_stages(args, num_layers: int) -> None:
@@ -534,7 +545,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     # FSDP2 shards over dp_shard x cp (context-parallel ranks hold the same parameters and see other tokens),
     # HSDP replicates that over dp_replicate; fp8 reduces its amaxes over a pipeline stage's ranks.
     meshes = dims.build_meshes(args.device)
-    single = build_model(args, device)
+    single = build_model(args)
     flops_per_token = model_flops_per_token(single, args.seq)
     peak = gpu_peak_flops(device) if device.type == "cuda" else None
     experts = {"ep_mesh": meshes.ep, "expert_dp_mesh": meshes.expert_fsdp} if args.experts else {}
@@ -547,6 +558,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     if args.pp > 1:
         stages = {s: parallelize(stage) for s, stage in pipeline_stages(args, single, meshes.pp.get_local_rank()).items()}
         del single  # with the other stages' blocks, which this rank never runs
+        materialise(stages.values(), args, device)  # before the pipeline gives its layers their split state
         last = num_stages(args.schedule, args.pp, virtual_stages(args)) - 1
         pipe = Pipeline(stages, pp_mesh=meshes.pp, schedule=args.schedule, num_microbatches=microbatches(args),
                         loss_fn=lambda logits, target: stages[last].loss_fn(logits, target),
@@ -554,6 +566,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         model = torch.nn.ModuleList(pipe.stages.values())
     else:
         model = parallelize(single)
+        materialise([model], args, device)
     # One optimizer per part (pipeline stage), so that a checkpoint names each state by its parameter's name in
     # the whole model and loads at any other split.
     parts = list(model) if pipe is not None else [model]
@@ -678,7 +691,8 @@ def save_checkpoint(args, step: int, parts, optimizers, sampler: DataParallelSam
 
 
 def train_single_process(args, device: torch.device, dims: ParallelDims) -> list[float]:
-    model = build_model(args, device)
+    model = build_model(args)
+    materialise([model], args, device)
     if args.fp8 and args.check_reference == "same":  # one process sees every amax: nothing to reduce
         recipe = replace(FP8_RECIPES[args.fp8], reduce_amax=False) if args.fp8 == "delayed" else FP8_RECIPES[args.fp8]
         apply_fp8(model, recipe, all_gather=False, amax_mesh=None)

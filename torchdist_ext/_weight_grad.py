@@ -137,7 +137,9 @@ def give_weight_grad_slot(layer: nn.Module) -> None:
 def _slot_parameter(slot: Tensor) -> nn.Parameter:
     layer = _slot_layers.get(int(slot), lambda: None)()
     if layer is None:
-        raise RuntimeError(f"weight-gradient slot {int(slot)} names no live layer")
+        raise RuntimeError(f"weight-gradient slot {int(slot)} names no live layer: was the layer's buffer replaced "
+                           "after its split was enabled? (to_empty() of a model built on the meta device comes "
+                           "before Pipeline and enable_weight_grad_split)")
     return layer.weight
 
 

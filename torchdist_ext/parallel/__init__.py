@@ -7,6 +7,7 @@
 - Expert parallelism (``ep_mesh``): ``MoE``, ``fully_shard_moe``.
 - Activation recompute: ``recompute(module, mode)``, ``mode`` in ``RECOMPUTE_MODES``.
 - The axes of a run and their meshes, built once: ``ParallelDims``, ``ParallelMeshes``.
+- Initialisation of sharded parameters that equals the whole model's: ``trunc_normal_``.
 
 Example: ``ColumnParallelLinear.from_linear(linear, tp_mesh=tp_mesh)``. Signatures: docs/api.md.
 """
@@ -15,6 +16,7 @@ from torchdist_ext.parallel.context_attention import hybrid_attention, ring_atte
 from torchdist_ext.parallel.cross_entropy import vocab_parallel_cross_entropy
 from torchdist_ext.parallel.dims import ParallelDims, ParallelMeshes
 from torchdist_ext.parallel.embedding import VocabParallelEmbedding
+from torchdist_ext.parallel.init import trunc_normal_
 from torchdist_ext.parallel.linear import ColumnParallelLinear, RowParallelLinear
 from torchdist_ext.parallel.moe import MoE, fully_shard_moe
 from torchdist_ext.parallel.norm import RMSNorm
@@ -35,6 +37,7 @@ __all__ = [
     "recompute",
     "ring_attention",
     "shard_sequence",
+    "trunc_normal_",
     "ulysses_attention",
     "unshard_sequence",
     "vocab_parallel_cross_entropy",
