@@ -1,4 +1,4 @@
-"""Main job: train a small Llama on a byte-level corpus with FSDP2 (dp) x context (cp) x tensor (tp) x pipeline (pp)
+"""Main job: train a Llama on a byte-level corpus with FSDP2 (dp) x context (cp) x tensor (tp) x pipeline (pp)
 parallelism.
 
     torchrun --nproc-per-node 4 examples/train_llama.py                     # dp=2 x tp=2, sequence parallel
@@ -15,11 +15,14 @@ parallelism.
     torchrun --nproc-per-node 8 examples/train_llama.py --pp 2 --steps 2 --save ckpt  # dp2 x tp2 x pp2: ckpt/step-2
     torchrun --nproc-per-node 4 examples/train_llama.py --steps 4 --resume ckpt      # continued at dp2 x tp2
     torchrun --nproc-per-node 4 examples/train_llama.py --lr-schedule wsd --warmup-steps 5 --metrics run.jsonl
+    torchrun --nproc-per-node 4 examples/train_llama.py --model llama3.2-1b --layers 2 --vocab 16384  # a real width
 
 The layout is a ``torchdist_ext.parallel.ParallelDims``, which builds every mesh once
-and gives the planner the same layout. Every rank builds the same single-process model (same seed), converts it to
-tensor-parallel layers with the same weights and shards it with FSDP2 over
-dp x cp (``--dp-replicate R``: HSDP, R replicas each sharding over dp / R x cp). ``--experts E`` makes every FFN a mixture of E experts (top ``--top-k``,
+and gives the planner the same layout. The model is the byte-level default or ``--model``'s architecture (the
+planner's preset, cut to ``--layers`` and ``--vocab``). Every rank builds it on the meta device, converts it to
+tensor-parallel layers and shards it with FSDP2 over dp x cp (``--dp-replicate R``: HSDP, R replicas each
+sharding over dp / R x cp), then gives its shards storage and initialises them as the whole model would be in
+one process (``init_weights``: no rank holds the whole model). ``--experts E`` makes every FFN a mixture of E experts (top ``--top-k``,
 dropless or ``--capacity-factor c``), split over ``--ep`` ranks carved out of the
 dp x cp ranks (ep divides dp x cp), each step printing the busiest expert's load
 over the mean; ``--check``'s single process then routes each rank's tokens as
@@ -44,7 +47,7 @@ draws it); the gradient norm is taken over every stage and mesh (``torchdist_ext
 steps: model, optimizer, fp8 histories, data position, step: ``torchdist_ext.checkpoint``), and ``--resume``
 continues one at any layout up to ``--steps``: the losses equal the uninterrupted run's. ``--lr-schedule``
 warms up and decays the learning rate (``torchdist_ext.lr_schedules``); each step prints its loss, gradient
-norm, lr, tokens/s (MFU on a GPU) and peak memory (on the CPU with ``--ledger``), and ``--metrics`` appends
+norm, lr, tokens/s (MFU on a GPU) and peak memory, and ``--metrics`` appends
 them to a JSON-lines file.
 ``--ledger`` counts every process group's communication (``torchdist_ext.ledger``) and prints, after the last
 step, the planner's memory per rank, bubble and bytes per axis for the layout next to that step's measured peak
@@ -69,6 +72,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from llama import (  # noqa: E402
@@ -96,9 +100,15 @@ from torchdist_ext.pipeline import (  # noqa: E402
     predicted_idle_fraction,
     stages_of_rank,
 )
-from torchdist_ext.planner import GPU_PRESETS, ClusterSpec, Layout, ModelSpec, bubble_fraction, check  # noqa: E402
+from torchdist_ext.planner import (  # noqa: E402
+    GPU_PRESETS, MODEL_PRESETS, ClusterSpec, Layout, ModelSpec, bubble_fraction, check,
+)
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
+# The planner's presets examples/llama.py builds (GQA, SwiGLU, RoPE, RMSNorm; its head untied), with their
+# RoPE base: Llama 3's 500000, Mixtral's 1e6.
+MODEL_ROPE_THETA = {"llama3.2-1b": 5e5, "llama3-8b": 5e5, "llama3-70b": 5e5, "llama3.1-405b": 5e5,
+                    "mixtral-8x7b": 1e6}
 # fp32: summation order only. bf16 against the fp32 run: every GEMM input and the loss
 # rounded to 8 mantissa bits (2^-8 = 3.9e-3 relative), compounded over the steps'
 # updates (measured: 5.2e-3 over the default 50 steps).
@@ -190,8 +200,15 @@ def parse_args(argv=None) -> argparse.Namespace:
                           help="FSDP2 mixed precision: bf16 parameters and activations, fp32 gradient reduction "
                                "(the default with --device cuda)")
     numerics.add_argument("--fp32", action="store_true", help="fp32 throughout (the default on the CPU)")
-    parser.add_argument("--experts", type=non_negative_int, default=0, help="experts per MoE FFN (0: dense FFNs)")
-    parser.add_argument("--top-k", type=positive_int, default=2, help="experts per token")
+    parser.add_argument("--model", choices=sorted(MODEL_ROPE_THETA), default=None,
+                        help="a published architecture (the planner's preset of that name; default: a 0.66M-parameter "
+                             "byte-level model), built on the meta device and initialised shard by shard")
+    parser.add_argument("--layers", type=positive_int, default=None, help="keep the model's first this many blocks")
+    parser.add_argument("--vocab", type=positive_int, default=None,
+                        help="a smaller vocabulary than the model's (at least 256: the built-in corpus is bytes)")
+    parser.add_argument("--experts", type=non_negative_int, default=None,
+                        help="experts per MoE FFN (0: dense FFNs; default 0, or the --model's)")
+    parser.add_argument("--top-k", type=positive_int, default=None, help="experts per token (default 2, or the --model's)")
     parser.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size, dividing dp x cp")
     parser.add_argument("--capacity-factor", type=float, default=None, help="drop slots past this capacity")
     parser.add_argument("--aux-loss-coef", type=float, default=0.01, help="load-balancing loss weight")
@@ -226,6 +243,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"with --fp8 {CHECK_TOLERANCE['fp8']:.0e} against the same recipe or "
                              f"{CHECK_TOLERANCE['fp8-vs-fp32']:.0e} against fp32)")
     args = parser.parse_args(argv)
+    resolve_experts(parser, args)
+    if args.vocab is not None and args.vocab < 256:
+        parser.error(f"--vocab {args.vocab} must be at least 256: the built-in corpus's tokens are bytes")
     if args.fp8_all_gather and args.fp8 != "delayed":
         parser.error(f"--fp8-all-gather needs --fp8 delayed (every rank casts its shard with the shared delayed "
                      f"scale), got --fp8 {args.fp8}")
@@ -296,14 +316,44 @@ def lr_schedule_name(args) -> str:
     return "constant" if args.lr_schedule == "constant" else repr(lr_schedule(args))
 
 
+def resolve_experts(parser: argparse.ArgumentParser, args) -> None:
+    """--experts and --top-k: the --model's (which they may not contradict), else given or 0 and 2."""
+    if args.model is None:
+        args.experts = 0 if args.experts is None else args.experts
+        args.top_k = 2 if args.top_k is None else args.top_k
+        return
+    spec = MODEL_PRESETS[args.model]
+    experts, top_k = (spec.num_experts, spec.experts_per_token) if spec.num_experts > 1 else (0, 2)
+    for flag, given, preset in (("--experts", args.experts, experts), ("--top-k", args.top_k, top_k)):
+        if given is not None and given != preset:
+            parser.error(f"{flag} {given} contradicts --model {args.model}, whose is {preset}")
+    args.experts, args.top_k = experts, top_k
+
+
+def model_config(args) -> LlamaConfig:
+    """The model of this run: --model's architecture (the byte-level default without it), cut to --layers
+    blocks and a --vocab vocabulary, for sequences of --seq tokens."""
+    if args.model is None:
+        base = LlamaConfig()
+    else:
+        spec = MODEL_PRESETS[args.model]
+        base = LlamaConfig(vocab_size=spec.vocab_size, dim=spec.hidden, num_layers=spec.num_layers,
+                           num_heads=spec.num_heads, num_kv_heads=spec.num_kv_heads or spec.num_heads,
+                           ffn_dim=spec.moe_ffn_hidden if spec.num_experts > 1 else spec.ffn_hidden,
+                           rope_theta=MODEL_ROPE_THETA[args.model])
+    return replace(base, num_layers=args.layers or base.num_layers, vocab_size=args.vocab or base.vocab_size,
+                   max_seq_len=args.seq, num_experts=args.experts, top_k=args.top_k,
+                   capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
+
+
 def planner_model(args) -> ModelSpec:
     """The main job's model as the planner sees it."""
-    cfg = LlamaConfig()
+    cfg = model_config(args)
     experts = (dict(num_experts=args.experts, experts_per_token=args.top_k, moe_ffn_hidden=cfg.ffn_dim)
                if args.experts else {})
     # Its attention projects q, k and v (its FFNs gate and up) with separate tensor-parallel linears.
     return ModelSpec(cfg.num_layers, cfg.dim, cfg.num_heads, num_kv_heads=cfg.num_kv_heads, ffn_hidden=cfg.ffn_dim,
-                     vocab_size=cfg.vocab_size, fused_projections=False, **experts)
+                     vocab_size=cfg.vocab_size, fused_projections=False, name=args.model or "custom", **experts)
 
 
 def layout_refusals(args, world_size: int) -> list[str]:
@@ -312,8 +362,8 @@ def layout_refusals(args, world_size: int) -> list[str]:
     model's and experts' own divisibility rules. Empty when it can run."""
     try:
         dims = parallel_dims(args, world_size)
-        check_layout(LlamaConfig(), args.tp)
-        check_pipeline_stages(args, LlamaConfig().num_layers)
+        check_layout(model_config(args), args.tp)
+        check_pipeline_stages(args, model_config(args).num_layers)
     except ValueError as error:
         return [str(error)]
     try:
@@ -391,10 +441,8 @@ def batches(windows: torch.Tensor, sampler: DataParallelSampler):
 def build_model(args) -> Llama:
     """The model on the meta device: no storage until ``materialise`` (after parallelisation, each rank's
     shards only)."""
-    config = LlamaConfig(max_seq_len=args.seq, num_experts=args.experts, top_k=args.top_k,
-                         capacity_factor=args.capacity_factor, aux_loss_coef=args.aux_loss_coef)
     with torch.device("meta"):
-        return Llama(config)
+        return Llama(model_config(args))
 
 
 def materialise(parts: Iterable[torch.nn.Module], args, device: torch.device) -> None:
@@ -545,6 +593,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     # FSDP2 shards over dp_shard x cp (context-parallel ranks hold the same parameters and see other tokens),
     # HSDP replicates that over dp_replicate; fp8 reduces its amaxes over a pipeline stage's ranks.
     meshes = dims.build_meshes(args.device)
+    before_build = allocated_memory(device, reset_peak=True)
     single = build_model(args)
     flops_per_token = model_flops_per_token(single, args.seq)
     peak = gpu_peak_flops(device) if device.type == "cuda" else None
@@ -570,6 +619,8 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     # One optimizer per part (pipeline stage), so that a checkpoint names each state by its parameter's name in
     # the whole model and loads at any other split.
     parts = list(model) if pipe is not None else [model]
+    if rank == 0:
+        report_build(args, parts, device, before_build)
     # The loss is the mean over the pipeline's micro-batches (or --grad-accum's micro-steps), and each MoE call
     # adds its auxiliary losses' gradient on its own: weigh them as one call's share.
     calls_per_step = microbatches(args) if pipe is not None else args.grad_accum
@@ -675,10 +726,38 @@ def log_step(args, metrics: dict) -> None:
 
 def step_peak_memory(device: torch.device) -> int | None:
     """This rank's peak of live tensor bytes so far (CUDA's allocator; on the CPU when ``cpu_memory`` tracks,
-    as with --ledger), or None."""
+    as main() has it), or None."""
     if device.type == "cuda":
         return torch.cuda.max_memory_allocated(device)
     return cpu_memory.max_memory_allocated() if cpu_memory.tracking() else None
+
+
+def allocated_memory(device: torch.device, *, reset_peak: bool = False) -> int | None:
+    """This rank's live tensor bytes now (as ``step_peak_memory`` counts them), or None; ``reset_peak``: the
+    peak starts again from here."""
+    if device.type == "cuda":
+        if reset_peak:
+            torch.cuda.reset_peak_memory_stats(device)
+        return torch.cuda.memory_allocated(device)
+    if not cpu_memory.tracking():
+        return None
+    if reset_peak:
+        cpu_memory.reset_peak_memory_stats()
+    return cpu_memory.memory_allocated()
+
+
+def report_build(args, parts: list[torch.nn.Module], device: torch.device, before: int | None) -> None:
+    """Prints (rank 0) the model's size and what building it cost this rank: the bytes of its parameter
+    shards and the peak of live tensor bytes from before the model to now, above ``before``."""
+    whole = int(planner_model(args).count_params().total)
+    local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for part in parts for p in part.parameters())
+    peak = step_peak_memory(device)
+    element = next(p for part in parts for p in part.parameters()).element_size()
+    print(f"model {args.model or 'byte-level'} ({model_config(args).num_layers} blocks, vocab "
+          f"{model_config(args).vocab_size:,}): {whole:,} parameters ({whole * element / 2**20:,.1f} MiB); built "
+          f"on the meta device, rank 0 holds {local / 2**20:,.1f} MiB of them"
+          f"{'' if peak is None or before is None else f', peak {(peak - before) / 2**20:,.1f} MiB while building'}",
+          flush=True)
 
 
 def save_checkpoint(args, step: int, parts, optimizers, sampler: DataParallelSampler, rank: int) -> None:
@@ -739,8 +818,7 @@ def main(argv=None) -> int:
     else:
         device = torch.device("cpu")
         dist.init_process_group(ledger.backend("gloo") if args.ledger else "gloo")
-        if args.ledger:  # before the model: every tensor of this rank counted
-            cpu_memory.track()
+        cpu_memory.track()  # before the model: every tensor of this rank counted
     rank, world_size = dist.get_rank(), dist.get_world_size()
     try:
         first_step, losses = train_parallel(args, world_size, rank, device)

@@ -76,6 +76,23 @@ def test_matches_single_process(flags):
     assert largest_relative_difference(output) < 1e-4
 
 
+def test_a_preset_is_built_shard_by_shard_and_matches_one_process():
+    """llama3.2-1b's width (one block, a 16k vocabulary) at dp2 x tp2 (SP): built on the meta device, each rank
+    allocates its quarter of the model and nothing more while building (measured: a peak of 122.3 MiB for a
+    122.0 MiB shard of the 488 MiB model), and 2 steps match one process building the whole model alike
+    (measured 1.3e-7)."""
+    output = run_main_job("--model", "llama3.2-1b", "--layers", "1", "--vocab", "16384", "--steps", "2",
+                          "--batch", "4", "--seq", "16")
+    built = re.search(r"model llama3.2-1b \(1 blocks, vocab 16,384\): 127,932,416 parameters \(([\d,.]+) MiB\); built "
+                      r"on the meta device, rank 0 holds ([\d,.]+) MiB of them, peak ([\d,.]+) MiB while building", output)
+    assert built, output
+    whole, shard, peak = (float(value.replace(",", "")) for value in built.groups())
+    assert whole == pytest.approx(127_932_416 * 4 / 2**20, abs=0.1)
+    assert shard == pytest.approx(whole / 4, rel=0.01)
+    assert shard <= peak <= 1.05 * shard + 1, output
+    assert largest_relative_difference(output) < 1e-4
+
+
 def test_bf16_mixed_precision_with_ring_attention_matches_fp32_process():
     output = run_main_job("--steps", "4", "--bf16", "--dp", "1", "--cp", "2", "--cp-method", "ring")
     assert "bf16 on cpu" in output, output
@@ -274,9 +291,16 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
     (("--save-every", "2",), "--save-every needs --save DIR"),
     (("--tp", "1", "--dp-replicate", "2", "--experts", "4", "--ep", "4"),
      "--ep 4 must divide dp x cp = 2 of an HSDP replica and --experts 4"),
+    (("--model", "mixtral-8x7b", "--top-k", "1"), "--top-k 1 contradicts --model mixtral-8x7b, whose is 2"),
+    (("--vocab", "255",), "--vocab 255 must be at least 256: the built-in corpus's tokens are bytes"),
+    (("--model", "llama3.2-1b", "--tp", "3", "--dp", "1", "--cp", "1", "--pp", "1", "--seq", "96"),
+     "--dp 1 x --cp 1 x --tp 3 x --pp 1 must equal the world size 4"),
+    (("--model", "llama3.2-1b", "--pp", "4", "--tp", "1", "--layers", "6"),
+     "num_layers=6 must be divisible by num_stages=4"),
 ], ids=["batch", "interleaved", "sequence-parallel", "experts", "world", "grad-accum", "grad-accum-pp",
         "fp8-delayed-compiled-pp", "ledger-ep-over-cp", "stages-over-layers", "world-without-dp", "hsdp",
-        "lr-wsd", "lr-cosine", "save-every", "hsdp-ep"])
+        "lr-wsd", "lr-cosine", "save-every", "hsdp-ep", "preset-top-k", "vocab", "preset-world",
+        "preset-stages"])
 def test_a_layout_that_cannot_run_is_refused_before_any_process_group(flags, message, monkeypatch, capsys):
     """The main job's argument parsing, in this process with WORLD_SIZE=4 and no process group: the refusal
     comes before any group is built, with the planner's finding code where the planner sees the problem."""

@@ -122,6 +122,9 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
     "llama3-70b": ModelSpec(80, 8192, 64, num_kv_heads=8, ffn_hidden=28672, vocab_size=128256, name="llama3-70b"),
     "llama3.1-405b": ModelSpec(126, 16384, 128, num_kv_heads=8, ffn_hidden=53248, vocab_size=128256,
                                name="llama3.1-405b"),
+    # Llama 3.2 1B (Meta 2024, model card): 1.24B with its embedding tied to the head; counted here with an
+    # untied head (1.50B), as examples/llama.py builds it.
+    "llama3.2-1b": ModelSpec(16, 2048, 32, num_kv_heads=8, ffn_hidden=8192, vocab_size=128256, name="llama3.2-1b"),
     # Mixtral 8x7B (Jiang et al. 2024): 46.7B total, 12.9B active.
     "mixtral-8x7b": ModelSpec(32, 4096, 32, num_kv_heads=8, vocab_size=32000, num_experts=8, experts_per_token=2,
                               moe_ffn_hidden=14336, name="mixtral-8x7b"),
