@@ -84,6 +84,7 @@ from predicted_vs_measured import LedgerProbe  # noqa: E402
 
 from torchdist_ext import checkpoint, clip_grad_norm_, cpu_memory, ledger  # noqa: E402
 from torchdist_ext.data import DataParallelSampler  # noqa: E402
+from torchdist_ext.token_data import TokenWindows  # noqa: E402
 from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_modules, fp8_step  # noqa: E402
 from torchdist_ext.lr_schedules import WarmupCosine, WarmupStableDecay, lr_scheduler  # noqa: E402
 from torchdist_ext.parallel import MoE, ParallelDims, shard_sequence  # noqa: E402
@@ -205,7 +206,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "byte-level model), built on the meta device and initialised shard by shard")
     parser.add_argument("--layers", type=positive_int, default=None, help="keep the model's first this many blocks")
     parser.add_argument("--vocab", type=positive_int, default=None,
-                        help="a smaller vocabulary than the model's (at least 256: the built-in corpus is bytes)")
+                        help="a smaller vocabulary than the model's (at least the data's: 256 for the built-in corpus)")
+    parser.add_argument("--data", type=Path, default=None,
+                        help="a token file (examples/prepare_data.py; default: the built-in byte corpus)")
     parser.add_argument("--experts", type=non_negative_int, default=None,
                         help="experts per MoE FFN (0: dense FFNs; default 0, or the --model's)")
     parser.add_argument("--top-k", type=positive_int, default=None, help="experts per token (default 2, or the --model's)")
@@ -244,8 +247,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                              f"{CHECK_TOLERANCE['fp8-vs-fp32']:.0e} against fp32)")
     args = parser.parse_args(argv)
     resolve_experts(parser, args)
-    if args.vocab is not None and args.vocab < 256:
-        parser.error(f"--vocab {args.vocab} must be at least 256: the built-in corpus's tokens are bytes")
+    try:
+        data_vocab = 256 if args.data is None else TokenWindows(args.data, args.seq).vocab_size
+    except ValueError as error:
+        parser.error(f"--data {args.data}: {error}")
+    if model_config(args).vocab_size < data_vocab:
+        parser.error(f"the model's vocabulary ({model_config(args).vocab_size}) must hold the data's: "
+                     f"{'--data ' + str(args.data) if args.data else 'the built-in corpus (bytes)'} has {data_vocab}")
     if args.fp8_all_gather and args.fp8 != "delayed":
         parser.error(f"--fp8-all-gather needs --fp8 delayed (every rank casts its shard with the shared delayed "
                      f"scale), got --fp8 {args.fp8}")
@@ -421,15 +429,17 @@ def gpu_peak_flops(device: torch.device) -> float | None:
     return None
 
 
-def corpus_windows(seq: int) -> torch.Tensor:
-    """The corpus cut into byte windows of ``seq + 1`` (the tokens and their next-byte targets): ``[n, seq + 1]``
-    uint8 (``batches`` widens the rows it reads)."""
+def training_windows(args) -> torch.Tensor | TokenWindows:
+    """The data cut into windows of --seq + 1 tokens (inputs and next-token targets): --data's token file
+    (memory-mapped), or the built-in corpus's bytes ``[n, seq + 1]`` uint8 (``batches`` widens the rows)."""
+    if args.data is not None:
+        return TokenWindows(args.data, args.seq)
     data = torch.frombuffer(bytearray(CORPUS.read_bytes()), dtype=torch.uint8)
-    count = data.numel() // (seq + 1)
-    return data[: count * (seq + 1)].view(count, seq + 1)
+    count = data.numel() // (args.seq + 1)
+    return data[: count * (args.seq + 1)].view(count, args.seq + 1)
 
 
-def batches(windows: torch.Tensor, sampler: DataParallelSampler):
+def batches(windows: torch.Tensor | TokenWindows, sampler: DataParallelSampler):
     """(tokens, target) ``[sampler.batch_size, seq]``: this dp rank's rows of each global batch, epoch after
     epoch (each pass over the sampler reads a new permutation)."""
     while True:
@@ -631,7 +641,7 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
     # Made before a checkpoint's load, whose optimizer state then keeps the base lr (initial_lr).
     schedulers = [lr_scheduler(optimizer, lr_schedule(args)) for optimizer in optimizers]
     batch_group = meshes.batch.get_group()  # the ranks whose losses make the step's mean
-    windows = corpus_windows(args.seq)
+    windows = training_windows(args)
     sampler = DataParallelSampler(len(windows), dp_mesh=meshes.dp, batch_size=args.batch // dims.dp, seed=args.seed)
     first_step = 0
     if args.resume is not None:
@@ -780,7 +790,7 @@ def train_single_process(args, device: torch.device, dims: ParallelDims) -> list
         moe.groups = [group.to(device) for group in expert_token_groups(args, dims)]
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr)
     scheduler = lr_scheduler(optimizer, lr_schedule(args))
-    windows = corpus_windows(args.seq)
+    windows = training_windows(args)
     data = batches(windows, DataParallelSampler(len(windows), batch_size=args.batch, seed=args.seed))
     # Against the same fp8 recipe: each rank's gradients are those of its own tokens' mean loss (FSDP2 then
     # averages them), dp x cp times the whole batch's. Scale the backward alike, so that the gradients' amaxes,

@@ -292,7 +292,7 @@ def test_fp8_histories_resume_with_the_model(tmp_path):
     (("--tp", "1", "--dp-replicate", "2", "--experts", "4", "--ep", "4"),
      "--ep 4 must divide dp x cp = 2 of an HSDP replica and --experts 4"),
     (("--model", "mixtral-8x7b", "--top-k", "1"), "--top-k 1 contradicts --model mixtral-8x7b, whose is 2"),
-    (("--vocab", "255",), "--vocab 255 must be at least 256: the built-in corpus's tokens are bytes"),
+    (("--vocab", "255",), "the model's vocabulary (255) must hold the data's: the built-in corpus (bytes) has 256"),
     (("--model", "llama3.2-1b", "--tp", "3", "--dp", "1", "--cp", "1", "--pp", "1", "--seq", "96"),
      "--dp 1 x --cp 1 x --tp 3 x --pp 1 must equal the world size 4"),
     (("--model", "llama3.2-1b", "--pp", "4", "--tp", "1", "--layers", "6"),
