@@ -198,7 +198,9 @@ std::vector<RankMemory> rank_memory(const ModelSpec& model, const Layout& l) {
   // Model states: dense parameters are replicated over dp x cp x ep ranks, expert parameters over dp x cp:
   // ZeRO shards them, and their gradients are reduced, over those (context-parallel ranks hold the same
   // parameters). ZeRO-3 also holds unsharded parameters (bf16, fp32 in fp32 training), counted as buffers:
-  // two prefetched layers', or with pp the whole stage's, which a pipeline keeps unsharded through the step's
+  // two prefetched layers' and the embedding, final norm and head (FSDP2's root, which it does not reshard
+  // after the forward: they stay gathered until the end of the backward), or with pp the whole stage's,
+  // which a pipeline keeps unsharded through the step's
   // micro-batches (reduce-scattering once, after the stage's last backward: torchdist_ext.pipeline, as
   // torch's pipelining), with their gradients accumulated unsharded in fp32 (FSDP2 with an fp32 reduce_dtype,
   // as Megatron-LM's fp32 main_grad). Those are the gradients at the step's peak: the sharded ones exist only
@@ -226,7 +228,7 @@ std::vector<RankMemory> rank_memory(const ModelSpec& model, const Layout& l) {
     memory.activations = activations.activations.at(static_cast<size_t>(rank));
     memory.backward = activations.backward.at(static_cast<size_t>(rank));
     const double unsharded = unsharded_through_step ? element * (dense + held.experts)
-                                                    : 2 * element * layer_params_gpu;
+                                                    : element * (2 * layer_params_gpu + params.embedding / t);
     memory.buffers = (l.zero_stage == 3 ? unsharded : 0) + kFrameworkReserveBytes;
     ranks.push_back(memory);
   }

@@ -745,7 +745,8 @@ TEST(EstimateParts, RankMemoryIsModelStatesActivationsAndBuffers) {
     EXPECT_DOUBLE_EQ(ranks[r].optimizer, 12 * held[r] / 2) << r;
     EXPECT_DOUBLE_EQ(ranks[r].buffers, 2 * held[r] + kReserve) << r;
   }
-  // ZeRO-3 without pp: everything sharded, two prefetched layers unsharded.
+  // ZeRO-3 without pp: everything sharded; two prefetched layers, the embedding and the head (FSDP2's root)
+  // unsharded.
   l.pp = 1;
   ranks = rank_memory(model, l);
   ASSERT_EQ(ranks.size(), 1u);
@@ -753,7 +754,7 @@ TEST(EstimateParts, RankMemoryIsModelStatesActivationsAndBuffers) {
   EXPECT_DOUBLE_EQ(ranks[0].params, 2 * all / 2);
   EXPECT_DOUBLE_EQ(ranks[0].grads, 2 * all / 2);
   EXPECT_DOUBLE_EQ(ranks[0].optimizer, 12 * all / 2);
-  EXPECT_DOUBLE_EQ(ranks[0].buffers, 2 * 2 * kTinyLayer + kReserve);
+  EXPECT_DOUBLE_EQ(ranks[0].buffers, 2 * (2 * kTinyLayer + kTinyEmbedding + kTinyHead) + kReserve);
   // fp32 training without ZeRO: 4 B parameters, 4 B gradients, 8 B Adam moments.
   l.zero_stage = 0, l.dp = 1, l.precision = Precision::kFp32;
   ranks = rank_memory(model, l);

@@ -79,10 +79,10 @@ def test_matches_single_process(flags):
 def test_a_preset_is_built_shard_by_shard_and_matches_one_process():
     """llama3.2-1b's width (one block, a 16k vocabulary) at dp2 x tp2 (SP): built on the meta device, each rank
     allocates its quarter of the model and nothing more while building (measured: a peak of 122.3 MiB for a
-    122.0 MiB shard of the 488 MiB model), and 2 steps match one process building the whole model alike
-    (measured 1.3e-7)."""
+    122.0 MiB shard of the 488 MiB model), 2 steps match one process building the whole model alike (measured
+    1.3e-7), and the step's peak is within 5 % of the planner's memory per rank (measured 1.01 with two blocks)."""
     output = run_main_job("--model", "llama3.2-1b", "--layers", "1", "--vocab", "16384", "--steps", "2",
-                          "--batch", "4", "--seq", "16")
+                          "--batch", "4", "--seq", "16", "--ledger")
     built = re.search(r"model llama3.2-1b \(1 blocks, vocab 16,384\): 127,932,416 parameters \(([\d,.]+) MiB\); built "
                       r"on the meta device, rank 0 holds ([\d,.]+) MiB of them, peak ([\d,.]+) MiB while building", output)
     assert built, output
@@ -91,6 +91,17 @@ def test_a_preset_is_built_shard_by_shard_and_matches_one_process():
     assert shard == pytest.approx(whole / 4, rel=0.01)
     assert shard <= peak <= 1.05 * shard + 1, output
     assert largest_relative_difference(output) < 1e-4
+    assert 0.95 <= ledger_rows(output)["memory per rank"][2] <= 1.05, output
+
+
+def test_the_planners_memory_at_a_presets_width_across_pipeline_stages():
+    """llama3.2-1b's width (two blocks, a 16k vocabulary) at pp2 x tp2 (SP, 1F1B): each pipeline rank's peak
+    is the planner's for its stage (measured 1.02 and 1.00; between passes 0.99 and 1.00)."""
+    output = run_main_job("--model", "llama3.2-1b", "--layers", "2", "--vocab", "16384", "--steps", "2",
+                          "--batch", "4", "--seq", "32", "--pp", "2", "--microbatches", "2", "--ledger", check=False)
+    rows = ledger_rows(output)
+    for row in ("memory per rank", "between passes", "pp rank 0", "pp rank 1"):
+        assert 0.95 <= rows[row][2] <= 1.05, output
 
 
 def test_bf16_mixed_precision_with_ring_attention_matches_fp32_process():
