@@ -109,13 +109,16 @@ def sharded_attention(method, order, causal):
     return run
 
 
-def run_gradcheck(method, order, q_heads, kv_heads):
+def run_gradcheck(method, order, q_heads, kv_heads, fast_mode=False):
+    """gradcheck of the sharded attention in fp64; ``fast_mode``: against random projections of the Jacobian
+    (torch's fast gradcheck), for the 4-rank hybrid whose every evaluation is a round of collectives."""
     seq = 2 * dist.get_world_size()
     q = draw(1, 1, q_heads, seq, 4, dtype=torch.float64, grad=True)
     k = draw(2, 1, kv_heads, seq, 4, dtype=torch.float64, grad=True)
     v = draw(3, 1, kv_heads, seq, 4, dtype=torch.float64, grad=True)
+    torch.manual_seed(0)  # fast mode's random projections: the same on every rank, as the replicated inputs are
     for causal in (False, True):
-        assert torch.autograd.gradcheck(sharded_attention(method, order, causal), (q, k, v))
+        assert torch.autograd.gradcheck(sharded_attention(method, order, causal), (q, k, v), fast_mode=fast_mode)
     return True
 
 
@@ -127,7 +130,7 @@ def test_gradcheck_fp64(world2, method, order):
 
 
 def test_gradcheck_fp64_hybrid(world4):
-    assert all(world4.run(run_gradcheck, "hybrid", "zigzag", 2, 1))
+    assert all(world4.run(run_gradcheck, "hybrid", "zigzag", 2, 1, fast_mode=True))
 
 
 def run_opcheck():

@@ -20,6 +20,7 @@ import ctypes
 import functools
 import multiprocessing
 import multiprocessing.connection
+import multiprocessing.forkserver
 import os
 import runpy
 import signal
@@ -54,8 +55,17 @@ def preloaded_context() -> multiprocessing.context.BaseContext:
 def detach_from_parent_fate() -> None:
     """Makes the calling process the leader of its own process group (so that ending it can kill everything
     it started) and, on Linux, makes it die when its parent dies (the fork server, which ends with the
-    process that started it)."""
+    process that started it).
+
+    The fork server ends when the last holder of its "alive" pipe's write end does; multiprocessing hands
+    that end to every process it forks, so the ranks would keep the server, and the server the ranks, alive
+    after their starter died. A rank closes its copy (it starts no forkserver processes of its own)."""
     os.setpgid(0, 0)
+    server = getattr(multiprocessing.forkserver, "_forkserver", None)
+    alive_fd = getattr(server, "_forkserver_alive_fd", None)
+    if alive_fd is not None and multiprocessing.parent_process() is not None:
+        os.close(alive_fd)
+        server._forkserver_alive_fd = None
     if sys.platform.startswith("linux"):
         ctypes.CDLL(None, use_errno=True).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
 
