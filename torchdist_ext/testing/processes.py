@@ -2,9 +2,8 @@
 
 Importing torch and torchdist_ext takes seconds of CPU per process; a test that starts four ranks pays it four
 times, on a two-core machine more than the test itself. ``preloaded_context()`` is a ``multiprocessing``
-context whose processes are forks of a server that imported them once (``forkserver``, preloaded). The
-persistent worlds start their ranks from it, and ``run_script`` runs a script on N ranks as ``torchrun
---standalone`` would::
+context whose processes are forks of a server that imported them once (``forkserver``, preloaded), and
+``run_script`` runs a script on N such ranks as ``torchrun --standalone`` would::
 
     result = run_script("examples/train_llama.py", ["--steps", "3"], nproc=4, timeout=600)
     assert result.returncode == 0, result.output
@@ -54,8 +53,8 @@ def preloaded_context() -> multiprocessing.context.BaseContext:
 
 def detach_from_parent_fate() -> None:
     """Makes the calling process the leader of its own process group (so that ending it can kill everything
-    it started) and, on Linux, makes it die when its parent dies (the fork server, which ends with the
-    process that started it).
+    it started) and, on Linux, makes it die when its parent dies (for a fork server's process, the server,
+    which ends with the process that started it).
 
     The fork server ends when the last holder of its "alive" pipe's write end does; multiprocessing hands
     that end to every process it forks, so the ranks would keep the server, and the server the ranks, alive

@@ -4,13 +4,8 @@ Enable them in a ``conftest.py`` with::
 
     pytest_plugins = ["torchdist_ext.testing.pytest_fixtures"]
 
-A world is started the first time a test asks for it and reused by the later tests of
-the same module; one that was shut down by a failure is replaced by a fresh one. At the
-end of each module the worlds are closed: a rank that has run many modules' tests holds
-their objects (compiled graphs, caches), and every ``gc.collect()`` of a later test walks
-them all (a module of memory measurements ran 4x slower at the end of the suite than
-alone). Its ranks being forks of a server that imported torch, a new world starts in
-about a second.
+A world is started the first time a test asks for it and reused by every later
+test; one that was shut down by a failure is replaced by a fresh one.
 """
 
 import pytest
@@ -38,16 +33,10 @@ class WorldPool:
 
 
 @pytest.fixture(scope="session")
-def _session_world_pool():
+def world_pool():
     pool = WorldPool()
     yield pool
     pool.close()
-
-
-@pytest.fixture(scope="module")
-def world_pool(_session_world_pool):
-    yield _session_world_pool
-    _session_world_pool.close()
 
 
 @pytest.fixture

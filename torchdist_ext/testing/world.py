@@ -1,5 +1,5 @@
 """Persistent worlds: a set of worker processes with torch.distributed initialised that run many tests, so that
-starting processes and initialising a group is paid once per world, not per test::
+starting processes and importing torch (seconds on a small machine) is paid once per world, not per test::
 
     with spawn_world(4) as world:
         results = world.run(my_test_fn, 3, scale=0.5)   # one result per rank
@@ -22,7 +22,7 @@ import traceback
 from datetime import timedelta
 from typing import Any, Callable
 
-from torchdist_ext.testing.processes import detach_from_parent_fate, preloaded_context
+from torchdist_ext.testing.processes import detach_from_parent_fate
 
 __all__ = ["World", "WorldError", "WorldTimeoutError", "spawn_world"]
 
@@ -119,8 +119,10 @@ class World:
             ``torchdist_ext.ledger.backend(...)`` counts every group's communication.
 
     Each rank runs in a process group of its own, which shutting the world down kills whole (the processes the
-    rank started too). Ranks are forks of ``preloaded_context()``'s server (torch imported once); on Linux a
-    rank dies with that server, which ends with the process that started the world.
+    rank started too); on Linux a rank also dies with the thread that started the world (the parent-death
+    signal follows the creating thread). Ranks are spawned, not forked from the preloaded server of
+    ``torchdist_ext.testing.processes``: a world's ranks live through many tests, and a rank forked from that
+    server once aborted in glibc's free() (``munmap_chunk(): invalid pointer``) in a fresh-clone CI run.
     """
 
     def __init__(self, world_size: int, *, timeout: float = 120.0, threads_per_rank: int = 1,
@@ -132,7 +134,7 @@ class World:
         self.world_size = world_size
         self.timeout = float(timeout)
         self._tmpdir = tempfile.TemporaryDirectory(prefix="tdx_world_")
-        context = preloaded_context()
+        context = multiprocessing.get_context("spawn")
         self._conns = []
         self._procs = []
         init_file = os.path.join(self._tmpdir.name, "rendezvous")
