@@ -77,12 +77,20 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor) -> Tensor:
-    return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    """Causal attention of q ``[batch, heads, seq, head_dim]`` over k, v ``[batch, kv_heads, seq, head_dim]``;
+    with ``document_ids`` ``[batch, seq]`` a query sees only the keys of its own document."""
+    if document_ids is None:
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
+    seq = q.shape[2]
+    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    same_document = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)  # [batch, seq (query), seq (key)]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=(same_document & causal).unsqueeze(1), enable_gqa=True)
 
 
 class Attention(nn.Module):
-    """Grouped-query causal attention; ``attend`` maps q, k, v ``[batch, heads, seq, head_dim]`` to the output."""
+    """Grouped-query causal attention; ``attend`` maps q, k, v ``[batch, heads, seq, head_dim]`` (and the
+    tokens' ``document_ids`` ``[batch, seq]``, when given, as a keyword) to the output."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -93,12 +101,13 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attend: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
         # Under tensor parallelism q/k/v hold this rank's heads; under context parallelism this
-        # rank's tokens, whose positions cos/sin already follow.
+        # rank's tokens, whose positions cos/sin (and documents) already follow.
         q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        return self.wo(self.attend(q, k, v).transpose(1, 2).flatten(-2))
+        out = self.attend(q, k, v) if document_ids is None else self.attend(q, k, v, document_ids=document_ids)
+        return self.wo(out.transpose(1, 2).flatten(-2))
 
 
 class FeedForward(nn.Module):
@@ -180,8 +189,8 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MixtureOfExperts(cfg) if cfg.num_experts else FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -193,7 +202,8 @@ class Llama(nn.Module):
     """tokens ``[batch, seq]`` -> mean next-token loss against ``target`` ``[batch, seq]``.
 
     ``positions`` ``[seq]`` are the tokens' positions in the full sequence (default
-    ``0..seq-1``); a context-parallel rank passes those of its shard.
+    ``0..seq-1``); a context-parallel rank passes those of its shard. ``document_ids`` ``[batch, seq]`` (the
+    documents packed in each row, sharded as the tokens): attention stays within a document.
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -209,13 +219,14 @@ class Llama(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens: Tensor, target: Tensor, positions: Tensor | None = None) -> Tensor:
+    def forward(self, tokens: Tensor, target: Tensor, positions: Tensor | None = None,
+                document_ids: Tensor | None = None) -> Tensor:
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin)
+            h = layer(h, cos, sin, document_ids)
         return self.loss_fn(self.output(self.norm(h)), target)
 
 
@@ -227,7 +238,8 @@ class LlamaStage(nn.Module):
     forward: tokens ``[batch, seq]`` (first stage) or the hidden states ``[batch, seq, dim]`` (sharded as
     the blocks pass them on) -> the hidden states, or the logits ``[batch, seq, vocab]`` on the last stage.
     ``positions`` ``[seq]``: the RoPE positions of the step's tokens (set before each step, as for
-    ``Llama.forward``); ``loss_fn(logits, target)`` is the model's.
+    ``Llama.forward``); ``document_ids`` ``[batch, seq]``: the micro-batch's documents (the pipeline's
+    ``stage_inputs``); ``loss_fn(logits, target)`` is the model's.
     """
 
     def __init__(self, model: Llama, layers: range, *, first: bool, last: bool):
@@ -241,14 +253,14 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.positions: Tensor | None = None
 
-    def forward(self, x: Tensor) -> Tensor:
+    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
         if self.positions is None:
             raise ValueError("LlamaStage.positions must be set to the step's RoPE positions before the forward")
         cos, sin = self.rope_cos[self.positions], self.rope_sin[self.positions]
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
         for layer in self.layers.values():
-            x = layer(x, cos, sin)
+            x = layer(x, cos, sin, document_ids)
         return x if self.output is None else self.output(self.norm(x))
 
 

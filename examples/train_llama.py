@@ -208,7 +208,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab", type=positive_int, default=None,
                         help="a smaller vocabulary than the model's (at least the data's: 256 for the built-in corpus)")
     parser.add_argument("--data", type=Path, default=None,
-                        help="a token file (examples/prepare_data.py; default: the built-in byte corpus)")
+                        help="a token file (examples/prepare_data.py), its documents kept apart by attention (default: "
+                             "the built-in byte corpus)")
     parser.add_argument("--experts", type=non_negative_int, default=None,
                         help="experts per MoE FFN (0: dense FFNs; default 0, or the --model's)")
     parser.add_argument("--top-k", type=positive_int, default=None, help="experts per token (default 2, or the --model's)")
@@ -440,12 +441,14 @@ def training_windows(args) -> torch.Tensor | TokenWindows:
 
 
 def batches(windows: torch.Tensor | TokenWindows, sampler: DataParallelSampler):
-    """(tokens, target) ``[sampler.batch_size, seq]``: this dp rank's rows of each global batch, epoch after
-    epoch (each pass over the sampler reads a new permutation)."""
+    """(tokens, target, document_ids) ``[sampler.batch_size, seq]``: this dp rank's rows of each global batch,
+    epoch after epoch (each pass over the sampler reads a new permutation). ``document_ids`` (a token file's
+    documents packed in each row, which attention keeps apart) is None for the built-in corpus."""
     while True:
         for rows in torch.tensor(list(sampler), dtype=torch.long).split(sampler.batch_size):
             window = windows[rows].long()
-            yield window[:, :-1].contiguous(), window[:, 1:].contiguous()
+            documents = windows.document_ids(window)[:, :-1].contiguous() if isinstance(windows, TokenWindows) else None
+            yield window[:, :-1].contiguous(), window[:, 1:].contiguous(), documents
 
 
 def build_model(args) -> Llama:
@@ -585,14 +588,15 @@ def parallel_dims(args, world_size: int) -> ParallelDims:
 
 
 def accumulate_gradients(model, tokens: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
-                         micro_steps: int) -> torch.Tensor:
+                         documents: torch.Tensor | None, micro_steps: int) -> torch.Tensor:
     """Forward and backward of this rank's rows in ``micro_steps`` equal parts, each loss weighed 1/micro_steps;
     FSDP2 reduces the accumulated gradients once, in the last backward (``set_requires_gradient_sync``, its
     own accumulation API: no manual ``no_sync``). Returns the mean loss."""
     total = torch.zeros((), device=tokens.device)
-    for index, (rows, targets) in enumerate(zip(tokens.chunk(micro_steps), target.chunk(micro_steps))):
+    parts = documents.chunk(micro_steps) if documents is not None else [None] * micro_steps
+    for index, (rows, targets, part) in enumerate(zip(tokens.chunk(micro_steps), target.chunk(micro_steps), parts)):
         model.set_requires_gradient_sync(index == micro_steps - 1)
-        loss = model(rows, targets, positions) / micro_steps
+        loss = model(rows, targets, positions, part) / micro_steps
         loss.backward()
         total += loss.detach().float()
     return total
@@ -673,15 +677,16 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
         if probe is not None:
             probe.start(step)
         start = time.perf_counter()
-        tokens, target = (t.to(device) for t in next(data))
+        tokens, target, documents = (t if t is None else t.to(device) for t in next(data))
         if meshes.cp is not None:
-            tokens, target = (shard_sequence(t, cp_mesh=meshes.cp, dim=1, order="zigzag") for t in (tokens, target))
+            tokens, target, documents = (t if t is None else shard_sequence(t, cp_mesh=meshes.cp, dim=1, order="zigzag")
+                                         for t in (tokens, target, documents))
         if pipe is None:
-            loss = accumulate_gradients(model, tokens, target, positions, args.grad_accum)
+            loss = accumulate_gradients(model, tokens, target, positions, documents, args.grad_accum)
         else:
             for stage in pipe.stages.values():
                 stage.positions = positions
-            loss = pipe.step(tokens, target)
+            loss = pipe.step(tokens, target, None if documents is None else {"document_ids": documents})
         # The norm of the whole model's gradient (every mesh, every stage), as one process would clip.
         grad_norm = clip_grad_norm_(parts, args.max_grad_norm, pp_mesh=meshes.pp)
         lr = optimizers[0].param_groups[0]["lr"]
@@ -798,8 +803,8 @@ def train_single_process(args, device: torch.device, dims: ParallelDims) -> list
     grad_scale = dims.dp * dims.cp if args.fp8 and args.check_reference == "same" else 1
     losses = []
     for _ in range(args.steps):
-        tokens, target = next(data)
-        loss = model(tokens.to(device), target.to(device))
+        tokens, target, documents = (t if t is None else t.to(device) for t in next(data))
+        loss = model(tokens, target, document_ids=documents)
         ((loss + sum(moe.auxiliary for moe in experts)) * grad_scale).backward()
         if grad_scale != 1:
             for param in model.parameters():
