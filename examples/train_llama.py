@@ -768,7 +768,8 @@ def report_build(args, parts: list[torch.nn.Module], device: torch.device, befor
     local = sum((p.to_local() if isinstance(p, DTensor) else p).nbytes for part in parts for p in part.parameters())
     peak = step_peak_memory(device)
     element = next(p for part in parts for p in part.parameters()).element_size()
-    print(f"model {args.model or 'byte-level'} ({model_config(args).num_layers} blocks, vocab "
+    blocks = model_config(args).num_layers
+    print(f"model {args.model or 'byte-level'} ({blocks} block{'s' if blocks != 1 else ''}, vocab "
           f"{model_config(args).vocab_size:,}): {whole:,} parameters ({whole * element / 2**20:,.1f} MiB); built "
           f"on the meta device, rank 0 holds {local / 2**20:,.1f} MiB of them"
           f"{'' if peak is None or before is None else f', peak {(peak - before) / 2**20:,.1f} MiB while building'}",

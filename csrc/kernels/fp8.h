@@ -14,13 +14,9 @@
 
 #include "kernels/cpu/isa.h"
 #include "kernels/dtype.h"
+#include "kernels/host_device.h"
 #include "kernels/launch.h"
 
-#if defined(__CUDACC__)
-#define TDX_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define TDX_HOST_DEVICE inline
-#endif
 
 namespace tdx::kernels {
 
@@ -124,5 +120,3 @@ struct Fp8Kernels {
 };
 
 }  // namespace tdx::kernels
-
-#undef TDX_HOST_DEVICE

@@ -20,6 +20,7 @@
 #include "kernels/attention.h"
 #include "kernels/cross_entropy.h"
 #include "kernels/fp8.h"
+#include "kernels/init.h"
 #include "kernels/moe.h"
 
 namespace tdx::test {
@@ -650,6 +651,47 @@ inline void check_fp8_cast_transpose_amax(const kernels::Fp8Kernels& table, Elem
           for (int64_t r = shape.rows; r < shape.ld_t; ++r) EXPECT_EQ(out_t[c * shape.ld_t + r], 0xAA) << "padding";
         }
         for (int64_t item = 0; item < items; ++item) EXPECT_TRUE(close(amax[item], want_amax[item], 0)) << item;
+      }
+    }
+  }
+}
+
+// trunc_normal: each element of a block is the whole tensor's element at the same position (a function of
+// its whole-tensor index alone), within [a, b], stored as the nearest value of the element type; blocks cut
+// at any offsets of a 3-D tensor, in every element type, launched in two parts.
+inline void check_trunc_normal(const kernels::InitKernels& table, ElementType type) {
+  SCOPED_TRACE(type_name(type));
+  const int64_t whole[3] = {3, 5, 37};
+  const float mean = 0.5f, std = 2.0f, a = -1.0f, b = 3.0f;
+  const double low = 0.5 * std::erfc(-((a - mean) / std) / std::sqrt(2.0));
+  const double high = 0.5 * std::erfc(-((b - mean) / std) / std::sqrt(2.0));
+  const uint64_t stream = kernels::counter_stream(7, 11);
+  for (const auto& [offsets, sizes] : std::vector<std::pair<std::vector<int64_t>, std::vector<int64_t>>>{
+           {{0, 0, 0}, {3, 5, 37}}, {{1, 2, 3}, {2, 3, 33}}, {{2, 4, 36}, {1, 1, 1}}}) {
+    kernels::TruncNormalArgs args{};
+    args.type = type;
+    args.ndim = 3;
+    for (int d = 0; d < 3; ++d) args.sizes[d] = sizes[d], args.offsets[d] = offsets[d];
+    args.strides[2] = 1, args.strides[1] = whole[2], args.strides[0] = whole[1] * whole[2];
+    args.rows = sizes[0] * sizes[1];
+    args.cols = sizes[2];
+    args.stream = stream;
+    args.mean = mean, args.std = std, args.a = a, args.b = b;
+    args.low = static_cast<float>(low), args.high = static_cast<float>(high);
+    Elements out(type, std::vector<double>(static_cast<size_t>(args.rows * args.cols), 0.0));
+    args.out = out.data();
+    table.trunc_normal(args, kernels::Launch{0, args.rows / 2, nullptr});
+    table.trunc_normal(args, kernels::Launch{args.rows / 2, args.rows, nullptr});
+    for (int64_t i = 0; i < sizes[0]; ++i) {
+      for (int64_t j = 0; j < sizes[1]; ++j) {
+        for (int64_t k = 0; k < sizes[2]; ++k) {
+          const int64_t index = (offsets[0] + i) * args.strides[0] + (offsets[1] + j) * args.strides[1] + offsets[2] + k;
+          const float value = kernels::counter_trunc_normal(stream, static_cast<uint64_t>(index), mean, std, a, b,
+                                                            args.low, args.high);
+          const double got = out.get(static_cast<size_t>((i * sizes[1] + j) * sizes[2] + k));
+          EXPECT_EQ(got, Elements(type, {value}).get(0)) << i << ", " << j << ", " << k;
+          EXPECT_TRUE(got >= a && got <= b) << got;
+        }
       }
     }
   }

@@ -83,7 +83,7 @@ def test_a_preset_is_built_shard_by_shard_and_matches_one_process():
     1.3e-7), and the step's peak is within 5 % of the planner's memory per rank (measured 1.01 with two blocks)."""
     output = run_main_job("--model", "llama3.2-1b", "--layers", "1", "--vocab", "16384", "--steps", "2",
                           "--batch", "4", "--seq", "16", "--ledger")
-    built = re.search(r"model llama3.2-1b \(1 blocks, vocab 16,384\): 127,932,416 parameters \(([\d,.]+) MiB\); built "
+    built = re.search(r"model llama3.2-1b \(1 block, vocab 16,384\): 127,932,416 parameters \(([\d,.]+) MiB\); built "
                       r"on the meta device, rank 0 holds ([\d,.]+) MiB of them, peak ([\d,.]+) MiB while building", output)
     assert built, output
     whole, shard, peak = (float(value.replace(",", "")) for value in built.groups())

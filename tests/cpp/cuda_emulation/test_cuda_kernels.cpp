@@ -20,11 +20,13 @@
 #include "kernels/cuda/attention.cu"
 #include "kernels/cuda/cross_entropy.cu"
 #include "kernels/cuda/fp8.cu"
+#include "kernels/cuda/init.cu"
 #include "kernels/cuda/moe.cu"
 
 using tdx::kernels::AttentionKernels;
 using tdx::kernels::CrossEntropyKernels;
 using tdx::kernels::Fp8Kernels;
+using tdx::kernels::InitKernels;
 using tdx::kernels::MoeKernels;
 using tdx::kernels::ElementType;
 namespace gpu = tdx::kernels::cuda;
@@ -191,4 +193,8 @@ TEST(CudaFp8Cast, CastsAMatrixInBothLayoutsAndFindsTheAmaxOfEveryTile) {
   for (const auto type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
     tdx::test::check_fp8_cast_transpose_amax(Fp8Kernels::cuda(), type);
   }
+}
+
+TEST(CudaTruncNormal, FillsEachBlockWithTheWholeTensorsValuesInEveryElementType) {
+  for (const auto type : tdx::test::kAllTypes) tdx::test::check_trunc_normal(InitKernels::cuda(), type);
 }
