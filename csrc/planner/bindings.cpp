@@ -75,7 +75,12 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("memory_bytes", &GpuSpec::memory_bytes)
       .def_readwrite("bf16_flops", &GpuSpec::bf16_flops)
       .def_readwrite("nvlink_bytes_per_s", &GpuSpec::nvlink_bytes_per_s)
-      .def_readwrite("internode_bytes_per_s", &GpuSpec::internode_bytes_per_s);
+      .def_readwrite("internode_bytes_per_s", &GpuSpec::internode_bytes_per_s)
+      .def_readwrite("hbm_bytes_per_s", &GpuSpec::hbm_bytes_per_s)
+      .def_readwrite("fp8_flops", &GpuSpec::fp8_flops)
+      .def_readwrite("gemm_efficiency", &GpuSpec::gemm_efficiency)
+      .def_readwrite("fp8_gemm_efficiency", &GpuSpec::fp8_gemm_efficiency)
+      .def_readwrite("attention_efficiency", &GpuSpec::attention_efficiency);
 
   py::class_<ClusterSpec>(m, "ClusterSpec")
       .def(py::init<>())
@@ -103,6 +108,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("seq_len", &Layout::seq_len)
       .def_readwrite("fp8_amax_history", &Layout::fp8_amax_history)
       .def_readwrite("fp8_attention", &Layout::fp8_attention)
+      .def_readwrite("compiled", &Layout::compiled)
       .def("validate", &Layout::validate);
   def_option(layout, "recompute", &Layout::recompute);
   def_option(layout, "schedule", &Layout::schedule);
@@ -199,6 +205,19 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("backward", &RankMemory::backward)
       .def_readonly("buffers", &RankMemory::buffers)
       .def("total", &RankMemory::total);
+  py::class_<ComputeTime>(m, "ComputeTime")
+      .def_readonly("seconds", &ComputeTime::seconds)
+      .def_readonly("gemm_seconds", &ComputeTime::gemm_seconds)
+      .def_readonly("attention_seconds", &ComputeTime::attention_seconds)
+      .def_readonly("memory_seconds", &ComputeTime::memory_seconds)
+      .def_readonly("optimizer_seconds", &ComputeTime::optimizer_seconds);
+  m.def("compute_time", &compute_time);
+  m.def(
+      "gemm_seconds",
+      [](double m_, double n, double k, const GpuSpec& gpu, const std::string& precision) {
+        return gemm_seconds(m_, n, k, gpu, parse_option<Precision>(precision));
+      },
+      py::arg("m"), py::arg("n"), py::arg("k"), py::arg("gpu"), py::arg("precision"));
   py::class_<Estimate>(m, "Estimate")
       .def_readonly("params", &Estimate::params)
       .def_readonly("grads", &Estimate::grads)
@@ -212,7 +231,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("params_per_gpu", &Estimate::params_per_gpu)
       .def_readonly("tokens_per_step", &Estimate::tokens_per_step)
       .def_readonly("model_flops_per_step", &Estimate::model_flops_per_step)
-      .def_readonly("compute_seconds", &Estimate::compute_seconds)
+      .def_readonly("compute", &Estimate::compute)
       .def_readonly("bubble", &Estimate::bubble)
       .def_readonly("comm", &Estimate::comm)
       .def_readonly("step_seconds", &Estimate::step_seconds)
@@ -230,5 +249,5 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("message", &Finding::message);
   m.def("check", &check);
   m.def("search", &search, py::arg("model"), py::arg("cluster"), py::arg("seq_len"), py::arg("global_batch"),
-        py::arg("top"), py::arg("expert_imbalance") = 1.0);
+        py::arg("top"), py::arg("expert_imbalance") = 1.0, py::arg("compiled") = false);
 }

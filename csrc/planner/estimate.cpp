@@ -10,17 +10,11 @@ namespace tdx::planner {
 namespace {
 
 // Assumptions (each a single constant so that it is easy to find and change):
-// Large GEMMs and attention kernels reach this share of the dense peak.
-constexpr double kKernelEfficiency = 0.7;
 // NCCL ring collectives reach this share of the link bandwidth (commonly quoted as 70-85%).
 constexpr double kLinkEfficiency = 0.8;
 // CUDA context, NCCL buffers, library workspaces (cuBLAS: 32 MiB per handle and stream on Hopper) and allocator
 // fragmentation per GPU.
 constexpr double kFrameworkReserveBytes = 2.0 * (1ull << 30);
-// fp8 GEMMs run at twice the bf16 rate; attention and the rest stay in bf16.
-constexpr double kFp8GemmSpeedup = 2.0;
-// fp32 GEMMs run as TF32, at half the dense bf16 rate (A100, H100, B200).
-constexpr double kFp32GemmSpeedup = 0.5;
 
 double link_bandwidth(const ClusterSpec& cluster, bool intra) {
   double slowest = 0;
@@ -237,11 +231,8 @@ std::vector<RankMemory> rank_memory(const ModelSpec& model, const Layout& l) {
 
 StepFlops step_flops(const ModelSpec& model, const Layout& l) {
   // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
-  // half of the score matrix, forward + backward). Recomputation adds forward work: full the blocks' whole
-  // forward (2 N per token, N the blocks' active parameters: not the embedding, head and final norm outside
-  // the checkpointed blocks, nor the MoE layers' routers and experts where recompute does not reach them)
-  // and the attention's (a third of it); selective keeps the GEMMs' and the attention's outputs and reruns
-  // only element-wise work (no FLOPs counted).
+  // half of the score matrix, forward + backward). The model's work, not the hardware's: recomputation,
+  // a flash backward's rerun of the scores and a skewed ep rank's extra rows are compute_time()'s.
   const ParamCount params = count_params(model);
   const double s = static_cast<double>(l.seq_len), h = static_cast<double>(model.hidden);
   const double layers = static_cast<double>(model.num_layers);
@@ -249,29 +240,7 @@ StepFlops step_flops(const ModelSpec& model, const Layout& l) {
   flops.tokens = static_cast<double>(l.sequences_per_step()) * s;
   flops.gemm = 6 * params.active * flops.tokens;
   flops.attention = 6 * layers * s * h * flops.tokens;
-  if (l.recompute == Recompute::kFull) {
-    const double recomputed = params.active - params.embedding - (l.recompute_experts ? 0 : params.moe_active);
-    flops.recompute_gemm = 2 * recomputed * flops.tokens;
-    flops.recompute_attention = flops.attention / 3;
-  }
-  // The ep rank whose experts get the most rows runs expert_imbalance times the mean of the routed GEMMs
-  // (forward, backward and any rerun), and the step waits for it.
-  flops.routed_excess = (l.expert_imbalance - 1) * 6 * params.routed_active * flops.tokens *
-                        (experts_recomputed(l) ? 4.0 / 3.0 : 1.0);
   return flops;
-}
-
-ComputeTime compute_time(const StepFlops& flops, const ClusterSpec& cluster, const Layout& l) {
-  const double gemm_speed = uses_fp8_gemms(l.precision)         ? kFp8GemmSpeedup
-                            : l.precision == Precision::kFp32   ? kFp32GemmSpeedup
-                                                                : 1.0;
-  const double gpus = static_cast<double>(l.world_size());
-  const double rate = cluster.min_bf16_flops() * kKernelEfficiency;
-  ComputeTime time;
-  time.attention_seconds = (flops.attention + flops.recompute_attention) / gpus / rate;
-  time.seconds = (flops.gemm + flops.recompute_gemm + flops.routed_excess) / gemm_speed / gpus / rate +
-                 time.attention_seconds;
-  return time;
 }
 
 // Communication per GPU per step, ring algorithms: all-reduce 2(n-1)/n X, all-gather and
@@ -435,8 +404,8 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   const StepFlops flops = step_flops(model, l);
   e.tokens_per_step = flops.tokens;
   e.model_flops_per_step = flops.model();
-  const ComputeTime compute = compute_time(flops, cluster, l);
-  e.compute_seconds = compute.seconds;
+  const ComputeTime compute = compute_time(model, cluster, l);
+  e.compute = compute;
   e.bubble = l.pp > 1 ? bubble_fraction(l.pp, l.num_microbatches, l.schedule, l.virtual_stages) : 0.0;
 
   // Communication: each axis's bytes at its link's bandwidth, less what hides behind compute.
@@ -457,7 +426,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   }
   if (l.ep > 1) add("ep", ep_bytes(model, l), 0.0);
   const double dp = dp_bytes(model, l);
-  const double hidden_behind = l.zero_stage == 3 ? e.compute_seconds : e.compute_seconds * 2 / 3;
+  const double hidden_behind = l.zero_stage == 3 ? compute.seconds : compute.seconds * 2 / 3;
   if (dp > 0) add("dp", dp, hidden_behind);
   // The replicas' all-reduce follows the reduce-scatter: it hides behind what compute dp leaves uncovered.
   const double dp_seconds = dp > 0 ? e.comm["dp"].seconds : 0.0;
@@ -466,9 +435,16 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
 
   double exposed = 0;
   for (const auto& [axis, comm] : e.comm) exposed += comm.exposed_seconds;
-  e.step_seconds = e.compute_seconds / (1.0 - e.bubble) + exposed;
+  e.step_seconds = compute.seconds / (1.0 - e.bubble) + exposed;
   const double gpus = static_cast<double>(l.world_size());
-  e.mfu = e.model_flops_per_step / (e.step_seconds * gpus * cluster.min_bf16_flops());
+  // Against the peak of the units that run each FLOP: the GEMMs' precision's (fp8, TF32 at half the bf16
+  // peak, bf16) and bf16 for the attention, so that fp8 runs are not over 100 %.
+  const GpuSpec& gpu = cluster.slowest_gpu();
+  const double gemm_peak = uses_fp8_gemms(l.precision)       ? gpu.fp8_flops
+                           : l.precision == Precision::kFp32 ? gpu.bf16_flops / 2
+                                                             : gpu.bf16_flops;
+  const double ideal_seconds = (flops.gemm / gemm_peak + flops.attention / gpu.bf16_flops) / gpus;
+  e.mfu = ideal_seconds / e.step_seconds;
   return e;
 }
 

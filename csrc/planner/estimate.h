@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "planner/compute.h"
 #include "planner/specs.h"
 
 namespace tdx::planner {
@@ -43,7 +44,7 @@ struct Estimate {
   double params_per_gpu = 0;     // parameters held on the rank holding the most (before ZeRO sharding)
   double tokens_per_step = 0;
   double model_flops_per_step = 0;  // 6 N_active D + causal attention, without recomputation
-  double compute_seconds = 0;       // busy time of one GPU, with recomputation
+  ComputeTime compute;              // busy time of one GPU (with recomputation) and its parts
   double bubble = 0;                // idle fraction of the pipeline
   std::map<std::string, AxisComm> comm;  // tp, cp, ep, dp, pp (axes of size > 1)
   double step_seconds = 0;
@@ -90,20 +91,9 @@ struct StepFlops {
   double tokens = 0;               // tokens per step (a count, not FLOPs)
   double gemm = 0;                 // 6 N_active per token
   double attention = 0;            // causal attention, 6 L s h per token
-  double recompute_gemm = 0;       // full recomputation's rerun of the blocks' GEMMs
-  double recompute_attention = 0;  // full recomputation's rerun of the attention
-  double routed_excess = 0;        // what the busiest ep rank's routed GEMMs add over the mean (expert_imbalance)
-  double model() const { return gemm + attention; }  // Estimate::model_flops_per_step: without recomputation
+  double model() const { return gemm + attention; }  // Estimate::model_flops_per_step
 };
 StepFlops step_flops(const ModelSpec& model, const Layout& layout);
-
-// Busy time of one GPU per step, seconds, with recomputation, at the slowest GPU's peak (GEMMs faster in fp8,
-// slower in fp32) times the kernels' efficiency.
-struct ComputeTime {
-  double seconds = 0;            // Estimate::compute_seconds
-  double attention_seconds = 0;  // of it, the attention's (what hides the cp ring)
-};
-ComputeTime compute_time(const StepFlops& flops, const ClusterSpec& cluster, const Layout& layout);
 
 // Bytes one GPU (of the busiest pipeline rank) sends per step over each parallel axis: Estimate::comm's bytes.
 // 0 where the axis has size 1.

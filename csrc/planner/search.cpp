@@ -35,7 +35,8 @@ std::vector<long> power_of_two_divisors(long n, long limit) {
 // size, so the search is bounded: tp a power of two within a domain, pp a divisor of the
 // layers, cp a power of two up to 16, ep a divisor of the experts; dp takes the rest.
 std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const ClusterSpec& cluster, long seq_len,
-                                                long global_batch, long top, double expert_imbalance) {
+                                                long global_batch, long top, double expert_imbalance,
+                                                bool compiled) {
   model.validate();
   cluster.validate();
   if (seq_len < 1) throw std::invalid_argument("seq_len must be positive");
@@ -75,6 +76,7 @@ std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const Cl
                   l.virtual_stages = virtual_stages;
                   l.seq_len = seq_len;
                   l.expert_imbalance = std::min(expert_imbalance, static_cast<double>(ep));
+                  l.compiled = compiled;
                   const Estimate e = estimate(model, cluster, l);
                   if (!e.fits()) continue;
                   const auto findings = check(model, cluster, l);

@@ -14,8 +14,10 @@ namespace tdx::planner {
 // ZeRO 1 and 3; recompute none / selective / full; micro-batch 1, 2, 4; sequence parallelism when
 // tp > 1; 1f1b or interleaved (2 virtual stages) when pp > 1. The global batch (sequences) fixes
 // the number of micro-batches. Layouts with experts are priced at the given routing imbalance
-// (Layout::expert_imbalance, at most ep: with ep ranks the busiest can hold every row).
+// (Layout::expert_imbalance, at most ep: with ep ranks the busiest can hold every row); every layout is
+// eager or every one compiled (Layout::compiled).
 std::vector<std::pair<Layout, Estimate>> search(const ModelSpec& model, const ClusterSpec& cluster, long seq_len,
-                                                long global_batch, long top, double expert_imbalance = 1.0);
+                                                long global_batch, long top, double expert_imbalance = 1.0,
+                                                bool compiled = false);
 
 }  // namespace tdx::planner

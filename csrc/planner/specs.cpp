@@ -90,6 +90,16 @@ void GpuSpec::validate() const {
   require_positive(("GpuSpec(" + name + ").bf16_flops").c_str(), bf16_flops);
   require_positive(("GpuSpec(" + name + ").nvlink_bytes_per_s").c_str(), nvlink_bytes_per_s);
   require_positive(("GpuSpec(" + name + ").internode_bytes_per_s").c_str(), internode_bytes_per_s);
+  require_positive(("GpuSpec(" + name + ").hbm_bytes_per_s").c_str(), hbm_bytes_per_s);
+  if (!(fp8_flops >= 0)) invalid("GpuSpec(" + name + ").fp8_flops must be >= 0 (0: no fp8), got " + str(fp8_flops));
+  auto share = [&](const char* field, double value) {
+    if (!(value > 0 && value <= 1)) {
+      invalid("GpuSpec(" + name + ")." + field + " must lie in (0, 1], got " + str(value));
+    }
+  };
+  share("gemm_efficiency", gemm_efficiency);
+  share("attention_efficiency", attention_efficiency);
+  if (fp8_flops > 0) share("fp8_gemm_efficiency", fp8_gemm_efficiency);
 }
 
 int64_t ClusterSpec::num_gpus() const {
@@ -116,6 +126,12 @@ double ClusterSpec::min_bf16_flops() const {
   double least = groups.at(0).first.bf16_flops;
   for (const auto& group : groups) least = std::min(least, group.first.bf16_flops);
   return least;
+}
+
+const GpuSpec& ClusterSpec::slowest_gpu() const {
+  const GpuSpec* slowest = &groups.at(0).first;
+  for (const auto& group : groups) slowest = group.first.bf16_flops < slowest->bf16_flops ? &group.first : slowest;
+  return *slowest;
 }
 
 bool ClusterSpec::one_gpu_type() const {
@@ -235,6 +251,13 @@ std::vector<std::string> Layout::problems_for(const ModelSpec& model, const Clus
     }
   }
   if (seq_len % cp) problems.push_back("Layout.cp=" + str(cp) + " must divide Layout.seq_len=" + str(seq_len));
+  for (const auto& [gpu, count] : cluster.groups) {
+    if (uses_fp8_gemms(precision) && !(gpu.fp8_flops > 0)) {
+      problems.push_back(std::string("Layout.precision=") + option_name(precision) + " runs fp8 GEMMs: GPU " +
+                         gpu.name + " has no fp8 tensor cores (GpuSpec.fp8_flops = 0)");
+      break;
+    }
+  }
   if (sequence_parallel && (seq_len / cp) % tp) {
     problems.push_back("Layout: with sequence_parallel, tp=" + str(tp) + " must divide seq_len / cp = " +
                        str(seq_len / cp));

@@ -51,12 +51,19 @@ struct ParamCount {
 };
 ParamCount count_params(const ModelSpec& model);
 
+// One GPU type. The peaks and bandwidths are the datasheet's; the efficiencies are what its kernels sustain
+// of them (compute.h prices each op with them; the presets say where each figure comes from).
 struct GpuSpec {
   std::string name;
   double memory_bytes = 0;
   double bf16_flops = 0;        // dense peak, FLOP/s
   double nvlink_bytes_per_s = 0;     // per GPU, one direction, inside an NVLink domain
   double internode_bytes_per_s = 0;  // per GPU, one direction, between domains
+  double hbm_bytes_per_s = 0;        // memory bandwidth
+  double fp8_flops = 0;              // dense fp8 peak, FLOP/s (0: no fp8 tensor cores)
+  double gemm_efficiency = 0;        // share of bf16_flops a large bf16 GEMM sustains, in (0, 1]
+  double fp8_gemm_efficiency = 0;    // share of fp8_flops a large fp8 GEMM sustains (0 without fp8)
+  double attention_efficiency = 0;   // share of bf16_flops a flash attention sustains, forward and backward
   void validate() const;
 };
 
@@ -70,6 +77,7 @@ struct ClusterSpec {
   const GpuSpec& gpu_of_rank(int64_t rank) const;
   double min_memory_bytes() const;
   double min_bf16_flops() const;
+  const GpuSpec& slowest_gpu() const;  // the GPU type of the smallest bf16 peak (the first such group)
   bool one_gpu_type() const;
   void validate() const;
 };
@@ -110,6 +118,8 @@ struct Layout {
   int64_t virtual_stages = 1;
   int64_t seq_len = 4096;
   Precision precision = Precision::kBf16Mixed;
+  // torch.compile of the blocks: the memory-bound ops fused into few kernels (compute.h), not each its own.
+  bool compiled = false;
   // fp8 recipe (with fp8 GEMMs: precision fp8-mixed or fp8-fp32)
   int64_t fp8_amax_history = 1024;
   Fp8GradFormat fp8_grad_format = Fp8GradFormat::kE5M2;

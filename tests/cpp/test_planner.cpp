@@ -30,8 +30,9 @@ ModelSpec llama3_70b() {
   return m;
 }
 
-GpuSpec h100() { return {"h100-80gb", 80 * kGiB, 989e12, 450e9, 50e9}; }
-GpuSpec a100() { return {"a100-80gb", 80 * kGiB, 312e12, 300e9, 25e9}; }
+GpuSpec h100() { return {"h100-80gb", 80 * kGiB, 989e12, 450e9, 50e9, 3.35e12, 1979e12, 0.73, 0.56, 0.33}; }
+GpuSpec a100() { return {"a100-80gb", 80 * kGiB, 312e12, 300e9, 25e9, 2.039e12, 0, 0.8, 0, 0.65}; }
+GpuSpec b200() { return {"b200-192gb", 192e9, 2.25e15, 900e9, 50e9, 8e12, 4.5e15, 0.73, 0.56, 0.33}; }
 
 ClusterSpec cluster_of(GpuSpec gpu, int64_t count) {
   ClusterSpec c;
@@ -773,61 +774,74 @@ TEST(EstimateParts, RankMemoryIsModelStatesActivationsAndBuffers) {
   EXPECT_DOUBLE_EQ(ranks[0].optimizer, 12 * dense / 2 + 12 * experts);
 }
 
-TEST(EstimateParts, StepFlopsAreSixNDAttentionAndTheirReruns) {
+TEST(EstimateParts, StepFlopsAreSixNDAndAttention) {
   Layout l;
-  l.seq_len = 256, l.micro_batch = 2, l.num_microbatches = 3, l.dp = 2, l.recompute = Recompute::kSelective;
-  // 2 x 3 x 2 sequences of 256 tokens; 6 N D with N = 160832; attention 6 L s h per token.
+  l.seq_len = 256, l.micro_batch = 2, l.num_microbatches = 3, l.dp = 2, l.recompute = Recompute::kFull;
+  // 2 x 3 x 2 sequences of 256 tokens; 6 N D with N = 160832; attention 6 L s h per token; the model's
+  // work whatever the recompute.
   const double tokens = 2 * 3 * 2 * 256.0, all = 4 * kTinyLayer + kTinyEmbedding + kTinyHead;
   StepFlops f = step_flops(tiny_dense(), l);
   EXPECT_DOUBLE_EQ(f.tokens, tokens);
   EXPECT_DOUBLE_EQ(f.gemm, 6 * all * tokens);
   EXPECT_DOUBLE_EQ(f.attention, 6 * 4 * 256.0 * 64 * tokens);
   EXPECT_DOUBLE_EQ(f.model(), 6 * all * tokens + 6 * 4 * 256.0 * 64 * tokens);
-  EXPECT_EQ(f.recompute_gemm, 0);  // selective: element-wise work only
-  EXPECT_EQ(f.recompute_attention, 0);
-  EXPECT_EQ(f.routed_excess, 0);
-  // Full: the blocks' forward again (2 N per token without the ends) and a third of the attention.
-  l.recompute = Recompute::kFull;
-  f = step_flops(tiny_dense(), l);
-  EXPECT_DOUBLE_EQ(f.recompute_gemm, 2 * 4 * kTinyLayer * tokens);
-  EXPECT_DOUBLE_EQ(f.recompute_attention, 2 * 4 * 256.0 * 64 * tokens);
-  // MoE over ep = 2 at imbalance 1.5: 1 x 1 x 1 x 2 sequences; the busiest ep rank runs half the routed GEMMs
-  // again (a third more of them where full recompute reruns the experts).
+  // MoE over ep = 2: 1 x 1 x 1 x 2 sequences, 6 N_active D.
   Layout moe;
-  moe.seq_len = 256, moe.ep = 2, moe.expert_imbalance = 1.5, moe.recompute = Recompute::kFull;
-  const double moe_tokens = 2 * 256.0;
+  moe.seq_len = 256, moe.ep = 2, moe.expert_imbalance = 1.5;
   f = step_flops(tiny_moe(), moe);
-  EXPECT_DOUBLE_EQ(f.tokens, moe_tokens);
-  EXPECT_DOUBLE_EQ(f.gemm, 6 * kMoeActive * moe_tokens);
-  EXPECT_DOUBLE_EQ(f.recompute_gemm, 2 * (kMoeActive - kMoeEnds) * moe_tokens);
-  EXPECT_DOUBLE_EQ(f.routed_excess, 0.5 * 6 * kMoeRoutedActive * moe_tokens * 4 / 3);
-  // Without the experts in the rerun: neither the MoE layers' routers and experts nor their third.
-  moe.recompute_experts = false;
-  f = step_flops(tiny_moe(), moe);
-  EXPECT_DOUBLE_EQ(f.recompute_gemm, 2 * (kMoeActive - kMoeEnds - kMoeShared - kMoeRoutedActive) * moe_tokens);
-  EXPECT_DOUBLE_EQ(f.routed_excess, 0.5 * 6 * kMoeRoutedActive * moe_tokens);
+  EXPECT_DOUBLE_EQ(f.tokens, 2 * 256.0);
+  EXPECT_DOUBLE_EQ(f.gemm, 6 * kMoeActive * 2 * 256.0);
 }
 
-TEST(EstimateParts, ComputeTimeIsTheFlopsOverTheGpusAtTheKernelsEfficiency) {
-  StepFlops f;
-  f.gemm = 7e15, f.attention = 2e15, f.recompute_gemm = 1e15, f.recompute_attention = 0.5e15, f.routed_excess = 0.25e15;
+TEST(Compute, AGemmIsTheLongerOfItsFlopsAtTheSustainedRateAndItsBytesAtTheMemorys) {
+  const GpuSpec gpu = h100();
+  const double n = 8192;
+  EXPECT_DOUBLE_EQ(gemm_seconds(n, n, n, gpu, Precision::kBf16Mixed), 2 * n * n * n / (989e12 * 0.73));
+  EXPECT_DOUBLE_EQ(gemm_seconds(n, n, n, gpu, Precision::kFp8Mixed), 2 * n * n * n / (1979e12 * 0.56));
+  EXPECT_DOUBLE_EQ(gemm_seconds(n, n, n, gpu, Precision::kFp32), 2 * n * n * n / (989e12 * 0.73 * 0.5));
+  // A matrix-vector product moves its matrix: memory-bound at 80 % of the HBM bandwidth.
+  EXPECT_DOUBLE_EQ(gemm_seconds(n, 1, n, gpu, Precision::kBf16Mixed), (n * n + n + n) * 2 / (3.35e12 * 0.8));
+}
+
+TEST(Compute, EachPartAnswersTheSettingThatOughtToMoveIt) {
+  const ModelSpec model = llama3_70b();
+  const ClusterSpec cluster = cluster_of(h100(), 8);
   Layout l;
-  l.dp = 4;
-  const double rate = 989e12 * 0.7;  // H100's dense bf16 peak at the kernels' 70 %
-  ComputeTime c = compute_time(f, cluster_of(h100(), 4), l);
-  EXPECT_DOUBLE_EQ(c.attention_seconds, 2.5e15 / 4 / rate);
-  EXPECT_DOUBLE_EQ(c.seconds, 8.25e15 / 4 / rate + 2.5e15 / 4 / rate);
-  // fp8 GEMMs at twice the rate, fp32 ones (TF32) at half; attention unchanged.
-  l.precision = Precision::kFp8Mixed;
-  EXPECT_DOUBLE_EQ(compute_time(f, cluster_of(h100(), 4), l).seconds, 8.25e15 / 2 / 4 / rate + 2.5e15 / 4 / rate);
-  l.precision = Precision::kFp32;
-  EXPECT_DOUBLE_EQ(compute_time(f, cluster_of(h100(), 4), l).seconds, 8.25e15 * 2 / 4 / rate + 2.5e15 / 4 / rate);
-  // A mixed cluster runs at its slowest GPU's peak.
+  l.tp = 8, l.sequence_parallel = true, l.seq_len = 8192, l.num_microbatches = 4, l.norm = NormKernel::kComposite;
+  const ComputeTime eager = compute_time(model, cluster, l);
+  EXPECT_DOUBLE_EQ(eager.seconds, eager.gemm_seconds + eager.attention_seconds + eager.memory_seconds +
+                                      eager.optimizer_seconds);
+  // The attention: 4 micro-batches x 80 layers of 2 b s^2 head_dim heads / tp FLOPs forward, 2.5 times
+  // that backward, at a flash kernel's 33 % of the peak.
+  EXPECT_DOUBLE_EQ(eager.attention_seconds, 4 * 80 * (2 * 8192.0 * 8192 * 128 * 8) * 3.5 / (989e12 * 0.33));
+  // Compiled: the same GEMMs and attention, fewer bytes in fused kernels.
+  l.compiled = true;
+  const ComputeTime compiled = compute_time(model, cluster, l);
+  EXPECT_DOUBLE_EQ(compiled.gemm_seconds, eager.gemm_seconds);
+  EXPECT_DOUBLE_EQ(compiled.attention_seconds, eager.attention_seconds);
+  EXPECT_LT(compiled.memory_seconds, eager.memory_seconds / 2);
+  // Full recompute reruns each block's forward: its GEMMs (a third of a linear's three) and the
+  // attention's (1 of its 3.5).
+  l.recompute = Recompute::kFull;
+  const ComputeTime full = compute_time(model, cluster, l);
+  EXPECT_DOUBLE_EQ(full.attention_seconds, compiled.attention_seconds * 4.5 / 3.5);
+  EXPECT_GT(full.gemm_seconds, compiled.gemm_seconds * 1.3);
+  EXPECT_LT(full.gemm_seconds, compiled.gemm_seconds * 4 / 3);  // the LM head is not rerun
+  // fp8 GEMMs: faster GEMMs, the attention unchanged, casts added to the memory-bound bytes.
+  l.recompute = Recompute::kNone, l.precision = Precision::kFp8Mixed;
+  const ComputeTime fp8 = compute_time(model, cluster, l);
+  EXPECT_LT(fp8.gemm_seconds, compiled.gemm_seconds * 0.7);
+  EXPECT_DOUBLE_EQ(fp8.attention_seconds, compiled.attention_seconds);
+  EXPECT_GT(fp8.memory_seconds, compiled.memory_seconds);
+  // A mixed cluster runs at its slowest GPU's pace; an A100 has no fp8.
   ClusterSpec mixed;
-  mixed.groups = {{h100(), 2}, {a100(), 2}};
+  mixed.groups = {{h100(), 4}, {a100(), 4}};
   l.precision = Precision::kBf16Mixed;
-  c = compute_time(f, mixed, l);
-  EXPECT_DOUBLE_EQ(c.seconds, 10.75e15 / 4 / (312e12 * 0.7));
+  EXPECT_DOUBLE_EQ(compute_time(model, mixed, l).seconds, compute_time(model, cluster_of(a100(), 8), l).seconds);
+  l.precision = Precision::kFp8Mixed;
+  const std::vector<std::string> problems = l.problems_for(model, mixed);
+  ASSERT_EQ(problems.size(), 1u);
+  EXPECT_NE(problems[0].find("GPU a100-80gb has no fp8 tensor cores"), std::string::npos) << problems[0];
 }
 
 TEST(EstimateParts, TpBytesCountTheBlocksCollectivesAndTheEnds) {
@@ -985,7 +999,7 @@ TEST(EstimateParts, EstimateIsTheCompositionOfItsParts) {
     l.recompute = Recompute::kFull, l.recompute_experts = false, l.expert_imbalance = 1.5;
     l.precision = Precision::kFp8Mixed, l.num_microbatches = 4, l.seq_len = 256;
     ClusterSpec mixed;
-    mixed.groups = {{h100(), 16}, {a100(), 16}}, mixed.gpus_per_domain = 4;
+    mixed.groups = {{b200(), 16}, {h100(), 16}}, mixed.gpus_per_domain = 4;
     cases.push_back({tiny_moe(), mixed, l});
     // Interleaved, ring attention, ZeRO-1, fp32.
     Layout r;
@@ -1024,10 +1038,10 @@ TEST(EstimateParts, EstimateIsTheCompositionOfItsParts) {
     EXPECT_EQ(e.gpu_memory, c.cluster.min_memory_bytes());
     // Compute.
     const StepFlops flops = step_flops(c.model, l);
-    const ComputeTime compute = compute_time(flops, c.cluster, l);
+    const ComputeTime compute = compute_time(c.model, c.cluster, l);
     EXPECT_EQ(e.tokens_per_step, flops.tokens);
     EXPECT_EQ(e.model_flops_per_step, flops.model());
-    EXPECT_EQ(e.compute_seconds, compute.seconds);
+    EXPECT_EQ(e.compute.seconds, compute.seconds);
     EXPECT_EQ(e.bubble, l.pp > 1 ? bubble_fraction(l.pp, l.num_microbatches, l.schedule, l.virtual_stages) : 0.0);
     // Communication: each axis's bytes at 80 % of its slowest link, less what hides behind compute (the cp ring
     // behind the attention, dp behind the backward or, under ZeRO-3, all the compute).
@@ -1061,8 +1075,13 @@ TEST(EstimateParts, EstimateIsTheCompositionOfItsParts) {
       EXPECT_DOUBLE_EQ(comm.exposed_seconds, std::max(0.0, comm.seconds - want.second)) << axis;
       exposed += comm.exposed_seconds;
     }
-    EXPECT_DOUBLE_EQ(e.step_seconds, e.compute_seconds / (1.0 - e.bubble) + exposed);
-    EXPECT_DOUBLE_EQ(e.mfu, e.model_flops_per_step /
-                                (e.step_seconds * static_cast<double>(l.world_size()) * c.cluster.min_bf16_flops()));
+    EXPECT_DOUBLE_EQ(e.step_seconds, e.compute.seconds / (1.0 - e.bubble) + exposed);
+    // MFU against the peak each FLOP runs at: the GEMMs' precision's, bf16 for the attention.
+    const GpuSpec& gpu = c.cluster.slowest_gpu();
+    const double gemm_peak = uses_fp8_gemms(l.precision)       ? gpu.fp8_flops
+                             : l.precision == Precision::kFp32 ? gpu.bf16_flops / 2
+                                                               : gpu.bf16_flops;
+    EXPECT_DOUBLE_EQ(e.mfu, (flops.gemm / gemm_peak + flops.attention / gpu.bf16_flops) /
+                                (static_cast<double>(l.world_size()) * e.step_seconds));
   }
 }

@@ -9,6 +9,7 @@ import math
 import pytest
 
 from torchdist_ext.planner import (
+    GPU_PRESETS,
     ClusterSpec,
     Estimate,
     GpuSpec,
@@ -18,6 +19,7 @@ from torchdist_ext.planner import (
     bubble_fraction,
     check,
     estimate,
+    gemm_seconds,
     gpu_hours,
     layer_activation_bytes,
     model_state_bytes,
@@ -138,7 +140,7 @@ def test_estimate_breakdown_is_consistent():
     assert e.tokens_per_step == 4 * 8 * 4096
     assert set(e.comm) == {"tp", "dp"}
     assert e.comm["tp"].intra_domain and not e.comm["dp"].intra_domain
-    assert e.step_seconds >= e.compute_seconds
+    assert e.step_seconds >= e.compute.seconds
     assert e.tokens_per_second == pytest.approx(e.tokens_per_step / e.step_seconds)
 
 
@@ -190,21 +192,22 @@ def test_mixtral_with_expert_parallelism():
 
 
 def test_full_recompute_reruns_only_what_it_reaches():
-    """Full recompute reruns the blocks' forward (2 N per token, N their active parameters: not the embedding
-    and head outside the checkpointed blocks) and, under SP, each block's gathers. Where it does not reach the
-    experts (``recompute_experts=False``, the main job's MoE blocks) the MoE layers' router and experts and the
-    gather of their input are not rerun."""
+    """Full recompute reruns the blocks' forward: each of their linears' forward GEMM (one of its three) and
+    each attention's forward (1 of a flash kernel's 3.5), not the LM head outside the checkpointed blocks,
+    and, under SP, each block's gathers. Where it does not reach the experts (``recompute_experts=False``,
+    the main job's MoE blocks) the MoE layers' router and experts and the gather of their input are not
+    rerun."""
     model, cluster = ModelSpec.preset("mixtral-8x7b"), ClusterSpec.preset("h100-80gb", 64)
     layout = Layout(tp=2, ep=8, dp=4, zero_stage=1, sequence_parallel=True, num_microbatches=4)
     none = estimate(model, cluster, layout)
     whole = estimate(model, cluster, dataclasses.replace(layout, recompute="full"))
     blocks = estimate(model, cluster, dataclasses.replace(layout, recompute="full", recompute_experts=False))
-    count, rate = model.count_params(), 64 * 989e12 * 0.7  # H100 bf16 dense peak; the kernels' efficiency
-    attention = 2 * model.num_layers * 4096 * model.hidden * none.tokens_per_step
-    rerun = 2 * (count.active - count.embedding) * none.tokens_per_step + attention
-    assert whole.compute_seconds - none.compute_seconds == pytest.approx(rerun / rate)
-    experts = 2 * count.moe_active * none.tokens_per_step
-    assert whole.compute_seconds - blocks.compute_seconds == pytest.approx(experts / rate)
+    head = 4 * 3 * gemm_seconds(4096, model.vocab_size / 2, model.hidden, GPU_PRESETS["h100-80gb"])
+    assert whole.compute.gemm_seconds - none.compute.gemm_seconds == pytest.approx(
+        (none.compute.gemm_seconds - head) / 3)
+    assert none.compute.gemm_seconds < blocks.compute.gemm_seconds < whole.compute.gemm_seconds
+    assert whole.compute.attention_seconds == pytest.approx(none.compute.attention_seconds * 4.5 / 3.5)
+    assert blocks.compute.attention_seconds == whole.compute.attention_seconds
     # The gather of each MoE layer's input, (t - 1)/t of [b, s, h] per micro-batch, is not rerun.
     gather = 4 * model.num_layers * 0.5 * 4096 * model.hidden * 2
     assert whole.comm["tp"].bytes - blocks.comm["tp"].bytes == pytest.approx(gather)
@@ -225,8 +228,10 @@ def test_an_imbalanced_expert_rank_keeps_computes_and_sends_back_more_rows():
     rows = layer_activation_bytes(model, skewed, moe_layer=True) - layer_activation_bytes(model, uniform, moe_layer=True)
     assert rows == pytest.approx(0.5 * tokens * 2 * k * (2 * h + 4 * f))  # bf16: e = 2
     e, busy = estimate(model, cluster, uniform), estimate(model, cluster, skewed)
-    routed = 6 * model.count_params().routed_active * e.tokens_per_step
-    assert busy.compute_seconds - e.compute_seconds == pytest.approx(0.5 * routed / (64 * 989e12 * 0.7))
+    # Its routed GEMMs (compute-bound at these sizes) on its dp x ep share of the step's tokens, at the
+    # H100's sustained 73 %.
+    routed = 6 * model.count_params().routed_active * e.tokens_per_step / (4 * 8)
+    assert busy.compute.gemm_seconds - e.compute.gemm_seconds == pytest.approx(0.5 * routed / (989e12 * 0.73))
     assert busy.comm["ep"].bytes == pytest.approx(e.comm["ep"].bytes * (8 + 1.5 * 6) / 14)
     assert busy.model_flops_per_step == e.model_flops_per_step
     with pytest.raises(ValueError, match=r"Layout.expert_imbalance must lie in \[1, ep=8\].*got 9"):
@@ -261,7 +266,15 @@ def test_an_imbalanced_expert_rank_keeps_computes_and_sends_back_more_rows():
         (lambda: ModelSpec.preset("gpt-5"), "unknown model preset 'gpt-5'"),
         (lambda: ClusterSpec.preset("tpu-v5", 8), "unknown GPU preset 'tpu-v5'"),
         (lambda: ClusterSpec.preset("h100-80gb", 0), "GPU count must be positive"),
-        (lambda: ClusterSpec(((GpuSpec("x", 0, 1, 1, 1), 8),)).to_cpp(), r"GpuSpec\(x\).memory_bytes must be positive"),
+        (lambda: ClusterSpec(((GpuSpec("x", 0, 1, 1, 1, 1, 0, 0.5, 0, 0.5), 8),)).to_cpp(),
+         r"GpuSpec\(x\).memory_bytes must be positive"),
+        (lambda: ClusterSpec(((GpuSpec("x", 1, 1, 1, 1, 1, 0, 1.5, 0, 0.5), 8),)).to_cpp(),
+         r"GpuSpec\(x\).gemm_efficiency must lie in \(0, 1\], got 1.5"),
+        (lambda: ClusterSpec(((GpuSpec("x", 1, 1, 1, 1, 1, 2, 0.5, 0, 0.5), 8),)).to_cpp(),
+         r"GpuSpec\(x\).fp8_gemm_efficiency must lie in \(0, 1\], got 0"),
+        (lambda: estimate(ModelSpec.preset("llama3-8b"), ClusterSpec.preset("a100-80gb", 8),
+                          Layout(dp=8, precision="fp8-mixed")),
+         "Layout.precision=fp8-mixed runs fp8 GEMMs: GPU a100-80gb has no fp8 tensor cores"),
     ],
 )
 def test_bad_input_names_the_field(make, message):

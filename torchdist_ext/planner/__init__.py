@@ -12,11 +12,21 @@ The cost model is torch-free C++ (``csrc/planner``); this package is its Python 
 Every function and its formula: docs/api.md and docs/planner.md.
 """
 
-from torchdist_ext.planner.estimate import AxisComm, Estimate, Finding, RankMemory, check, estimate, search
+from torchdist_ext.planner.estimate import (
+    AxisComm,
+    ComputeTime,
+    Estimate,
+    Finding,
+    RankMemory,
+    check,
+    estimate,
+    search,
+)
 from torchdist_ext.planner.formulas import (
     activation_bytes_per_layer,
     bubble_fraction,
     embedding_weight_grad_input_bytes,
+    gemm_seconds,
     gpu_hours,
     head_activation_bytes,
     head_backward_bytes,
@@ -45,6 +55,7 @@ __all__ = [
     "GPU_PRESETS",
     "MODEL_PRESETS",
     "ClusterSpec",
+    "ComputeTime",
     "Estimate",
     "Finding",
     "GpuSpec",
@@ -59,6 +70,7 @@ __all__ = [
     "chunks_per_rank",
     "embedding_weight_grad_input_bytes",
     "estimate",
+    "gemm_seconds",
     "gpu_hours",
     "head_activation_bytes",
     "head_backward_bytes",

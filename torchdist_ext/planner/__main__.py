@@ -84,6 +84,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--schedule", default="1f1b", choices=_planner.OPTIONS["schedule"])
     parser.add_argument("--virtual-stages", type=_count, default=1)
     parser.add_argument("--precision", default="bf16-mixed", choices=_planner.OPTIONS["precision"])
+    parser.add_argument("--compile", action="store_true",
+                        help="torch.compile'd blocks: the memory-bound ops fused (eager: each op its own kernel)")
     parser.add_argument("--expert-imbalance", type=_imbalance, default=1.0, metavar="X",
                         help="the busiest ep rank's routed rows over the mean (default 1: uniform routing)")
     parser.add_argument("--top", type=_count, default=10, help="rows of the search table")
@@ -104,7 +106,7 @@ def _layout(args, gpus: int) -> Layout:
                   recompute=args.recompute, micro_batch=args.micro_batch,
                   num_microbatches=global_batch // per_step, schedule=args.schedule,
                   virtual_stages=args.virtual_stages, seq_len=args.seq, precision=args.precision,
-                  expert_imbalance=args.expert_imbalance)
+                  expert_imbalance=args.expert_imbalance, compiled=args.compile)
 
 
 def _describe(layout: Layout) -> str:
@@ -129,6 +131,12 @@ def _gib(value: float) -> str:
     return f"{value / 2**30:7.1f} GiB"
 
 
+def _mfu_basis(layout: Layout) -> str:
+    """What the MFU is against: the peak of the units each FLOP runs on (Estimate.mfu)."""
+    gemms = {"fp8-mixed": "fp8", "fp8-fp32": "fp8", "fp32": "TF32"}.get(layout.precision)
+    return f"against the {gemms} peak for the GEMMs, bf16 for the attention" if gemms else "against the dense bf16 peak"
+
+
 def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
     count = model.count_params()
     print(f"{model.name}: {count.total / 1e9:.1f}B parameters ({count.active / 1e9:.1f}B active); "
@@ -140,9 +148,12 @@ def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
     print(f"  {'GPU':<12} {_gib(e.gpu_memory)}   {'fits' if e.fits else 'DOES NOT FIT'}")
     if len(e.pipeline_ranks) > 1:
         print("  per pipeline rank: " + ", ".join(_gib(r.total).strip() for r in e.pipeline_ranks))
+    c = e.compute
     print(f"step: {e.tokens_per_step:,.0f} tokens, {e.model_flops_per_step:.3e} model FLOPs; compute "
-          f"{e.compute_seconds:.3f} s, bubble {100 * e.bubble:.1f}%, step {e.step_seconds:.3f} s, "
-          f"MFU {100 * e.mfu:.1f}%, {e.tokens_per_second:,.0f} tokens/s")
+          f"{c.seconds:.3f} s (GEMMs {c.gemm_seconds:.3f}, attention {c.attention_seconds:.3f}, memory-bound "
+          f"{c.memory_seconds:.3f}, optimizer {c.optimizer_seconds:.3f}), bubble {100 * e.bubble:.1f}%, step "
+          f"{e.step_seconds:.3f} s, {e.tokens_per_second:,.0f} tokens/s "
+          f"({e.tokens_per_second / layout.num_gpus:,.0f} per GPU), MFU {100 * e.mfu:.1f}% ({_mfu_basis(layout)})")
     if e.comm:
         print("communication per GPU per step:")
         for axis, c in e.comm.items():
@@ -238,7 +249,7 @@ def _plan(args) -> int:
                          f"does not try HSDP layouts")
     global_batch = args.global_batch or 4 * args.gpus
     results = search(model, cluster, seq_len=args.seq, global_batch=global_batch, top=args.top,
-                     expert_imbalance=args.expert_imbalance)
+                     expert_imbalance=args.expert_imbalance, compiled=args.compile)
     if args.json:
         print(json.dumps({"mode": "search", "model": model.name, "gpus": args.gpus, "gpu": args.gpu,
                           "results": [{"layout": layout.__dict__, "estimate": e.to_dict()} for layout, e in results]},

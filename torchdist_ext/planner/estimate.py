@@ -11,7 +11,7 @@ from dataclasses import asdict, dataclass, field
 from torchdist_ext import _planner
 from torchdist_ext.planner.specs import ClusterSpec, Layout, ModelSpec
 
-__all__ = ["AxisComm", "Estimate", "RankMemory", "Finding", "estimate", "check", "search"]
+__all__ = ["AxisComm", "ComputeTime", "Estimate", "RankMemory", "Finding", "estimate", "check", "search"]
 
 
 @dataclass(frozen=True)
@@ -38,6 +38,22 @@ class AxisComm:
     seconds: float  # at the axis's link bandwidth
     exposed_seconds: float  # the part not hidden behind compute
     intra_domain: bool  # every group of the axis inside one NVLink domain
+
+
+@dataclass(frozen=True)
+class ComputeTime:
+    """Busy time of one GPU per step, seconds, and its parts (csrc/planner/compute.h): the GEMMs, the attention
+    kernels, the memory-bound ops and the optimizer's step."""
+
+    seconds: float
+    gemm_seconds: float
+    attention_seconds: float
+    memory_seconds: float
+    optimizer_seconds: float
+
+    @classmethod
+    def from_cpp(cls, c) -> "ComputeTime":
+        return cls(c.seconds, c.gemm_seconds, c.attention_seconds, c.memory_seconds, c.optimizer_seconds)
 
 
 @dataclass(frozen=True)
@@ -77,7 +93,9 @@ class Estimate:
     params_per_gpu: float  # parameters held (before ZeRO sharding)
     tokens_per_step: float
     model_flops_per_step: float  # 6 N_active D + causal attention, without recomputation
-    compute_seconds: float  # busy time of one GPU, with recomputation
+    # mfu: model FLOPs per step over what the GPUs could do in the step at the peaks of the units that run
+    # them (the GEMMs' precision: fp8, TF32 or bf16; bf16 for the attention)
+    compute: ComputeTime  # busy time of one GPU (with recomputation) and its parts
     bubble: float  # idle fraction of the pipeline
     comm: dict[str, AxisComm] = field(default_factory=dict)
     step_seconds: float = 0.0
@@ -93,7 +111,7 @@ class Estimate:
                    backward=e.backward, buffers=e.buffers, total_memory=e.total_memory(), gpu_memory=e.gpu_memory,
                    fits=e.fits(),
                    params_per_gpu=e.params_per_gpu, tokens_per_step=e.tokens_per_step,
-                   model_flops_per_step=e.model_flops_per_step, compute_seconds=e.compute_seconds, bubble=e.bubble,
+                   model_flops_per_step=e.model_flops_per_step, compute=ComputeTime.from_cpp(e.compute), bubble=e.bubble,
                    comm=comm, step_seconds=e.step_seconds, mfu=e.mfu, tokens_per_second=e.tokens_per_second(),
                    pipeline_ranks=[RankMemory(r.params, r.grads, r.optimizer, r.activations, r.backward, r.buffers,
                                               r.total()) for r in e.pipeline_ranks],
@@ -117,12 +135,16 @@ def check(model: ModelSpec, cluster: ClusterSpec, layout: Layout) -> list[Findin
 
 
 def search(model: ModelSpec, cluster: ClusterSpec, *, seq_len: int, global_batch: int,
-           top: int = 10, expert_imbalance: float = 1.0) -> list[tuple[Layout, Estimate]]:
+           top: int = 10, expert_imbalance: float = 1.0, compiled: bool = False) -> list[tuple[Layout, Estimate]]:
     """Feasible layouts (fit in memory, no error-level finding) for ``global_batch`` sequences of
     ``seq_len`` tokens per step, fastest first. The candidates per axis depend on the model and the
     NVLink domain, not on the cluster's size, so the search is bounded. Layouts with experts are priced
-    at ``expert_imbalance`` (``Layout.expert_imbalance``, capped at each layout's ep)."""
+    at ``expert_imbalance`` (``Layout.expert_imbalance``, capped at each layout's ep); ``compiled`` prices every
+    layout with compiled blocks (``Layout.compiled``)."""
     if isinstance(expert_imbalance, bool) or not isinstance(expert_imbalance, (int, float)):
         raise TypeError(f"expert_imbalance must be a number, got {expert_imbalance!r}")
-    results = _planner.search(model.to_cpp(), cluster.to_cpp(), seq_len, global_batch, top, float(expert_imbalance))
+    if not isinstance(compiled, bool):
+        raise TypeError(f"compiled must be a bool, got {compiled!r}")
+    results = _planner.search(model.to_cpp(), cluster.to_cpp(), seq_len, global_batch, top, float(expert_imbalance),
+                              compiled)
     return [(Layout.from_cpp(layout), Estimate.from_cpp(e)) for layout, e in results]

@@ -1,9 +1,9 @@
-"""The planner's closed forms (csrc/planner/{memory,pipeline,estimate}.h), with keyword arguments."""
+"""The planner's closed forms (csrc/planner/{memory,pipeline,estimate,compute}.h), with keyword arguments."""
 
 from __future__ import annotations
 
 from torchdist_ext import _planner
-from torchdist_ext.planner.specs import ClusterSpec, Layout, ModelSpec
+from torchdist_ext.planner.specs import ClusterSpec, GpuSpec, Layout, ModelSpec
 
 __all__ = [
     "activation_bytes_per_layer",
@@ -16,10 +16,18 @@ __all__ = [
     "head_weight_grad_input_bytes",
     "embedding_weight_grad_input_bytes",
     "bubble_fraction",
+    "gemm_seconds",
     "gpu_hours",
     "model_state_bytes",
     "training_flops",
 ]
+
+
+def gemm_seconds(m: float, n: float, k: float, gpu: GpuSpec, *, precision: str = "bf16-mixed") -> float:
+    """Seconds of one GEMM ``[m, k] x [k, n]`` on ``gpu``: its FLOPs at the sustained rate of ``precision`` (fp8
+    operands at ``fp8_flops x fp8_gemm_efficiency``, TF32 at half the bf16 rate) or its operands' and result's
+    bytes at 80 % of the memory bandwidth, whichever is longer (csrc/planner/compute.h)."""
+    return _planner.gemm_seconds(float(m), float(n), float(k), gpu.to_cpp(), precision)
 
 
 def model_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,

@@ -138,13 +138,20 @@ MODEL_PRESETS: dict[str, ModelSpec] = {
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """One GPU type: memory, dense bf16 peak, and per-direction link bandwidths per GPU."""
+    """One GPU type: memory, dense bf16 and fp8 peaks, per-direction link bandwidths per GPU, memory
+    bandwidth, and the shares of the peaks its kernels sustain (``csrc/planner/compute.h`` prices each op
+    with them): large GEMMs in bf16 and in fp8, and a flash attention's forward and backward."""
 
     name: str
     memory_bytes: float
     bf16_flops: float
     nvlink_bytes_per_s: float
     internode_bytes_per_s: float
+    hbm_bytes_per_s: float
+    fp8_flops: float  # 0: no fp8 tensor cores
+    gemm_efficiency: float
+    fp8_gemm_efficiency: float  # 0 without fp8
+    attention_efficiency: float
 
     def to_cpp(self) -> _planner.GpuSpec:
         spec = _planner.GpuSpec()
@@ -153,14 +160,29 @@ class GpuSpec:
         return spec
 
 
-# Vendor datasheets. NVLink: per GPU, one direction (half the quoted bidirectional figure).
-# Inter-node: one NIC per GPU (HDR 200 Gb/s for A100, NDR 400 Gb/s after).
+# Peaks, memory and bandwidths: vendor datasheets (dense, without sparsity). NVLink: per GPU, one direction
+# (half the quoted bidirectional figure). Inter-node: one NIC per GPU (HDR 200 Gb/s for A100, NDR 400 Gb/s
+# after). The efficiencies (docs/planner.md, "Compute, op by op", has the table and its sources):
+#   gemm: measured here for H100 and H200 (benchmarks/README.md, bench_fp8's bf16 linear forward + backward at
+#     Llama-3-8B shapes: 747 and 702 TFLOP/s on the H100, 746 and 718 on the H200, 2026-12-04/05); A100's and
+#     Blackwell's are assumed, not measured here.
+#   fp8 gemm: assumed 1.5x the bf16 GEMM's rate (not measured here: our Fp8Linear with its unfused casts ran
+#     at 789-884 TFLOP/s, a bound from below).
+#   attention: FlashAttention-2 as published (Dao 2023: A100 forward 73 %, backward 63 % of the peak: 0.65 for
+#     the forward and 2.5x as much backward; Shah et al. 2024: about 350 / 310 TFLOP/s forward / backward on
+#     an H100 at head dim 128: 0.33); Blackwell assumed at Hopper's.
 GPU_PRESETS: dict[str, GpuSpec] = {
-    "a100-80gb": GpuSpec("a100-80gb", 80 * GiB, 312e12, 300e9, 25e9),
-    "h100-80gb": GpuSpec("h100-80gb", 80 * GiB, 989e12, 450e9, 50e9),
-    "h200-141gb": GpuSpec("h200-141gb", 141e9, 989e12, 450e9, 50e9),
-    "b200-192gb": GpuSpec("b200-192gb", 192e9, 2.25e15, 900e9, 50e9),
-    "gb200-nvl72": GpuSpec("gb200-nvl72", 186e9, 2.5e15, 900e9, 50e9),
+    "a100-80gb": GpuSpec("a100-80gb", 80 * GiB, 312e12, 300e9, 25e9, 2.039e12, 0.0, 0.80, 0.0, 0.65),
+    "h100-80gb": GpuSpec("h100-80gb", 80 * GiB, 989e12, 450e9, 50e9, 3.35e12, 1979e12, 0.73, 0.56, 0.33),
+    "h200-141gb": GpuSpec("h200-141gb", 141e9, 989e12, 450e9, 50e9, 4.8e12, 1979e12, 0.74, 0.56, 0.33),
+    # Meta's Grand Teton H100 (torchtitan's published runs): 96 GB HBM2e at 2.4 TB/s, capped at 500 W. Its
+    # peak under the cap is not published ("between SXM and NVL"): the SXM's efficiencies x 0.63, the one
+    # figure fitted to a published run (torchtitan's compiled bf16 Llama-3.1-8B on 8 of them, 6,667 tokens/s
+    # per GPU); docs/planner.md sets the other published runs against it.
+    "h100-96gb-500w": GpuSpec("h100-96gb-500w", 96e9, 989e12, 450e9, 50e9, 2.4e12, 1979e12, 0.73 * 0.63,
+                              0.56 * 0.63, 0.33 * 0.63),
+    "b200-192gb": GpuSpec("b200-192gb", 192e9, 2.25e15, 900e9, 50e9, 8e12, 4.5e15, 0.73, 0.56, 0.33),
+    "gb200-nvl72": GpuSpec("gb200-nvl72", 186e9, 2.5e15, 900e9, 50e9, 8e12, 5e15, 0.73, 0.56, 0.33),
 }
 _DOMAIN_SIZE = {"gb200-nvl72": 72}
 
@@ -237,6 +259,7 @@ class Layout:
     fp8_amax_history: int = 1024
     fp8_grad_format: str = "e5m2"
     fp8_attention: bool = False
+    compiled: bool = False  # torch.compile of the blocks: memory-bound ops fused (csrc/planner/compute.h)
 
     def __post_init__(self):
         self.to_cpp()
