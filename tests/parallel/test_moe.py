@@ -228,13 +228,18 @@ def test_capacity_with_unequal_token_counts(world2, counts):
     assert sum(world2.run(check_unequal_token_counts, counts)) > 0, "nothing dropped: the test would not see C"
 
 
-def run_compiled(capacity_factor):
+DEEPSEEK_ROUTING = dict(score_func="sigmoid", n_group=4, topk_group=2, routed_scaling_factor=2.5,
+                        score_correction_bias=True, shared_expert_gate=True)
+
+
+def run_compiled(capacity_factor, routing):
     """A residual block with the MoE, compiled whole: equal to eager in output and gradients over 5 steps whose
-    routing differs, on one graph (no recompile after the first step)."""
+    routing differs, on one graph (no recompile after the first step). With a correction bias, the bias moves
+    between the steps (update_correction_bias) and the compiled forwards count their loads as eager ones do."""
     torch._dynamo.reset()
     torch.manual_seed(0)
     moe = MoE(DIM, FFN, 8, top_k=2, ep_mesh=ep_mesh(), capacity_factor=capacity_factor, aux_loss_coef=0.01,
-              z_loss_coef=0.001, num_shared_experts=1)
+              z_loss_coef=0.001, num_shared_experts=1, **routing)
 
     def block(x):
         return x + moe(x)
@@ -247,8 +252,12 @@ def run_compiled(capacity_factor):
         eager = block(x)
         eager_grads = torch.autograd.grad(eager.square().sum(), [x, *params])
         eager_tokens = moe.last_tokens_per_expert.clone()
+        eager_load = None if moe.routed_load is None else moe.routed_load.clone()
         with torch.compiler.set_stance("fail_on_recompile" if step > 0 else "default"):
             out = compiled(x)
+        if eager_load is not None:
+            assert torch.equal(moe.routed_load, 2 * eager_load)  # the compiled forward's loads: the eager one's
+            moe.update_correction_bias(0.01)
         grads = torch.autograd.grad(out.square().sum(), [x, *params])
         torch.testing.assert_close(out, eager)
         for got, want in zip(grads, eager_grads):
@@ -258,9 +267,10 @@ def run_compiled(capacity_factor):
     return True
 
 
-@pytest.mark.parametrize("capacity_factor", [None, 1.25], ids=["dropless", "capacity"])
-def test_compile_fullgraph_without_recompiles(world2, capacity_factor):
-    assert all(world2.run(run_compiled, capacity_factor))
+@pytest.mark.parametrize("capacity_factor, routing", [(None, {}), (1.25, {}), (None, DEEPSEEK_ROUTING)],
+                         ids=["dropless", "capacity", "deepseek-routing"])
+def test_compile_fullgraph_without_recompiles(world2, capacity_factor, routing):
+    assert all(world2.run(run_compiled, capacity_factor, routing))
 
 
 def experts_not_divisible():

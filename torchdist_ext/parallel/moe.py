@@ -61,7 +61,9 @@ def _positive_int(arg: str, value) -> None:
 
 
 def _check_configuration(ep_size: int, *, dim, ffn_dim, num_experts, top_k, capacity_factor, drop_policy,
-                         score_func, aux_loss_coef, z_loss_coef, num_shared_experts, dtype) -> None:
+                         score_func, norm_topk_prob, routed_scaling_factor, n_group, topk_group,
+                         score_correction_bias, aux_loss_coef, z_loss_coef, num_shared_experts, shared_expert_gate,
+                         dtype) -> None:
     """Raises ValueError / TypeError for an MoE argument out of its documented range."""
     for arg, value in (("dim", dim), ("ffn_dim", ffn_dim), ("num_experts", num_experts)):
         _positive_int(arg, value)
@@ -75,6 +77,24 @@ def _check_configuration(ep_size: int, *, dim, ffn_dim, num_experts, top_k, capa
         raise ValueError(f"drop_policy must be one of {DROP_POLICIES}, got {drop_policy!r}")
     if score_func not in SCORE_FUNCS:
         raise ValueError(f"score_func must be one of {SCORE_FUNCS}, got {score_func!r}")
+    for arg, value in (("norm_topk_prob", norm_topk_prob), ("score_correction_bias", score_correction_bias),
+                       ("shared_expert_gate", shared_expert_gate)):
+        if not isinstance(value, bool) and not (arg == "norm_topk_prob" and value is None):
+            raise TypeError(f"{arg} must be a bool{' or None' if arg == 'norm_topk_prob' else ''}, got {value!r}")
+    if (isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float))
+            or not routed_scaling_factor > 0 or not math.isfinite(routed_scaling_factor)):
+        raise ValueError(f"routed_scaling_factor must be a positive number, got {routed_scaling_factor!r}")
+    _positive_int("n_group", n_group)
+    if num_experts % n_group or (n_group > 1 and num_experts // n_group < 2):
+        raise ValueError(f"n_group={n_group} must divide num_experts={num_experts} into groups of at least 2 "
+                         f"experts (a group scores by its top two)")
+    if not isinstance(topk_group, int) or isinstance(topk_group, bool) or not 1 <= topk_group <= n_group:
+        raise ValueError(f"topk_group must be an int in [1, n_group={n_group}], got {topk_group!r}")
+    if top_k > topk_group * (num_experts // n_group):
+        raise ValueError(f"top_k={top_k} must not exceed the experts of topk_group={topk_group} groups of "
+                         f"{num_experts // n_group}")
+    if shared_expert_gate and not num_shared_experts:
+        raise ValueError("shared_expert_gate=True needs shared experts (num_shared_experts >= 1)")
     for arg, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{arg} must be a number >= 0, got {value!r}")
@@ -143,14 +163,27 @@ class MoE(nn.Module):
             renormalisation).
         drop_policy: which slots a capacity keeps: "probs" the highest router weights, "position" the earliest
             tokens; ties go to the lower token index.
-        score_func: "softmax": softmax over the E experts, top-k, the k weights renormalised to sum 1 when k > 1
-            (k = 1 keeps the probability, as Switch does). "sigmoid" (DeepSeek-V3): sigmoid scores, top-k, the k
-            weights normalised to sum 1.
+        score_func: "softmax": softmax over the E experts (Mixtral, Qwen-MoE); "sigmoid" (DeepSeek-V3):
+            independent sigmoid scores. Top-k picks the k highest scores (plus the correction bias, in the
+            groups allowed); a token's weights are its k scores, normalised as ``norm_topk_prob`` says, times
+            ``routed_scaling_factor``.
+        norm_topk_prob: whether the k weights are divided by their sum. None: softmax normalises when k > 1
+            (k = 1 keeps the probability, as Switch does), sigmoid always. Mixtral normalises; Qwen2-MoE's and
+            Qwen3-MoE's configs say (``norm_topk_prob``, default False); DeepSeek-V3's is True.
+        routed_scaling_factor: multiplies the routed experts' weights (DeepSeek-V3: 2.5), after normalising.
+        n_group, topk_group: group-limited routing (DeepSeek-V3, node-limited: 8 groups, 4 kept): the E experts
+            in ``n_group`` groups of consecutive experts, each scored by the sum of its two highest scores
+            (with the bias), and a token's top-k taken among the experts of its ``topk_group`` best groups.
+        score_correction_bias: a per-expert bias ``e_score_correction_bias`` (fp32 buffer, saved with the model)
+            added to the scores for choosing the experts, not for weighting them: DeepSeek-V3's auxiliary-loss-free
+            balancing, which ``update_correction_bias`` moves after each step.
         aux_loss_coef: weight (>= 0) of the Switch load-balancing loss ``E * sum_e f_e P_e``: f_e the share of
             the T*k top-k slots (before dropping) that chose e, P_e the mean over tokens of e's routing
             probability (softmax probabilities; sigmoid scores divided by their sum over E).
         z_loss_coef: weight (>= 0) of the router z-loss ``mean(logsumexp(logits)^2)``.
         num_shared_experts: S: a dense SwiGLU of width ``S * ffn_dim`` on every token, added (0: none).
+        shared_expert_gate: the shared experts' output scaled by ``sigmoid(x . shared_gate)``, a token's own
+            gate (Qwen2-MoE's ``shared_expert_gate``; parameter ``shared_gate [1, dim]``).
         device: where the parameters are created ("meta": left uninitialised).
         dtype: the parameters' floating dtype.
 
@@ -168,20 +201,28 @@ class MoE(nn.Module):
 
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, *, top_k: int = 2, ep_mesh: DeviceMesh,
                  capacity_factor: float | None = None, drop_policy: str = "probs", score_func: str = "softmax",
-                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, num_shared_experts: int = 0,
+                 norm_topk_prob: bool | None = None, routed_scaling_factor: float = 1.0, n_group: int = 1,
+                 topk_group: int = 1, score_correction_bias: bool = False, aux_loss_coef: float = 0.0,
+                 z_loss_coef: float = 0.0, num_shared_experts: int = 0, shared_expert_gate: bool = False,
                  device=None, dtype=None):
         super().__init__()
         self.ep = MeshGroup.of(ep_mesh, "ep_mesh")
         configuration = dict(dim=dim, ffn_dim=ffn_dim, num_experts=num_experts, top_k=top_k,
                              capacity_factor=capacity_factor, drop_policy=drop_policy, score_func=score_func,
+                             norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
+                             n_group=n_group, topk_group=topk_group, score_correction_bias=score_correction_bias,
                              aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
-                             num_shared_experts=num_shared_experts, dtype=dtype)
+                             num_shared_experts=num_shared_experts, shared_expert_gate=shared_expert_gate,
+                             dtype=dtype)
         # Every ep rank refuses, or none does: the ranks then exchange the weights' first draw.
         check_agreement(self.ep.mesh.get_group(), "MoE", configuration,
                         lambda: _check_configuration(self.ep.size, **configuration))
         self.dim, self.ffn_dim, self.num_experts, self.top_k = dim, ffn_dim, num_experts, top_k
         self.capacity_factor = None if capacity_factor is None else float(capacity_factor)
         self.drop_policy, self.score_func = drop_policy, score_func
+        self.norm_topk_prob = (score_func == "sigmoid" or top_k > 1) if norm_topk_prob is None else norm_topk_prob
+        self.routed_scaling_factor = float(routed_scaling_factor)
+        self.n_group, self.topk_group = n_group, topk_group
         self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
         self.num_shared_experts = num_shared_experts
         factory = dict(device=device, dtype=dtype)
@@ -204,6 +245,13 @@ class MoE(nn.Module):
             self.shared_w1 = nn.Parameter(self._from_first_rank(linear_weights(1, width, dim)[0]))
             self.shared_w3 = nn.Parameter(self._from_first_rank(linear_weights(1, width, dim)[0]))
             self.shared_w2 = nn.Parameter(self._from_first_rank(linear_weights(1, dim, width)[0]))
+        self.shared_gate = (nn.Parameter(self._from_first_rank(linear_weights(1, 1, dim)[0]))
+                            if shared_expert_gate else None)
+        # The bias and the routed load since the last update_correction_bias (not saved).
+        self.register_buffer("e_score_correction_bias", torch.zeros(num_experts, dtype=torch.float32, device=device)
+                             if score_correction_bias else None)
+        self.register_buffer("routed_load", torch.zeros(num_experts, dtype=torch.float32, device=device)
+                             if score_correction_bias else None, persistent=False)
         self.last_aux_loss: Tensor | None = None
         self.last_z_loss: Tensor | None = None
         self.last_tokens_per_expert: Tensor | None = None
@@ -215,10 +263,13 @@ class MoE(nn.Module):
 
     @classmethod
     def from_experts(cls, gate: Tensor, w1: Tensor, w3: Tensor, w2: Tensor, *, ep_mesh: DeviceMesh,
-                     shared: tuple[Tensor, Tensor, Tensor] | None = None, **kwargs) -> "MoE":
+                     shared: tuple[Tensor, Tensor, Tensor] | None = None, shared_gate: Tensor | None = None,
+                     correction_bias: Tensor | None = None, **kwargs) -> "MoE":
         """The layer holding the full weights of a single-process MoE (every rank passes the same tensors):
-        ``gate [E, dim]``, ``w1``/``w3 [E, ffn, dim]``, ``w2 [E, dim, ffn]``, and ``shared`` =
-        ``(w1 [S*ffn, dim], w3 [S*ffn, dim], w2 [dim, S*ffn])`` for ``num_shared_experts = S``."""
+        ``gate [E, dim]``, ``w1``/``w3 [E, ffn, dim]``, ``w2 [E, dim, ffn]``, ``shared`` =
+        ``(w1 [S*ffn, dim], w3 [S*ffn, dim], w2 [dim, S*ffn])`` for ``num_shared_experts = S``, its
+        ``shared_gate [1, dim]`` (``shared_expert_gate=True``) and the ``correction_bias [E]``
+        (``score_correction_bias=True``)."""
         if not (isinstance(gate, Tensor) and gate.dim() == 2):
             raise ValueError(f"gate must be an [E, dim] tensor, got {getattr(gate, 'shape', type(gate))}")
         num_experts, dim = gate.shape
@@ -234,14 +285,25 @@ class MoE(nn.Module):
             if len(shared) != 3 or shared[0].shape[0] % ffn_dim:
                 raise ValueError(f"shared must be (w1, w3, w2) with w1 [S*{ffn_dim}, {dim}]")
             num_shared = shared[0].shape[0] // ffn_dim
+        if shared_gate is not None and (shared is None or tuple(shared_gate.shape) != (1, dim)):
+            raise ValueError(f"shared_gate must be a [1, dim={dim}] tensor beside shared experts, got "
+                             f"{tuple(shared_gate.shape)}{'' if shared is not None else ' without shared experts'}")
+        if correction_bias is not None and tuple(correction_bias.shape) != (num_experts,):
+            raise ValueError(f"correction_bias must be a [E={num_experts}] tensor, got {tuple(correction_bias.shape)}")
         layer = cls(dim, ffn_dim, num_experts, ep_mesh=ep_mesh, num_shared_experts=num_shared, device="meta",
-                    dtype=gate.dtype, **kwargs)
+                    dtype=gate.dtype, shared_expert_gate=shared_gate is not None,
+                    score_correction_bias=correction_bias is not None, **kwargs)
         layer.gate = nn.Parameter(gate.detach().clone())
         layer.experts = GroupedExperts(*(distribute_parameter(full.detach(), layer.ep, Shard(0), src_data_rank=None)
                                          for full in (w1, w3, w2)))
         if shared is not None:
             for name, full in zip(("shared_w1", "shared_w3", "shared_w2"), shared):
                 setattr(layer, name, nn.Parameter(full.detach().clone()))
+        if shared_gate is not None:
+            layer.shared_gate = nn.Parameter(shared_gate.detach().clone())
+        if correction_bias is not None:
+            layer.e_score_correction_bias = correction_bias.detach().to(torch.float32).clone()
+            layer.routed_load = torch.zeros(num_experts, dtype=torch.float32, device=correction_bias.device)
         return layer
 
     def forward(self, x: Tensor) -> Tensor:
@@ -257,7 +319,10 @@ class MoE(nn.Module):
         expert_ids, weights, auxiliary = self._route(tokens, capacity)
         out = self._experts(tokens, expert_ids, weights, auxiliary, x.shape[:-1], capacity)  # [..., dim], not a view
         if self.num_shared_experts:
-            out = out + F.linear(F.silu(F.linear(x, self.shared_w1)) * F.linear(x, self.shared_w3), self.shared_w2)
+            shared = F.linear(F.silu(F.linear(x, self.shared_w1)) * F.linear(x, self.shared_w3), self.shared_w2)
+            if self.shared_gate is not None:
+                shared = F.linear(x, self.shared_gate).sigmoid() * shared
+            out = out + shared
         return out
 
     def _route(self, tokens: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor | None]:
@@ -270,10 +335,14 @@ class MoE(nn.Module):
         else:
             scores = logits.sigmoid()
             distribution = scores / scores.sum(-1, keepdim=True)
-        top_scores, top_ids = scores.topk(self.top_k, dim=-1)
-        weights = top_scores
-        if self.score_func == "sigmoid" or self.top_k > 1:
-            weights = top_scores / top_scores.sum(-1, keepdim=True)
+        top_ids = self._choose(scores.detach())
+        weights = scores.gather(1, top_ids)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(-1, keepdim=True)
+        if self.routed_scaling_factor != 1.0:
+            weights = weights * self.routed_scaling_factor
+        if self.routed_load is not None and torch.is_grad_enabled():  # training forwards
+            self.routed_load.scatter_add_(0, top_ids.flatten(), torch.ones(top_ids.numel(), device=top_ids.device))
         auxiliary = self._losses(logits, distribution, top_ids)
         kept = top_ids if capacity < 0 else self._drop_over_capacity(top_ids, weights, capacity)
         self.last_tokens_per_expert = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=kept.device)
@@ -282,6 +351,42 @@ class MoE(nn.Module):
         self.last_tokens_per_expert = self.last_tokens_per_expert[: self.num_experts]
         acc = torch.float64 if tokens.dtype == torch.float64 else torch.float32
         return kept, weights.to(acc), auxiliary
+
+    def _choose(self, scores: Tensor) -> Tensor:
+        """Each token's top-k experts ``[T, k]`` by ``scores [T, E]`` plus the correction bias, among the experts
+        of its ``topk_group`` best groups (each scored by its two best) when ``n_group > 1``."""
+        choice = scores if self.e_score_correction_bias is None else scores + self.e_score_correction_bias
+        if self.n_group > 1:
+            grouped = choice.view(-1, self.n_group, self.num_experts // self.n_group)
+            best_groups = grouped.topk(2, dim=-1).values.sum(-1).topk(self.topk_group, dim=-1).indices
+            allowed = torch.zeros_like(grouped[..., 0], dtype=torch.bool).scatter_(1, best_groups, True)
+            choice = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view_as(choice)
+        return choice.topk(self.top_k, dim=-1).indices
+
+    @torch.no_grad()
+    def update_correction_bias(self, rate: float, *, group: dist.ProcessGroup | None = None) -> Tensor:
+        """DeepSeek-V3's auxiliary-loss-free balancing (section 2.1.2): after a step, each expert's
+        ``e_score_correction_bias`` moves by ``rate * sign(mean load - its load)``, the loads being the routed
+        (token, expert) slots of every forward with autograd since the last update (micro-batches included),
+        summed over ``group``: every rank that routes tokens with these experts (data-parallel and
+        expert-parallel ranks alike; default: the ep group). A forward rerun by activation recompute counts
+        again (with every forward rerun alike, the signs are unchanged). Collective over ``group``; returns
+        the summed loads ``[E]``."""
+        group = self.ep.mesh.get_group() if group is None else group
+
+        def validate():
+            if self.e_score_correction_bias is None:
+                raise ValueError("update_correction_bias needs score_correction_bias=True")
+            if isinstance(rate, bool) or not isinstance(rate, (int, float)) or not rate > 0 or not math.isfinite(rate):
+                raise ValueError(f"rate must be a positive number, got {rate!r}")
+
+        check_agreement(group, "MoE.update_correction_bias", lambda: {"rate": repr(rate)}, validate)
+        load = self.routed_load.to(collective_device(group), copy=True)
+        dist.all_reduce(load, group=group)
+        load = load.to(self.routed_load.device)
+        self.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        self.routed_load.zero_()
+        return load
 
     def _losses(self, logits: Tensor, distribution: Tensor, top_ids: Tensor) -> Tensor | None:
         """Records the load-balancing and z losses of this rank's tokens; returns their weighted sum when it has
@@ -347,8 +452,12 @@ class MoE(nn.Module):
     def extra_repr(self) -> str:
         capacity = "dropless" if self.capacity_factor is None else f"capacity_factor={self.capacity_factor}"
         return (f"dim={self.dim}, ffn_dim={self.ffn_dim}, num_experts={self.num_experts}, top_k={self.top_k}, "
-                f"ep={self.ep.size}, {capacity}, score_func={self.score_func}, "
-                f"num_shared_experts={self.num_shared_experts}")
+                f"ep={self.ep.size}, {capacity}, score_func={self.score_func}, norm_topk_prob={self.norm_topk_prob}"
+                f"{f', routed_scaling_factor={self.routed_scaling_factor:g}' if self.routed_scaling_factor != 1 else ''}"
+                f"{f', n_group={self.n_group}, topk_group={self.topk_group}' if self.n_group > 1 else ''}"
+                f"{', score_correction_bias' if self.e_score_correction_bias is not None else ''}, "
+                f"num_shared_experts={self.num_shared_experts}"
+                f"{', shared_expert_gate' if self.shared_gate is not None else ''}")
 
 
 def _grouped_mm(rows: Tensor, weight: Tensor, offsets: Tensor, per_expert: Tensor) -> Tensor:
