@@ -744,7 +744,8 @@ REFUSALS = [
     ("global_num_items", TypeError, "global_num_items takes a model returned by parallelize_hf_model, got Linear"),
     ("batch_key", ValueError, r"batch has keys \['pixel_values'\] that shard_hf_batch does not know how to shard"),
     ("meshes_and_a_mesh", ValueError, r"meshes= gives every mesh; \['tp_mesh'\] must be left None with it"),
-    ("meshes_with_experts", ValueError, "meshes has ep=2: parallelize_hf_model has no expert parallelism"),
+    ("meshes_with_experts", ValueError,
+     r"meshes has ep=2, but config.model_type=.* has dense FFNs: expert parallelism needs an MoE model"),
     ("meshes_cp_method", ValueError, r"cp_method='ulysses', but meshes' cp=2 with cp_ulysses=1 is 'ring'"),
     ("meshes_type", TypeError, r"meshes must be a ParallelMeshes \(ParallelDims.build_meshes\) or None, got DeviceMesh"),
 ]

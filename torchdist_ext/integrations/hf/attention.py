@@ -76,6 +76,10 @@ def sequence_parallel_attention_forward(self, hidden_states: Tensor, position_em
 
 
 def sliding_window(attn: nn.Module) -> int | None:
-    """The window HF's forward passes the attention function: the module's (Qwen2: None on full-attention
-    layers), else the config's (Mistral)."""
-    return getattr(attn, "sliding_window", getattr(attn.config, "sliding_window", None))
+    """The window of an HF attention module: its own (Qwen2: None on full-attention layers; Qwen2-MoE sets one
+    only on its sliding layers, the config's ``layer_types`` naming them), else the config's (Mistral)."""
+    if hasattr(attn, "sliding_window"):
+        return attn.sliding_window
+    if getattr(attn.config, "layer_types", None) is not None:
+        return None
+    return getattr(attn.config, "sliding_window", None)

@@ -1,4 +1,4 @@
-"""``parallelize_hf_model``: a Hugging Face Llama-family causal LM on our layers, in place."""
+"""``parallelize_hf_model``: a Hugging Face Llama-family causal LM (dense or MoE) on our layers, in place."""
 
 import copy
 import types
@@ -20,6 +20,7 @@ from torchdist_ext.integrations.hf.attention import (
 )
 from torchdist_ext.integrations.hf.batch import document_ids_from
 from torchdist_ext.integrations.hf.loss import ParallelCausalLMLoss
+from torchdist_ext.integrations.hf.moe import MOE_MODEL_TYPES, HFMoEBlock, is_moe_block, moe_from_hf_block
 from torchdist_ext.integrations.hf.pipeline import (
     HFPipeline,
     refuse_forward,
@@ -41,7 +42,7 @@ from torchdist_ext.pipeline import SCHEDULES, num_stages
 
 __all__ = ["MODEL_TYPES", "parallelize_hf_model"]
 
-MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"})
+MODEL_TYPES = frozenset({"llama", "mistral", "qwen2", "qwen3"}) | MOE_MODEL_TYPES
 # Each decoder layer's linears: (module path in the layer, whether tensor parallelism splits its output
 # features (column-parallel) or its input features (row-parallel)).
 _LAYER_LINEARS = (("self_attn.q_proj", "out"), ("self_attn.k_proj", "out"), ("self_attn.v_proj", "out"),
@@ -138,6 +139,24 @@ def _check_config(config, decoder: nn.Module, tp_size: int) -> None:
         value = getattr(config, name)
         if value % tp_size:
             raise ValueError(f"config.{name}={value} must be divisible by the size of tp_mesh ({tp_size})")
+
+
+def _check_moe(config, meshes: ParallelMeshes | None, *, fp8, pp_mesh, compile: bool) -> None:
+    """An MoE model's blocks become our ``MoE`` over ``meshes.ep``; what that does not cover yet is refused."""
+    if config.model_type not in MOE_MODEL_TYPES:
+        if meshes is not None and meshes.dims.ep > 1:
+            raise ValueError(f"meshes has ep={meshes.dims.ep}, but config.model_type={config.model_type!r} has dense "
+                             f"FFNs: expert parallelism needs an MoE model ({sorted(MOE_MODEL_TYPES)})")
+        return
+    if meshes is None:
+        raise ValueError(f"config.model_type={config.model_type!r} is an MoE model: pass meshes=ParallelDims(..., "
+                         f"ep=...).build_meshes(device) (ep=1 too), whose ep and expert_fsdp meshes its experts use")
+    if getattr(config, "output_router_logits", False):
+        raise ValueError("config.output_router_logits=True (HF's load-balancing loss over every layer's router "
+                         "logits) is not supported yet; set it to False")
+    for name, given in (("fp8", fp8 is not None), ("a pp_mesh", pp_mesh is not None), ("compile=True", compile)):
+        if given:
+            raise ValueError(f"{name} is not supported with an MoE model ({config.model_type}) yet")
 
 
 def _check_fp8(recipe, all_gather: bool, decoder: nn.Module, tp_size: int, fsdp: bool) -> None:
@@ -237,9 +256,6 @@ def _from_parallel_meshes(meshes: ParallelMeshes, cp_method: str, **given) -> di
     if passed:
         raise ValueError(f"meshes= gives every mesh; {passed} must be left None with it")
     dims = meshes.dims
-    if dims.ep > 1:
-        raise ValueError(f"meshes has ep={dims.ep}: parallelize_hf_model has no expert parallelism (its models' "
-                         f"FFNs are dense)")
     method = dims.cp_method
     if dims.cp > 1 and cp_method not in ("ring", method):
         raise ValueError(f"cp_method={cp_method!r}, but meshes' cp={dims.cp} with cp_ulysses={dims.cp_ulysses} "
@@ -286,9 +302,10 @@ def _convert_layers(decoder: nn.Module, tp_mesh: DeviceMesh, sequence_parallel: 
         for name in ("q_proj", "k_proj", "v_proj"):
             setattr(attn, name, ColumnParallelLinear.from_linear(getattr(attn, name), tp_mesh=tp_mesh, **sp))
         attn.o_proj = RowParallelLinear.from_linear(attn.o_proj, tp_mesh=tp_mesh, **sp)
-        for name in ("gate_proj", "up_proj"):
-            setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh=tp_mesh, **sp))
-        mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh=tp_mesh, **sp)
+        if not isinstance(mlp, HFMoEBlock):  # an MoE runs on every tp rank's tokens, not split
+            for name in ("gate_proj", "up_proj"):
+                setattr(mlp, name, ColumnParallelLinear.from_linear(getattr(mlp, name), tp_mesh=tp_mesh, **sp))
+            mlp.down_proj = RowParallelLinear.from_linear(mlp.down_proj, tp_mesh=tp_mesh, **sp)
         for name in ("input_layernorm", "post_attention_layernorm"):
             setattr(layer, name, RMSNorm.from_rms_norm(getattr(layer, name), tp_mesh=tp_mesh, **sp))
         for name in ("q_norm", "k_norm"):  # Qwen3's per-head norms: each rank normalises its own heads,
@@ -338,6 +355,11 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
       the last); this rank keeps only its stages' modules (each the FSDP2 root of its layers) and trains with
       ``loss = model.pipeline.step(batch)`` (``HFPipeline``: forward and backward of ``num_microbatches``
       micro-batches by ``pp_schedule``, any of ``SCHEDULES``), the whole batch's loss as above.
+    - MoE models (``MOE_MODEL_TYPES``: Mixtral, Qwen2-MoE, Qwen3-MoE; with ``meshes``): each sparse block
+      becomes our ``MoE`` over ``meshes.ep`` (carved out of the data- and context-parallel ranks) with the
+      block's weights and routing (``moe_from_hf_block``), run by every tp rank on the same tokens (gathered
+      over tp with sequence parallelism), its experts sharded by FSDP2 over ``meshes.expert_fsdp``. Not yet:
+      ``output_router_logits`` (HF's auxiliary loss), fp8, pipelines, compile; refused.
     - ``compile``: each decoder layer's forward compiled with ``fullgraph=True`` (FSDP2's hooks, the
       embedding, final norm, head and loss stay eager). The whole model compiles as one graph only without
       FSDP2 (tp and sequence parallelism alone): ``torch.compile(model, fullgraph=True)``.
@@ -364,7 +386,8 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         virtual_stages: stages per rank for "interleaved-1f1b".
         meshes: every mesh at once, from ``ParallelDims(...).build_meshes(...)`` (then tp_mesh, dp_mesh, cp_mesh
             and pp_mesh stay None): its tp, cp (the method its cp_ulysses sets), pp, and FSDP2 over its
-            ``fsdp`` mesh, HSDP's 2-D one with dp_replicate > 1. ep must be 1.
+            ``fsdp`` mesh, HSDP's 2-D one with dp_replicate > 1; an MoE model's experts over its ``ep`` mesh
+            (ep > 1 only for an MoE model).
 
     All meshes are slices of one ``init_device_mesh`` mesh, dp before cp. Refused with a clear error instead of
     ignored: model types other than ``MODEL_TYPES`` (e.g. Gemma, whose norms scale by 1 + weight), 4-D
@@ -382,6 +405,8 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     for name, mesh in (("tp_mesh", tp_mesh), ("dp_mesh", dp_mesh), ("cp_mesh", cp_mesh)):
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"{name} must be a DeviceMesh or None, got {type(mesh).__name__}")
+    _check_moe(model.config, meshes if isinstance(meshes, ParallelMeshes) else None, fp8=fp8, pp_mesh=pp_mesh,
+               compile=compile)
     if meshes is not None:
         derived = _from_parallel_meshes(meshes, cp_method, tp_mesh=tp_mesh, dp_mesh=dp_mesh, cp_mesh=cp_mesh,
                                         pp_mesh=pp_mesh)
@@ -415,6 +440,10 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         _check_pipeline(model, pp_mesh, pp_schedule, num_microbatches, virtual_stages, fp8, compile, amax_mesh)
 
     _own_config(model)
+    moe_layers = [layer for layer in decoder.layers if is_moe_block(layer.mlp)]
+    for layer in moe_layers:
+        layer.mlp = HFMoEBlock(moe_from_hf_block(layer.mlp, model.config, ep_mesh=meshes.ep), tp_mesh,
+                               sequence_parallel)
     if tp is not None:
         tied = model.lm_head.weight is decoder.embed_tokens.weight
         _convert_layers(decoder, tp_mesh, sequence_parallel)
@@ -450,6 +479,10 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
         model.forward = refuse_forward
     layers = list(decoder.layers.values() if stages is not None else decoder.layers)  # (this rank's)
     if fsdp_mesh is not None:
+        for layer in moe_layers:  # each expert's gradient already sums its ep group's tokens: summed over the rest
+            experts = fully_shard(layer.mlp.moe.experts, mesh=meshes.expert_fsdp)
+            experts.set_gradient_divide_factor(1.0)
+            experts.set_force_sum_reduction_for_comms(True)
         for layer in layers:
             fully_shard(layer, mesh=fsdp_mesh)
         roots = list(stages.values()) if stages is not None else [model]
