@@ -1,12 +1,17 @@
-"""Train a Hugging Face Llama (random init, no download) on the byte corpus at dp x cp x tp with torchrun.
+"""Train a Hugging Face causal LM on the byte corpus at dp x cp x tp (x ep) with torchrun.
 
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --check         # dp2 x tp2, SP
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --cp 2 --tp 2 --check  # cp2 (ring) x tp2
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --cp 4 --cp-method ulysses --packed
     torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --tp 2 --compile --save-hf /tmp/tiny-llama
+    torchrun --standalone --nproc-per-node 4 examples/finetune_hf.py --hf DIR --ep 2 --check  # a saved MoE model
 
-The model is ``transformers.LlamaForCausalLM`` from a small config; three lines
-make it parallel (``parallelize_hf_model``) and feed it (``shard_hf_batch``).
+The model is ``transformers.LlamaForCausalLM`` from a small config (random init, no download), or
+``--hf DIR``'s ``save_pretrained`` directory (any model ``parallelize_hf_model`` takes, Mixtral, Qwen2-MoE
+and Qwen3-MoE with expert parallelism over ``--ep`` ranks; a vocabulary of at least 256 for the bytes).
+A dense one is built on the meta device and each rank reads only its slices (``load_hf_checkpoint``); an
+MoE one is read whole by each rank and then parallelised (HF checkpoints of a parallelised MoE model are
+not supported yet). Three lines make it parallel (``parallelize_hf_model``) and feed it (``shard_hf_batch``).
 Each step prints the loss and the world's tokens/s. ``--packed`` packs documents
 (each window is cut into documents at random lengths, position_ids restarting at
 each, HF's packed-sequence convention) and masks attention across them.
@@ -25,14 +30,16 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from one_process_check import check_losses, exit_now
-from torch.distributed.device_mesh import init_device_mesh
-from transformers import LlamaConfig, LlamaForCausalLM
+from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, LlamaForCausalLM
 
 from torchdist_ext.integrations.hf import (
+    load_hf_checkpoint,
     parallelize_hf_model,
     save_hf_checkpoint,
     shard_hf_batch,
 )
+from torchdist_ext.integrations.hf.moe import MOE_MODEL_TYPES
+from torchdist_ext.parallel import ParallelDims
 
 CORPUS = Path(__file__).resolve().parent / "data" / "corpus.txt"
 CHECK_TOLERANCE = 1e-4
@@ -43,6 +50,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel ranks (with sequence parallelism)")
     parser.add_argument("--cp", type=int, default=1, help="context-parallel ranks")
     parser.add_argument("--cp-method", choices=["ring", "ulysses"], default="ring")
+    parser.add_argument("--ep", type=int, default=1, help="expert-parallel ranks (an MoE --hf model)")
+    parser.add_argument("--hf", type=Path, metavar="DIR", help="a save_pretrained directory to train")
     parser.add_argument("--packed", action="store_true", help="pack documents into each sequence")
     parser.add_argument("--steps", type=int, default=20)
     parser.add_argument("--batch", type=int, default=8, help="global batch (sequences per step)")
@@ -55,12 +64,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build_model(seed: int) -> LlamaForCausalLM:
-    config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
-                         num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
-                         tie_word_embeddings=True, attn_implementation="sdpa", use_cache=False)
-    torch.manual_seed(seed)
-    return LlamaForCausalLM(config)
+def build_model(args, *, parallel: bool):
+    """The small Llama from ``--seed``; or ``--hf``'s model: a dense one on the meta device when it is to be
+    parallelised (``load_hf_checkpoint`` then gives each rank its slices), else read whole."""
+    if args.hf is None:
+        config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=384, num_hidden_layers=4,
+                             num_attention_heads=8, num_key_value_heads=4, max_position_embeddings=1024,
+                             tie_word_embeddings=True, attn_implementation="sdpa", use_cache=False)
+        torch.manual_seed(args.seed)
+        return LlamaForCausalLM(config)
+    config = AutoConfig.from_pretrained(args.hf)
+    if not parallel or config.model_type in MOE_MODEL_TYPES:  # (from_pretrained leaves eval mode)
+        return AutoModelForCausalLM.from_pretrained(args.hf, attn_implementation="sdpa", dtype=torch.float32).train()
+    with torch.device("meta"):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
 
 
 def batches(args: argparse.Namespace):
@@ -107,24 +124,32 @@ def main(argv=None) -> int:
     try:
         if world % (args.tp * args.cp):
             raise SystemExit(f"--tp {args.tp} x --cp {args.cp} must divide the world size {world}")
-        dp = world // (args.tp * args.cp)
-        if args.batch % dp:
-            raise SystemExit(f"--batch {args.batch} must be divisible by dp = {dp}")
-        mesh = init_device_mesh("cpu", (dp, args.cp, args.tp), mesh_dim_names=("dp", "cp", "tp"))
-        cp_mesh = mesh["cp"] if args.cp > 1 else None
-        model = build_model(args.seed)
-        parallelize_hf_model(model, tp_mesh=mesh["tp"] if args.tp > 1 else None, sequence_parallel=args.tp > 1,
-                             dp_mesh=mesh["dp"], cp_mesh=cp_mesh, cp_method=args.cp_method, compile=args.compile)
+        try:
+            dims = ParallelDims(world_size=world, cp=args.cp, cp_ulysses=args.cp if args.cp_method == "ulysses" else 1,
+                                tp=args.tp, ep=args.ep)
+        except ValueError as error:
+            raise SystemExit(f"--tp {args.tp} --cp {args.cp} --ep {args.ep} on {world} ranks: {error}") from None
+        if args.batch % dims.dp:
+            raise SystemExit(f"--batch {args.batch} must be divisible by dp = {dims.dp}")
+        meshes = dims.build_meshes("cpu")
+        model = build_model(args, parallel=True)
+        if model.config.vocab_size < 256:
+            raise SystemExit(f"--hf {args.hf}: its vocabulary ({model.config.vocab_size}) must hold the corpus's "
+                             f"256 byte ids")
+        parallelize_hf_model(model, meshes=meshes, sequence_parallel=args.tp > 1, compile=args.compile)
+        if any(p.is_meta for p in model.parameters()):
+            load_hf_checkpoint(model, args.hf)
         if rank == 0:
-            print(f"world {world}: dp={dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}) x "
-                  f"tp={args.tp}{' (sequence parallel)' if args.tp > 1 else ''}, {'packed documents, ' if args.packed else ''}"
-                  f"HF LlamaForCausalLM with {sum(p.numel() for p in model.parameters()):,} parameters", flush=True)
-        losses = train(model, args, mesh["dp"].get_local_rank(), dp, cp_mesh, report=rank == 0)
+            print(f"world {world}: dp={dims.dp} x cp={args.cp} ({args.cp_method if args.cp > 1 else 'off'}) x "
+                  f"tp={args.tp}{' (sequence parallel)' if args.tp > 1 else ''}"
+                  f"{f' x ep={args.ep} (out of dp x cp)' if args.ep > 1 else ''}, "
+                  f"{'packed documents, ' if args.packed else ''}HF {type(model).__name__}", flush=True)
+        losses = train(model, args, meshes.dp.get_local_rank(), dims.dp, meshes.cp, report=rank == 0)
         if args.save_hf:
             save_hf_checkpoint(model, args.save_hf)
         if not args.check:
             return 0
-        return check_losses(losses, lambda: train(build_model(args.seed), args, 0, 1, None, report=False),
+        return check_losses(losses, lambda: train(build_model(args, parallel=False), args, 0, 1, None, report=False),
                             CHECK_TOLERANCE)
     finally:
         dist.destroy_process_group()
