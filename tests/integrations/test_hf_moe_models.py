@@ -99,7 +99,12 @@ def refuse_moe(case: str):
     n = dist.get_world_size()
     model = build("qwen3_moe")
     built = ParallelDims(world_size=n, ep=n).build_meshes("cpu")
-    if case == "no_meshes":
+    if case == "deepseek":
+        config = transformers.DeepseekV3Config(hidden_size=32, intermediate_size=16, moe_intermediate_size=16,
+                                               num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=4,
+                                               n_routed_experts=8, vocab_size=VOCAB)
+        parallelize_hf_model(transformers.DeepseekV3ForCausalLM(config), meshes=built)
+    elif case == "no_meshes":
         parallelize_hf_model(model, dp_mesh=built.dp)
     elif case == "checkpoint":
         save_hf_checkpoint(parallelize_hf_model(model, meshes=built), "unused")
@@ -112,6 +117,7 @@ def refuse_moe(case: str):
 
 @pytest.mark.parametrize("case, message", [
     ("no_meshes", r"config.model_type='qwen3_moe' is an MoE model: pass meshes=ParallelDims"),
+    ("deepseek", r"config.model_type='deepseek_v3': its multi-head latent attention .* is not supported"),
     ("router_logits", r"config.output_router_logits=True .* is not supported yet"),
     ("compile", r"compile=True is not supported with an MoE model \(qwen3_moe\) yet"),
     ("checkpoint", r"HF checkpoints of a parallelised MoE model \(qwen3_moe\) are not supported yet"),

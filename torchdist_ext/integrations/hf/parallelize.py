@@ -143,6 +143,11 @@ def _check_config(config, decoder: nn.Module, tp_size: int) -> None:
 
 def _check_moe(config, meshes: ParallelMeshes | None, *, fp8, pp_mesh, compile: bool) -> None:
     """An MoE model's blocks become our ``MoE`` over ``meshes.ep``; what that does not cover yet is refused."""
+    if config.model_type in ("deepseek_v3", "deepseek_v2"):
+        raise ValueError(f"config.model_type={config.model_type!r}: its multi-head latent attention (low-rank q and "
+                         "kv projections, a decoupled RoPE key) is not supported by parallelize_hf_model; its MoE "
+                         "layers are: torchdist_ext.parallel.MoE(score_func='sigmoid', n_group=..., topk_group=..., "
+                         "routed_scaling_factor=..., score_correction_bias=True) equals DeepseekV3MoE")
     if config.model_type not in MOE_MODEL_TYPES:
         if meshes is not None and meshes.dims.ep > 1:
             raise ValueError(f"meshes has ep={meshes.dims.ep}, but config.model_type={config.model_type!r} has dense "
