@@ -13,16 +13,17 @@ from torch import nn
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 
-from torchdist_ext.diloco import DiLoCo
+from torchdist_ext.diloco import DiLoCo, nesterov
 from torchdist_ext.parallel import ColumnParallelLinear, RowParallelLinear
 from torchdist_ext.testing import cached_mesh
 
 DIM, HIDDEN, ROWS = 8, 16, 8
 
 
-def make_model() -> nn.Module:
+def make_model(hidden: int = HIDDEN) -> nn.Module:
+    """The islands' model; an odd ``hidden`` shards unevenly over 2 FSDP2 ranks."""
     torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(DIM, HIDDEN), nn.Tanh(), nn.Linear(HIDDEN, DIM))
+    return nn.Sequential(nn.Linear(DIM, hidden), nn.Tanh(), nn.Linear(hidden, DIM))
 
 
 def island_batch(island: int, step: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -46,13 +47,14 @@ def outer_sgd_lr1(params):
     return torch.optim.SGD(params, lr=1.0)
 
 
-def simulate(steps: int, islands: int, sync_every: int, fragments: list[list[int]], inner, outer) -> list[nn.Module]:
+def simulate(steps: int, islands: int, sync_every: int, fragments: list[list[int]], inner, outer,
+             hidden: int = HIDDEN) -> list[nn.Module]:
     """Each island's model after ``steps`` in one process: inner steps on its own batches, fragment f of the
     parameters synced at the steps s with s % H == f H / F (the outer optimizer over one copy of the
     parameters, stepped with the islands' mean pseudo-gradient of that fragment)."""
-    models = [make_model() for _ in range(islands)]
+    models = [make_model(hidden) for _ in range(islands)]
     inners = [inner(m.parameters()) for m in models]
-    synced = make_model()
+    synced = make_model(hidden)
     outer_opt = outer(synced.parameters())
     for step in range(1, steps + 1):
         for island, (model, optimizer) in enumerate(zip(models, inners)):
@@ -77,10 +79,11 @@ def simulate(steps: int, islands: int, sync_every: int, fragments: list[list[int
 
 
 def parallel_island_model(kind: str) -> nn.Module:
-    """This rank's part of its island's model: FSDP2 over the island's 2 ranks, or tensor parallelism."""
+    """This rank's part of its island's model: FSDP2 over the island's 2 ranks (evenly, or "fsdp-uneven": a
+    hidden width of 7 split 4 + 3), or tensor parallelism."""
     mesh = cached_mesh((2, 2), ("island", "inner"))
-    model = make_model()
-    if kind == "fsdp":
+    model = make_model(7 if kind == "fsdp-uneven" else HIDDEN)
+    if kind.startswith("fsdp"):
         return fully_shard(model, mesh=mesh["inner"])
     model[0] = ColumnParallelLinear.from_linear(model[0], tp_mesh=mesh["inner"])
     model[2] = RowParallelLinear.from_linear(model[2], tp_mesh=mesh["inner"])
@@ -99,7 +102,7 @@ def train_islands(kind: str, steps: int, sync_every: int, fragments: int, inner,
                     outer_optimizer=outer, outer_dtype=outer_dtype)
     for step in range(1, steps + 1):
         x, y = island_batch(island, step)
-        if kind == "fsdp":  # each FSDP rank its half of the island's rows (mean loss: FSDP averages)
+        if kind.startswith("fsdp"):  # each FSDP rank its half of the island's rows (mean loss: FSDP averages)
             x, y = x.chunk(2)[inner_rank], y.chunk(2)[inner_rank]
         loss_of(model, x, y).backward()
         diloco.step()
@@ -113,16 +116,17 @@ def check_against_simulation(kind: str, sync_every: int, fragments: int, inner_n
     steps = 2 * sync_every
     full, diloco = train_islands(kind, steps, sync_every, fragments, inner, None)
     island = cached_mesh((2, 2), ("island", "inner"))["island"].get_local_rank()
-    from torchdist_ext.diloco import nesterov
-    expected = simulate(steps, 2, sync_every, diloco.fragments, inner, nesterov)[island]
+    hidden = 7 if kind == "fsdp-uneven" else HIDDEN
+    expected = simulate(steps, 2, sync_every, diloco.fragments, inner, nesterov, hidden)[island]
     for got, want in zip(full, expected.parameters()):
         torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
     return [len(f) for f in diloco.fragments]
 
 
 @pytest.mark.parametrize("kind, sync_every, fragments, inner", [
-    ("fsdp", 2, 1, "adamw"), ("tp", 3, 1, "adamw"), ("fsdp", 2, 2, "sgd"), ("tp", 4, 3, "adamw")],
-    ids=["fsdp-h2", "tp-h3", "fsdp-h2-2-fragments", "tp-h4-3-fragments"])
+    ("fsdp", 2, 1, "adamw"), ("tp", 3, 1, "adamw"), ("fsdp", 2, 2, "sgd"), ("tp", 4, 3, "adamw"),
+    ("fsdp-uneven", 2, 2, "adamw")],
+    ids=["fsdp-h2", "tp-h3", "fsdp-h2-2-fragments", "tp-h4-3-fragments", "fsdp-uneven-shards"])
 def test_islands_equal_their_single_process_simulation(world4, kind, sync_every, fragments, inner):
     sizes = world4.run(check_against_simulation, kind, sync_every, fragments, inner)
     assert len(sizes[0]) == fragments and sum(sizes[0]) == 4
@@ -170,6 +174,23 @@ def check_quantised_exchange(outer_dtype):
 @pytest.mark.parametrize("outer_dtype", [torch.bfloat16, torch.float8_e4m3fn], ids=["bf16", "fp8"])
 def test_quantised_exchange_within_its_rounding_bound(world4, outer_dtype):
     assert all(world4.run(check_quantised_exchange, outer_dtype))
+
+
+def check_islands_start_alike():
+    """An island seeded otherwise starts from island 0's parameters."""
+    mesh = cached_mesh((2, 2), ("island", "inner"))
+    model = parallel_island_model("tp")
+    if mesh["island"].get_local_rank() == 1:
+        with torch.no_grad():
+            for param in model.parameters():
+                param.to_local().add_(1.0)
+    DiLoCo(model, inner_sgd(model.parameters()), island_mesh=mesh["island"], sync_every=2)
+    for got, want in zip(model.parameters(), make_model().parameters()):
+        torch.testing.assert_close(got.full_tensor(), want.detach(), rtol=0, atol=0)
+
+
+def test_islands_start_from_island_0s_parameters(world4):
+    world4.run(check_islands_start_alike)
 
 
 def check_resume():

@@ -49,9 +49,9 @@ class DiLoCo:
             SGD lr 0.7, momentum 0.9, Nesterov).
         fragments: F >= 1 fragments of consecutive parameters of about equal size; fragment f syncs at the steps
             s with ``s % H == (f * H) // F`` (F = 1: every H steps), at most one fragment per step.
-        outer_dtype: what the pseudo-gradients travel as: float32, bfloat16 (rounded to nearest), or
-            float8_e4m3fn with one fp32 scale per tensor (the largest |value| over the islands mapped to 448),
-            gathered as bytes and averaged in fp32.
+        outer_dtype: what the pseudo-gradients travel as: float32 (all-reduced), bfloat16 (rounded to
+            nearest), or float8_e4m3fn with one fp32 scale per tensor (the largest |value| over the islands mapped
+            to 448); the last two gathered as their bytes (half and a quarter of fp32's) and averaged in fp32.
 
     Construction is collective over the default group (the schedule must agree on every rank) and over
     ``island_mesh`` (the parameters' shards must agree). State (``state_dict`` / ``load_state_dict``, with
@@ -62,14 +62,16 @@ class DiLoCo:
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *, island_mesh: DeviceMesh,
                  sync_every: int, outer_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
                  fragments: int = 1, outer_dtype: torch.dtype = torch.float32):
-        if not isinstance(model, nn.Module):
-            raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
-        if not isinstance(inner_optimizer, torch.optim.Optimizer):
-            raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got {type(inner_optimizer).__name__}")
-        self.islands = MeshGroup.of(island_mesh, "island_mesh")
-        self.params = [p for p in model.parameters() if p.requires_grad]
+        self.params = [p for p in model.parameters() if p.requires_grad] if isinstance(model, nn.Module) else []
 
         def validate():
+            if not isinstance(model, nn.Module):
+                raise TypeError(f"model must be an nn.Module, got {type(model).__name__}")
+            if not isinstance(inner_optimizer, torch.optim.Optimizer):
+                raise TypeError(f"inner_optimizer must be a torch.optim.Optimizer, got "
+                                f"{type(inner_optimizer).__name__}")
+            if not isinstance(island_mesh, DeviceMesh) or island_mesh.ndim != 1:
+                raise TypeError(f"island_mesh must be a 1-D DeviceMesh, got {island_mesh!r}")
             for name, value in (("sync_every", sync_every), ("fragments", fragments)):
                 if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                     raise ValueError(f"{name} must be an int >= 1, got {value!r}")
@@ -82,14 +84,31 @@ class DiLoCo:
                 raise ValueError(f"outer_dtype must be one of {[str(d) for d in OUTER_DTYPES]}, got {outer_dtype!r}")
 
         # The schedule is every rank's (collective over the default group: every rank of every island builds
-        # its DiLoCo); the parameters' shards are those of the same rank in each island.
+        # its DiLoCo); the parameters' shards are those of the same rank in each island, and a mismatch found
+        # in one island group is raised on every rank (the others would wait for it in their first collective).
         check_agreement(None, "DiLoCo", lambda: {"sync_every": sync_every, "fragments": fragments,
                                                  "outer_dtype": outer_dtype}, validate)
-        check_agreement(self.islands.mesh.get_group(), "DiLoCo",
-                        lambda: {"parameters": [tuple(_local(p).shape) for p in self.params]})
+        self.islands = MeshGroup.of(island_mesh, "island_mesh")
+        mismatch = None
+        try:
+            check_agreement(self.islands.mesh.get_group(), "DiLoCo",
+                            lambda: {"parameters": [tuple(_local(p).shape) for p in self.params]})
+        except ValueError as error:
+            mismatch = error
+
+        def shards_agree():
+            if mismatch is not None:
+                raise mismatch
+
+        check_agreement(None, "DiLoCo", {}, shards_agree)
         self.inner, self.sync_every, self.outer_dtype = inner_optimizer, sync_every, outer_dtype
         self.fragments = self._cut(fragments)
         self.outer = (outer_optimizer or nesterov)(self.params)
+        # Every island starts from island 0's parameters (as the paper's replicas do; a model seeded per rank
+        # would otherwise keep its difference through every sync).
+        with torch.no_grad():
+            for param in self.params:
+                dist.broadcast(_local(param), group=self.islands.mesh.get_group(), group_src=0)
         self.synced = [_local(p).detach().clone() for p in self.params]
         self.inner_steps = 0
 
@@ -121,17 +140,19 @@ class DiLoCo:
     def _sync(self, index: int) -> None:
         members = self.fragments[index]
         averages = [self._average(self.synced[i] - _local(self.params[i])) for i in members]
-        previous_grads = [self.params[i].grad for i in members]
+        previous_grads = [param.grad for param in self.params]
         for param in self.params:
             param.grad = None  # the outer optimizer steps this fragment only
         for i, average in zip(members, averages):
             param = self.params[i]
             _local(param).copy_(self.synced[i])
-            param.grad = (DTensor.from_local(average, param.device_mesh, param.placements, run_check=False)
+            param.grad = (DTensor.from_local(average, param.device_mesh, param.placements, run_check=False,
+                                             shape=param.shape, stride=param.stride())
                           if isinstance(param, DTensor) else average)
         self.outer.step()
-        for i, grad in zip(members, previous_grads):
-            self.params[i].grad = grad
+        for param, grad in zip(self.params, previous_grads):
+            param.grad = grad
+        for i in members:
             self.synced[i].copy_(_local(self.params[i]))
 
     def _average(self, pseudo: Tensor) -> Tensor:
@@ -139,18 +160,21 @@ class DiLoCo:
         it; fp32."""
         group, n = self.islands.mesh.get_group(), self.islands.size
         device = collective_device(group)
+        if self.outer_dtype == torch.float32:
+            carried = pseudo.float().to(device, copy=True)
+            dist.all_reduce(carried, group=group)
+            return (carried / n).to(pseudo.device)
+        scale = 1.0
         if self.outer_dtype == torch.float8_e4m3fn:
-            amax = pseudo.abs().max().float().reshape(1).to(device)
+            amax = pseudo.abs().amax().float().reshape(1) if pseudo.numel() else torch.zeros(1)
+            amax = amax.to(device)
             dist.all_reduce(amax, op=dist.ReduceOp.MAX, group=group)
             scale = 448.0 / amax.item() if amax.item() > 0 else 1.0
-            encoded = (pseudo.float() * scale).to(torch.float8_e4m3fn).view(torch.uint8).flatten().to(device)
-            gathered = torch.empty(n * encoded.numel(), dtype=torch.uint8, device=device)
-            dist.all_gather_into_tensor(gathered, encoded, group=group)
-            decoded = gathered.view(torch.float8_e4m3fn).float().view(n, *pseudo.shape) / scale
-            return decoded.mean(0).to(pseudo.device)
-        carried = pseudo.to(self.outer_dtype).float().to(device)
-        dist.all_reduce(carried, group=group)
-        return (carried / n).to(pseudo.device)
+        encoded = (pseudo.float() * scale).to(self.outer_dtype).flatten().view(torch.uint8).to(device)
+        gathered = torch.empty(n * encoded.numel(), dtype=torch.uint8, device=device)
+        dist.all_gather_into_tensor(gathered, encoded, group=group)
+        decoded = gathered.view(self.outer_dtype).float().view(n, *pseudo.shape) / scale
+        return decoded.mean(0).to(pseudo.device)
 
     def state_dict(self) -> dict:
         return {"inner_steps": self.inner_steps, "outer": self.outer.state_dict(),

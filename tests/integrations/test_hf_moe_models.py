@@ -1,7 +1,8 @@
 """Hugging Face MoE models (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) through parallelize_hf_model
 with expert parallelism: the loss, the logits and every parameter's gradient equal the single-process model's
-(fp32), at dp2 x ep2, tp2 (SP) x dp2 x ep2 and cp2 x ep2, on padded and packed batches. Our MoE's parameters
-are compared with the HF block's they came from (``gate_up_proj`` = w1 over w3)."""
+(fp32), at dp2 x ep2, tp2 (SP) x dp2 x ep2, cp2 x ep2 and dp2 x cp2 x ep2 (each expert sharded over 2 ranks), on
+padded and packed batches. Our MoE's parameters are compared with the HF block's they came from
+(``gate_up_proj`` = w1 over w3)."""
 
 import pytest
 import torch
@@ -57,7 +58,8 @@ def hf_gradients(reference: torch.nn.Module) -> dict[str, torch.Tensor]:
 
 
 def layout_dims(layout: str) -> dict:
-    return {"dp2_ep2": dict(ep=2), "tp2_sp_dp2_ep2": dict(tp=2, ep=2), "cp2_ep2": dict(cp=2, ep=2)}[layout]
+    return {"dp2_ep2": dict(ep=2), "tp2_sp_dp2_ep2": dict(tp=2, ep=2), "cp2_ep2": dict(cp=2, ep=2),
+            "dp2_cp2_ep2": dict(cp=2, ep=2)}[layout]
 
 
 def check_moe_model(family: str, layout: str):
@@ -86,8 +88,9 @@ def check_moe_model(family: str, layout: str):
     return True
 
 
+# dp2 x cp2 x ep2: each expert sharded over 2 ranks (expert_fsdp), its gradient summed over them.
 CASES = [("mixtral", "dp2_ep2", "world2"), ("qwen2_moe", "tp2_sp_dp2_ep2", "world4"),
-         ("qwen3_moe", "cp2_ep2", "world2"), ("mixtral", "tp2_sp_dp2_ep2", "world4")]
+         ("qwen3_moe", "cp2_ep2", "world2"), ("mixtral", "tp2_sp_dp2_ep2", "world4"), ("qwen3_moe", "dp2_cp2_ep2", "world4")]
 
 
 @pytest.mark.parametrize("family, layout, world", CASES, ids=[f"{f}-{layout}" for f, layout, _ in CASES])
@@ -108,6 +111,10 @@ def refuse_moe(case: str):
         parallelize_hf_model(model, dp_mesh=built.dp)
     elif case == "checkpoint":
         save_hf_checkpoint(parallelize_hf_model(model, meshes=built), "unused")
+    elif case == "jitter":
+        model = build("mixtral")
+        model.config.router_jitter_noise = 0.1
+        parallelize_hf_model(model, meshes=built)
     elif case == "router_logits":
         model.config.output_router_logits = True
         parallelize_hf_model(model, meshes=built)
@@ -120,6 +127,7 @@ def refuse_moe(case: str):
     ("deepseek", r"config.model_type='deepseek_v3': its multi-head latent attention .* is not supported"),
     ("router_logits", r"config.output_router_logits=True .* is not supported yet"),
     ("compile", r"compile=True is not supported with an MoE model \(qwen3_moe\) yet"),
+    ("jitter", r"config.router_jitter_noise=0.1 .* is not supported; set it to 0.0"),
     ("checkpoint", r"HF checkpoints of a parallelised MoE model \(qwen3_moe\) are not supported yet"),
 ])
 def test_refuses_what_it_does_not_cover_yet(world2, case, message):

@@ -126,7 +126,7 @@ def update_after_a_forward(rate: float):
         _, _, chosen = block.gate(x_full.view(-1, DIM))
     load = torch.bincount(chosen.flatten(), minlength=EXPERTS).float()
     before = moe.e_score_correction_bias.clone()
-    assert torch.equal(moe.update_correction_bias(rate), load)
+    assert torch.equal(moe.update_correction_bias(rate, group=dist.group.WORLD), load)
     assert torch.equal(moe.e_score_correction_bias, before + rate * torch.sign(load.mean() - load))
     assert not moe.routed_load.any()
     assert "e_score_correction_bias" in moe.state_dict() and "routed_load" not in moe.state_dict()
@@ -141,7 +141,7 @@ def test_aux_loss_free_bias_update(world2):
 def refuse_a_rate_on_one_rank():
     moe = ours(hf_block("deepseek-v3"), "deepseek-v3", cached_mesh((2,), ("ep",)))
     with pytest.raises(ValueError, match=r"rate must be a positive number, got -0.1"):
-        moe.update_correction_bias(-0.1 if dist.get_rank() == 0 else 0.1)
+        moe.update_correction_bias(-0.1 if dist.get_rank() == 0 else 0.1, group=dist.group.WORLD)
 
 
 def test_bad_rate_on_one_rank_is_refused_on_both(world2):
@@ -154,6 +154,7 @@ def test_bad_rate_on_one_rank_is_refused_on_both(world2):
     (dict(n_group=4, topk_group=5), ValueError, r"topk_group must be an int in \[1, n_group=4\], got 5"),
     (dict(n_group=4, topk_group=1, top_k=3), ValueError, r"top_k=3 must not exceed the experts of topk_group=1"),
     (dict(routed_scaling_factor=0.0), ValueError, r"routed_scaling_factor must be a positive number, got 0.0"),
+    (dict(routed_scaling_factor="2"), TypeError, r"routed_scaling_factor must be a number, got '2'"),
     (dict(norm_topk_prob="yes"), TypeError, r"norm_topk_prob must be a bool or None, got 'yes'"),
     (dict(shared_expert_gate=True), ValueError, r"shared_expert_gate=True needs shared experts"),
 ])
@@ -168,4 +169,20 @@ def refuse(kwargs, error, message):
         return
     moe = MoE(DIM, FFN, EXPERTS, ep_mesh=cached_mesh((2,), ("ep",)))
     with pytest.raises(ValueError, match="update_correction_bias needs score_correction_bias=True"):
-        moe.update_correction_bias(0.1)
+        moe.update_correction_bias(0.1, group=dist.group.WORLD)
+
+
+def bias_stays_fp32():
+    """Cast to bf16, the bias and the running load stay fp32 and train; built on the meta device and given
+    storage, they start at 0."""
+    mesh = cached_mesh((2,), ("ep",))
+    moe = MoE(DIM, FFN, EXPERTS, ep_mesh=mesh, score_func="sigmoid", score_correction_bias=True).to(torch.bfloat16)
+    assert moe.e_score_correction_bias.dtype == moe.routed_load.dtype == torch.float32
+    moe(torch.randn(4, DIM, dtype=torch.bfloat16)).sum().backward()
+    assert moe.routed_load.sum().item() == 4 * 2
+    meta = MoE(DIM, FFN, EXPERTS, ep_mesh=mesh, score_correction_bias=True, device="meta").to_empty(device="cpu")
+    assert not meta.e_score_correction_bias.any() and not meta.routed_load.any()
+
+
+def test_bias_stays_fp32_and_starts_at_zero(world2):
+    world2.run(bias_stays_fp32)

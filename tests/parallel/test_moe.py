@@ -257,7 +257,7 @@ def run_compiled(capacity_factor, routing):
             out = compiled(x)
         if eager_load is not None:
             assert torch.equal(moe.routed_load, 2 * eager_load)  # the compiled forward's loads: the eager one's
-            moe.update_correction_bias(0.01)
+            moe.update_correction_bias(0.01, group=dist.group.WORLD)
         grads = torch.autograd.grad(out.square().sum(), [x, *params])
         torch.testing.assert_close(out, eager)
         for got, want in zip(grads, eager_grads):

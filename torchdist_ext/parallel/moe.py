@@ -81,8 +81,9 @@ def _check_configuration(ep_size: int, *, dim, ffn_dim, num_experts, top_k, capa
                        ("shared_expert_gate", shared_expert_gate)):
         if not isinstance(value, bool) and not (arg == "norm_topk_prob" and value is None):
             raise TypeError(f"{arg} must be a bool{' or None' if arg == 'norm_topk_prob' else ''}, got {value!r}")
-    if (isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float))
-            or not routed_scaling_factor > 0 or not math.isfinite(routed_scaling_factor)):
+    if isinstance(routed_scaling_factor, bool) or not isinstance(routed_scaling_factor, (int, float)):
+        raise TypeError(f"routed_scaling_factor must be a number, got {routed_scaling_factor!r}")
+    if not routed_scaling_factor > 0 or not math.isfinite(routed_scaling_factor):
         raise ValueError(f"routed_scaling_factor must be a positive number, got {routed_scaling_factor!r}")
     _positive_int("n_group", n_group)
     if num_experts % n_group or (n_group > 1 and num_experts // n_group < 2):
@@ -363,16 +364,30 @@ class MoE(nn.Module):
             choice = grouped.masked_fill(~allowed.unsqueeze(-1), float("-inf")).view_as(choice)
         return choice.topk(self.top_k, dim=-1).indices
 
+    def _apply(self, fn, recurse=True):
+        """``to``, ``cuda``, ``to_empty``... move the correction bias and the running load but keep them fp32 (a
+        count in 16 bits stops at 256), and a bias that had no storage (meta) starts at 0."""
+        kept = {name: getattr(self, name) for name in ("e_score_correction_bias", "routed_load")}
+        super()._apply(fn, recurse)
+        for name, before in kept.items():
+            after = getattr(self, name)
+            if after is None:
+                continue
+            if before.is_meta:
+                setattr(self, name, torch.zeros_like(after, dtype=torch.float32))
+            elif after.dtype != torch.float32:
+                setattr(self, name, before.to(device=after.device))
+        return self
+
     @torch.no_grad()
-    def update_correction_bias(self, rate: float, *, group: dist.ProcessGroup | None = None) -> Tensor:
+    def update_correction_bias(self, rate: float, *, group: dist.ProcessGroup) -> Tensor:
         """DeepSeek-V3's auxiliary-loss-free balancing (section 2.1.2): after a step, each expert's
         ``e_score_correction_bias`` moves by ``rate * sign(mean load - its load)``, the loads being the routed
         (token, expert) slots of every forward with autograd since the last update (micro-batches included),
-        summed over ``group``: every rank that routes tokens with these experts (data-parallel and
-        expert-parallel ranks alike; default: the ep group). A forward rerun by activation recompute counts
-        again (with every forward rerun alike, the signs are unchanged). Collective over ``group``; returns
-        the summed loads ``[E]``."""
-        group = self.ep.mesh.get_group() if group is None else group
+        summed over ``group``: every rank that routes tokens with these experts, data-parallel and
+        expert-parallel ranks alike (with FSDP2, ``fully_shard_moe``'s ``dp_mesh``), so that every replica's
+        bias moves alike. A forward rerun by activation recompute counts again (with every forward rerun alike,
+        the signs are unchanged). Collective over ``group``; returns the summed loads ``[E]``."""
 
         def validate():
             if self.e_score_correction_bias is None:
@@ -384,7 +399,7 @@ class MoE(nn.Module):
         load = self.routed_load.to(collective_device(group), copy=True)
         dist.all_reduce(load, group=group)
         load = load.to(self.routed_load.device)
-        self.e_score_correction_bias += rate * torch.sign(load.mean() - load)
+        self.e_score_correction_bias += rate * torch.sign(load.mean() - load).to(self.e_score_correction_bias.device)
         self.routed_load.zero_()
         return load
 

@@ -135,13 +135,15 @@ def _check_config(config, decoder: nn.Module, tp_size: int) -> None:
         raise ValueError(f"config.attention_dropout={dropout} is not supported; set it to 0.0")
     if getattr(config, "use_sliding_window", False):
         raise ValueError("config.use_sliding_window=True is not supported (the attention is full causal)")
-    for name in ("num_attention_heads", "num_key_value_heads", "intermediate_size", "vocab_size"):
+    dense_mlps = any(not is_moe_block(layer.mlp) for layer in decoder.layers)  # (experts are not split over tp)
+    for name in ("num_attention_heads", "num_key_value_heads", *(("intermediate_size",) if dense_mlps else ()),
+                 "vocab_size"):
         value = getattr(config, name)
         if value % tp_size:
             raise ValueError(f"config.{name}={value} must be divisible by the size of tp_mesh ({tp_size})")
 
 
-def _check_moe(config, meshes: ParallelMeshes | None, *, fp8, pp_mesh, compile: bool) -> None:
+def _check_moe(config, decoder: nn.Module, meshes: ParallelMeshes | None, *, fp8, pp_mesh, compile: bool) -> None:
     """An MoE model's blocks become our ``MoE`` over ``meshes.ep``; what that does not cover yet is refused."""
     if config.model_type in ("deepseek_v3", "deepseek_v2"):
         raise ValueError(f"config.model_type={config.model_type!r}: its multi-head latent attention (low-rank q and "
@@ -153,9 +155,18 @@ def _check_moe(config, meshes: ParallelMeshes | None, *, fp8, pp_mesh, compile: 
             raise ValueError(f"meshes has ep={meshes.dims.ep}, but config.model_type={config.model_type!r} has dense "
                              f"FFNs: expert parallelism needs an MoE model ({sorted(MOE_MODEL_TYPES)})")
         return
+    unknown = [i for i, layer in enumerate(decoder.layers)
+               if hasattr(layer.mlp, "experts") and not is_moe_block(layer.mlp)]
+    if unknown:
+        raise ValueError(f"model.model.layers[{unknown[0]}].mlp ({type(decoder.layers[unknown[0]].mlp).__name__}) holds "
+                         "experts in a layout parallelize_hf_model does not know (it reads experts.gate_up_proj "
+                         "[E, 2 ffn, hidden] and experts.down_proj, as transformers 5 stores them)")
     if meshes is None:
         raise ValueError(f"config.model_type={config.model_type!r} is an MoE model: pass meshes=ParallelDims(..., "
                          f"ep=...).build_meshes(device) (ep=1 too), whose ep and expert_fsdp meshes its experts use")
+    if getattr(config, "router_jitter_noise", 0.0):
+        raise ValueError(f"config.router_jitter_noise={config.router_jitter_noise} (Mixtral's training-time noise on "
+                         "the router's input) is not supported; set it to 0.0")
     if getattr(config, "output_router_logits", False):
         raise ValueError("config.output_router_logits=True (HF's load-balancing loss over every layer's router "
                          "logits) is not supported yet; set it to False")
@@ -410,8 +421,8 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
     for name, mesh in (("tp_mesh", tp_mesh), ("dp_mesh", dp_mesh), ("cp_mesh", cp_mesh)):
         if mesh is not None and not isinstance(mesh, DeviceMesh):
             raise TypeError(f"{name} must be a DeviceMesh or None, got {type(mesh).__name__}")
-    _check_moe(model.config, meshes if isinstance(meshes, ParallelMeshes) else None, fp8=fp8, pp_mesh=pp_mesh,
-               compile=compile)
+    _check_moe(model.config, decoder, meshes if isinstance(meshes, ParallelMeshes) else None, fp8=fp8,
+               pp_mesh=pp_mesh, compile=compile)
     if meshes is not None:
         derived = _from_parallel_meshes(meshes, cp_method, tp_mesh=tp_mesh, dp_mesh=dp_mesh, cp_mesh=cp_mesh,
                                         pp_mesh=pp_mesh)
