@@ -1,6 +1,10 @@
 #include "planner/compute.h"
 
 #include <algorithm>
+#include <cmath>
+#include <initializer_list>
+#include <stdexcept>
+#include <string>
 
 #include "planner/estimate.h"
 #include "planner/memory.h"
@@ -95,12 +99,8 @@ Work attention_block(const ModelSpec& model, const Layout& l, const Local& s, co
   const double forward = 2 * b * (T / b) * seq * static_cast<double>(model.head_dim()) * heads;
   if (l.attention == AttentionKernel::kFlash) {
     w.attention = forward * (1 + full_rerun + kFlashBackwardShare) / (gpu.bf16_flops * gpu.attention_efficiency);
-  } else {
-    // Unfused: both triangles' products as GEMMs, and the [b, heads, s_q, s] scores through the softmax
-    // (written, read and written forward; about twice that backward).
+  } else {  // unfused: both triangles' products as GEMMs (their scores' bytes: eager_scores)
     w.attention = 2 * forward * (3 + full_rerun) / (gpu.bf16_flops * gpu.gemm_efficiency);
-    w.memory_bytes += (3 + 6 + 3 * full_rerun) * s.e * heads * T * seq;
-    w.memory_kernels += 3 + 6 + 3 * full_rerun;
   }
   const double hidden = s.hidden_tokens * s.h;
   w.memory_bytes += hidden * (norm_bytes(s, l) + 3 * s.e) +
@@ -109,18 +109,40 @@ Work attention_block(const ModelSpec& model, const Layout& l, const Local& s, co
   return w;
 }
 
-// fp8 casts of one linear's input (forward) and output gradient (backward): the amax, the cast and a
-// transposed fp8 copy for the other GEMM, per element: eager 2e + 1 + 2 in 3 kernels; fused e + 1 + 2.
-double fp8_cast_bytes(const Local& s) { return s.eager ? 2 * s.e + 3 : s.e + 3; }
-
-// The fp8 casts of a block's linears: inputs (h, q, h, f wide: f the MLP's tp-local width) forward and
-// output gradients (q + 2g, h, 2f, h) backward; kernels: 3 per cast eager, 1 fused.
-Work fp8_casts(const Local& s, double ffn_width) {
+// An unfused attention's [b, heads, s_q, s] scores through the softmax: written, read and written forward,
+// about twice that backward, and the forward's again under full recompute (bytes and kernels of the whole
+// step's share of one layer: not passed through with_backward).
+Work eager_scores(const ModelSpec& model, const Layout& l, const Local& s) {
   Work w;
-  const double elements = s.tokens * ((s.h + s.q + s.h + ffn_width) + (s.q + 2 * s.g + s.h + 2 * ffn_width + s.h));
-  w.memory_bytes = elements * fp8_cast_bytes(s);
-  w.memory_kernels = 8 * (s.eager ? 3 : 1);
+  if (l.attention != AttentionKernel::kEager) return w;
+  const double full_rerun = l.recompute == Recompute::kFull ? 1 : 0;
+  const double heads = s.q / static_cast<double>(model.head_dim());
+  w.memory_bytes = (3 + 6 + 3 * full_rerun) * s.e * heads * s.tokens * static_cast<double>(l.seq_len);
+  w.memory_kernels = 3 + 6 + 3 * full_rerun;
   return w;
+}
+
+// The fp8 casts of linears, each given as (rows, input width, output width): its input cast forward and its
+// output gradient cast backward, each the amax, the cast and a transposed fp8 copy for the other GEMM, per
+// element: eager 2e + 1 + 2 in 3 kernels; fused (the amax in the read, the transposed copy written by the
+// cast) e + 2 in 1.
+struct CastedLinear {
+  double rows, in, out;
+};
+Work fp8_casts(const Local& s, std::initializer_list<CastedLinear> linears) {
+  Work w;
+  for (const CastedLinear& linear : linears) {
+    w.memory_bytes += linear.rows * (linear.in + linear.out) * (s.eager ? 2 * s.e + 3 : s.e + 2);
+    w.memory_kernels += 2 * (s.eager ? 3 : 1);
+  }
+  return w;
+}
+
+// The casts of a block's attention linears (q, k and v each casting the block input when unfused).
+Work attention_casts(const ModelSpec& model, const Local& s) {
+  const double T = s.tokens;
+  if (model.fused_projections) return fp8_casts(s, {{T, s.h, s.q + 2 * s.g}, {T, s.q, s.h}});
+  return fp8_casts(s, {{T, s.h, s.q}, {T, s.h, s.g}, {T, s.h, s.g}, {T, s.q, s.h}});
 }
 
 // The dense MLP half of a block: norm, gate and up GEMMs, SwiGLU, down GEMM, residual; forward.
@@ -165,6 +187,22 @@ Work moe_mlp(const ModelSpec& model, const Layout& l, const Local& s, const GpuS
   return w;
 }
 
+// The fp8 casts of an MoE half: the experts' w1, w3 and w2 on the routed rows and the shared experts' on
+// every token (the router stays in 16 or 32 bits).
+Work moe_casts(const ModelSpec& model, const Layout& l, const Local& s) {
+  const double f = static_cast<double>(model.moe_ffn_hidden), shared = static_cast<double>(model.num_shared_experts) * f;
+  const double rows = s.tokens * static_cast<double>(model.experts_per_token) * l.expert_imbalance;
+  Work w = fp8_casts(s, {{rows, s.h, f}, {rows, s.h, f}, {rows, f, s.h}});
+  if (shared > 0) w += fp8_casts(s, {{s.tokens, s.h, shared}, {s.tokens, s.h, shared}, {s.tokens, shared, s.h}});
+  return w;
+}
+
+// The precision of the LM head's GEMMs: fp8 recipes keep the head in the activations' precision (ours and
+// torchtitan's Float8).
+Precision head_precision(Precision p) {
+  return p == Precision::kFp8Mixed ? Precision::kBf16Mixed : p == Precision::kFp8Fp32 ? Precision::kFp32 : p;
+}
+
 // The ends of the model for one micro-batch: the embedding, the final norm, the LM head and the loss.
 //   embedding: forward a gather (2e per element), backward a scatter-add into fp32 (e + 8);
 //   loss over the tp rank's V / t logits of each token: eager as torch's cross-entropy of fp32 logits:
@@ -173,7 +211,7 @@ Work moe_mlp(const ModelSpec& model, const Layout& l, const Local& s, const GpuS
 Work model_ends(const ModelSpec& model, const Layout& l, const Local& s, const GpuSpec& gpu) {
   const double v = static_cast<double>(model.vocab_size) / static_cast<double>(l.tp);
   Work w;
-  w.gemm = linear_seconds(s.tokens, v, s.h, gpu, l.precision, 0);
+  w.gemm = linear_seconds(s.tokens, v, s.h, gpu, head_precision(l.precision), 0);
   w.memory_bytes = s.hidden_tokens * s.h * (2 * s.e + s.e + 8 + 3 * norm_bytes(s, l)) +
                    s.tokens * v * (s.eager ? 32 + 2 * s.e : 3 * s.e);
   w.memory_kernels = s.eager ? 3 + 3 * norm_kernels(s, l) + 6 : 4;
@@ -181,12 +219,11 @@ Work model_ends(const ModelSpec& model, const Layout& l, const Local& s, const G
 }
 
 // The memory-bound ops' backward moves about twice their forward's bytes (each reads what its forward read
-// and the output's gradient, and writes the inputs' gradients) in about as many kernels again; selective
-// and full recompute rerun the forward's.
-Work with_backward(Work forward, const Layout& l) {
-  const double reruns = l.recompute == Recompute::kNone ? 0 : 1;
-  forward.memory_bytes *= 3 + reruns;
-  forward.memory_kernels *= 3 + reruns;
+// and the output's gradient, and writes the inputs' gradients) in about as many kernels again; a recomputed
+// part (selective or full recompute, where it reaches) reruns the forward's.
+Work with_backward(Work forward, bool rerun) {
+  forward.memory_bytes *= rerun ? 4 : 3;
+  forward.memory_kernels *= rerun ? 4 : 3;
   return forward;
 }
 
@@ -195,12 +232,17 @@ ComputeTime compute_on(const ModelSpec& model, const Layout& l, const GpuSpec& g
   const double layers = static_cast<double>(model.num_layers);
   const double moe_layers = static_cast<double>(model.num_moe_layers()), dense_layers = layers - moe_layers;
   const bool fp8 = uses_fp8_gemms(l.precision);
-  Work block = with_backward(attention_block(model, l, s, gpu), l);
+  const bool rerun = l.recompute != Recompute::kNone;
+  Work block = with_backward(attention_block(model, l, s, gpu), rerun);
+  block += eager_scores(model, l, s);
+  if (fp8) block += attention_casts(model, s);
   Work per_layer;  // the mean over the layers
   if (dense_layers > 0) {
     Work dense = block;
-    dense += with_backward(dense_mlp(model, l, s, gpu), l);
-    if (fp8) dense += fp8_casts(s, static_cast<double>(model.ffn_hidden) / static_cast<double>(l.tp));
+    dense += with_backward(dense_mlp(model, l, s, gpu), rerun);
+    const double f = static_cast<double>(model.ffn_hidden) / static_cast<double>(l.tp), T = s.tokens;
+    if (fp8 && model.fused_projections) dense += fp8_casts(s, {{T, s.h, 2 * f}, {T, f, s.h}});
+    if (fp8 && !model.fused_projections) dense += fp8_casts(s, {{T, s.h, f}, {T, s.h, f}, {T, f, s.h}});
     per_layer.gemm += dense.gemm * dense_layers / layers;
     per_layer.attention += dense.attention * dense_layers / layers;
     per_layer.memory_bytes += dense.memory_bytes * dense_layers / layers;
@@ -208,8 +250,8 @@ ComputeTime compute_on(const ModelSpec& model, const Layout& l, const GpuSpec& g
   }
   if (moe_layers > 0) {
     Work moe = block;
-    moe += with_backward(moe_mlp(model, l, s, gpu), l);
-    if (fp8) moe += fp8_casts(s, 0);  // the attention's linears; the experts' casts are in their rows' bytes
+    moe += with_backward(moe_mlp(model, l, s, gpu), rerun && l.recompute_experts);
+    if (fp8) moe += moe_casts(model, l, s);
     per_layer.gemm += moe.gemm * moe_layers / layers;
     per_layer.attention += moe.attention * moe_layers / layers;
     per_layer.memory_bytes += moe.memory_bytes * moe_layers / layers;
@@ -236,7 +278,15 @@ ComputeTime compute_on(const ModelSpec& model, const Layout& l, const GpuSpec& g
 }  // namespace
 
 double gemm_seconds(double m, double n, double k, const GpuSpec& gpu, Precision precision) {
+  if (!(m > 0 && n > 0 && k > 0) || !std::isfinite(m * n * k)) {
+    throw std::invalid_argument("gemm_seconds: m, n and k must be positive and finite, got " + std::to_string(m) +
+                                ", " + std::to_string(n) + ", " + std::to_string(k));
+  }
   const bool fp8 = uses_fp8_gemms(precision);
+  if (fp8 && !(gpu.fp8_flops > 0)) {
+    throw std::invalid_argument("gemm_seconds: precision " + std::string(option_name(precision)) + " runs fp8 GEMMs: " +
+                                "GPU " + gpu.name + " has none (GpuSpec.fp8_flops = 0)");
+  }
   const double rate = fp8                            ? gpu.fp8_flops * gpu.fp8_gemm_efficiency
                       : precision == Precision::kFp32 ? gpu.bf16_flops * gpu.gemm_efficiency * kTf32Share
                                                       : gpu.bf16_flops * gpu.gemm_efficiency;

@@ -438,12 +438,19 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   e.step_seconds = compute.seconds / (1.0 - e.bubble) + exposed;
   const double gpus = static_cast<double>(l.world_size());
   // Against the peak of the units that run each FLOP: the GEMMs' precision's (fp8, TF32 at half the bf16
-  // peak, bf16) and bf16 for the attention, so that fp8 runs are not over 100 %.
+  // peak, bf16), the LM head's and the attention's, so that fp8 runs are not over 100 %.
   const GpuSpec& gpu = cluster.slowest_gpu();
   const double gemm_peak = uses_fp8_gemms(l.precision)       ? gpu.fp8_flops
                            : l.precision == Precision::kFp32 ? gpu.bf16_flops / 2
                                                              : gpu.bf16_flops;
-  const double ideal_seconds = (flops.gemm / gemm_peak + flops.attention / gpu.bf16_flops) / gpus;
+  // The LM head stays in the activations' precision under fp8 recipes (compute.cpp): its 6 h V per token at
+  // the bf16 (or TF32) peak.
+  const double head = uses_fp8_gemms(l.precision)
+                          ? 6 * static_cast<double>(model.hidden) * static_cast<double>(model.vocab_size) * flops.tokens
+                          : 0;
+  const double head_peak = l.precision == Precision::kFp8Fp32 ? gpu.bf16_flops / 2 : gpu.bf16_flops;
+  const double ideal_seconds =
+      ((flops.gemm - head) / gemm_peak + head / head_peak + flops.attention / gpu.bf16_flops) / gpus;
   e.mfu = ideal_seconds / e.step_seconds;
   return e;
 }

@@ -801,6 +801,8 @@ TEST(Compute, AGemmIsTheLongerOfItsFlopsAtTheSustainedRateAndItsBytesAtTheMemory
   EXPECT_DOUBLE_EQ(gemm_seconds(n, n, n, gpu, Precision::kFp32), 2 * n * n * n / (989e12 * 0.73 * 0.5));
   // A matrix-vector product moves its matrix: memory-bound at 80 % of the HBM bandwidth.
   EXPECT_DOUBLE_EQ(gemm_seconds(n, 1, n, gpu, Precision::kBf16Mixed), (n * n + n + n) * 2 / (3.35e12 * 0.8));
+  EXPECT_THROW(gemm_seconds(0, n, n, gpu, Precision::kBf16Mixed), std::invalid_argument);
+  EXPECT_THROW(gemm_seconds(n, n, n, a100(), Precision::kFp8Mixed), std::invalid_argument);
 }
 
 TEST(Compute, EachPartAnswersTheSettingThatOughtToMoveIt) {
@@ -814,6 +816,13 @@ TEST(Compute, EachPartAnswersTheSettingThatOughtToMoveIt) {
   // The attention: 4 micro-batches x 80 layers of 2 b s^2 head_dim heads / tp FLOPs forward, 2.5 times
   // that backward, at a flash kernel's 33 % of the peak.
   EXPECT_DOUBLE_EQ(eager.attention_seconds, 4 * 80 * (2 * 8192.0 * 8192 * 128 * 8) * 3.5 / (989e12 * 0.33));
+  // An eager attention: its scores' bytes once (3e written, read and written forward, 6e backward per score),
+  // not again through the rest's backward factor.
+  Layout scores = l;
+  scores.attention = AttentionKernel::kEager;
+  const double per_score = 9 * 2.0 * 8 * 8192.0 * 8192;  // 9 e, 64 / 8 heads, s_q = s = 8192
+  EXPECT_NEAR(compute_time(model, cluster, scores).memory_seconds - eager.memory_seconds,
+              4 * 80 * per_score / (3.35e12 * 0.8), 1e-9);
   // Compiled: the same GEMMs and attention, fewer bytes in fused kernels.
   l.compiled = true;
   const ComputeTime compiled = compute_time(model, cluster, l);
@@ -1076,12 +1085,14 @@ TEST(EstimateParts, EstimateIsTheCompositionOfItsParts) {
       exposed += comm.exposed_seconds;
     }
     EXPECT_DOUBLE_EQ(e.step_seconds, e.compute.seconds / (1.0 - e.bubble) + exposed);
-    // MFU against the peak each FLOP runs at: the GEMMs' precision's, bf16 for the attention.
+    // MFU against the peak each FLOP runs at: the GEMMs' precision's, the LM head's (bf16 under fp8
+    // recipes), bf16 for the attention.
     const GpuSpec& gpu = c.cluster.slowest_gpu();
-    const double gemm_peak = uses_fp8_gemms(l.precision)       ? gpu.fp8_flops
-                             : l.precision == Precision::kFp32 ? gpu.bf16_flops / 2
-                                                               : gpu.bf16_flops;
-    EXPECT_DOUBLE_EQ(e.mfu, (flops.gemm / gemm_peak + flops.attention / gpu.bf16_flops) /
+    const bool fp8 = uses_fp8_gemms(l.precision);
+    const double gemm_peak = fp8 ? gpu.fp8_flops : l.precision == Precision::kFp32 ? gpu.bf16_flops / 2 : gpu.bf16_flops;
+    const double head = fp8 ? 6.0 * static_cast<double>(c.model.hidden * c.model.vocab_size) * flops.tokens : 0;
+    const double head_peak = l.precision == Precision::kFp8Fp32 ? gpu.bf16_flops / 2 : gpu.bf16_flops;
+    EXPECT_DOUBLE_EQ(e.mfu, ((flops.gemm - head) / gemm_peak + head / head_peak + flops.attention / gpu.bf16_flops) /
                                 (static_cast<double>(l.world_size()) * e.step_seconds));
   }
 }

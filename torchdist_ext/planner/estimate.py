@@ -93,12 +93,12 @@ class Estimate:
     params_per_gpu: float  # parameters held (before ZeRO sharding)
     tokens_per_step: float
     model_flops_per_step: float  # 6 N_active D + causal attention, without recomputation
-    # mfu: model FLOPs per step over what the GPUs could do in the step at the peaks of the units that run
-    # them (the GEMMs' precision: fp8, TF32 or bf16; bf16 for the attention)
     compute: ComputeTime  # busy time of one GPU (with recomputation) and its parts
     bubble: float  # idle fraction of the pipeline
     comm: dict[str, AxisComm] = field(default_factory=dict)
     step_seconds: float = 0.0
+    # the model FLOPs per step over what the GPUs could do in the step at the peak of the unit running each
+    # (the GEMMs' precision: fp8, TF32 or bf16; the LM head's; bf16 for the attention)
     mfu: float = 0.0
     tokens_per_second: float = 0.0
     pipeline_ranks: list[RankMemory] = field(default_factory=list)
