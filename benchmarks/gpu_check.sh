@@ -10,7 +10,8 @@
 #   1. the CUDA tests (tests/ops/test_cuda.py: every CUDA kernel and CUDA
 #      dispatch against torch on the same device and against our CPU kernels;
 #      the main job on one GPU);
-#   2. the single-GPU kernel benchmarks: the MoE permute / unpermute against
+#   2. the single-GPU kernel benchmarks: the planner's kernel efficiencies (bf16 and
+#      fp8 GEMMs, causal SDPA, copy bandwidth, against the GPU's preset); the MoE permute / unpermute against
 #      torch's index ops and torch._grouped_mm against a loop of per-expert
 #      matmuls; the fp8 cast + amax and the fp8 linear against bf16 (with the
 #      ledger's collective counts of one fp8 TP+SP+FSDP2 step on CPU ranks);
@@ -66,7 +67,7 @@ step() {
 }
 
 step 240 python3 -m pytest -q -p no:cacheprovider tests/ops/test_cuda.py tests/examples/test_train_llama.py -m cuda
-for bench in bench_moe_kernels bench_fp8 bench_cross_entropy bench_lse_merge; do
+for bench in bench_planner_calibration bench_moe_kernels bench_fp8 bench_cross_entropy bench_lse_merge; do
   step 120 python3 -m "benchmarks.$bench" --device cuda
 done
 gpus=$(python3 -c 'import torch; print(torch.cuda.device_count())')
