@@ -13,6 +13,12 @@ import pytest
 from torchdist_ext.testing.world import World, spawn_world
 
 
+# Seconds one run may take in a session world before it is shut down (and each collective's timeout in it):
+# late in a full suite on two loaded cores a first torch.compile of an MoE block took 82-120 s (14 s alone),
+# so the default 120 s cut a passing test short; a hang is still reported, after this long.
+SESSION_TIMEOUT = 300.0
+
+
 class WorldPool:
     """One live world per size, started on first use."""
 
@@ -22,7 +28,7 @@ class WorldPool:
     def get(self, world_size: int) -> World:
         world = self._worlds.get(world_size)
         if world is None or not world.alive:
-            world = spawn_world(world_size)
+            world = spawn_world(world_size, timeout=SESSION_TIMEOUT)
             self._worlds[world_size] = world
         return world
 
