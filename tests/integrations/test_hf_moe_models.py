@@ -1,7 +1,7 @@
 """Hugging Face MoE models (Mixtral, Qwen2-MoE with its shared expert, Qwen3-MoE) through parallelize_hf_model
 with expert parallelism: the loss, the logits and every parameter's gradient equal the single-process model's
 (fp32), at dp2 x ep2, tp2 (SP) x dp2 x ep2, cp2 x ep2 and dp2 x cp2 x ep2 (each expert sharded over 2 ranks), on
-padded and packed batches. Our MoE's parameters are compared with the HF block's they came from
+padded or packed batches. Our MoE's parameters are compared with the HF block's they came from
 (``gate_up_proj`` = w1 over w3)."""
 
 import pytest
@@ -62,40 +62,41 @@ def layout_dims(layout: str) -> dict:
             "dp2_cp2_ep2": dict(cp=2, ep=2)}[layout]
 
 
-def check_moe_model(family: str, layout: str):
+def check_moe_model(family: str, layout: str, name: str):
     dims = ParallelDims(world_size=dist.get_world_size(), **layout_dims(layout))
     built = dims.build_meshes("cpu")
     kwargs = {"meshes": built}
     views = {"dp_mesh": built.dp if dims.dp > 1 else None, "tp_mesh": built.tp if dims.tp > 1 else None,
              "cp_mesh": built.cp}
-    for name in ("left_padded", "packed"):
-        batch = batches()[name]
-        reference = build(family)
-        model = parallelize_hf_model(build(family), sequence_parallel=dims.tp > 1, **kwargs)
-        expected = reference(**batch, use_cache=False)
-        expected.loss.backward()
-        actual = model(**local_inputs(batch, views))
-        actual.loss.backward()
-        torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
-        keep = batch.get("attention_mask", torch.ones(2, SEQ))[rows(views)].bool()
-        torch.testing.assert_close(full_logits(actual.logits, views)[keep], expected.logits[rows(views)][keep],
-                                   rtol=1e-5, atol=1e-5, msg=f"{name}: logits")
-        want = hf_gradients(reference)
-        got = dict(model.named_parameters())
-        assert got.keys() == want.keys()
-        for key, grad in want.items():
-            torch.testing.assert_close(full(got[key].grad), grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
+    batch = batches()[name]
+    reference = build(family)
+    model = parallelize_hf_model(build(family), sequence_parallel=dims.tp > 1, **kwargs)
+    expected = reference(**batch, use_cache=False)
+    expected.loss.backward()
+    actual = model(**local_inputs(batch, views))
+    actual.loss.backward()
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
+    keep = batch.get("attention_mask", torch.ones(2, SEQ))[rows(views)].bool()
+    torch.testing.assert_close(full_logits(actual.logits, views)[keep], expected.logits[rows(views)][keep],
+                               rtol=1e-5, atol=1e-5, msg=f"{name}: logits")
+    want = hf_gradients(reference)
+    got = dict(model.named_parameters())
+    assert got.keys() == want.keys()
+    for key, grad in want.items():
+        torch.testing.assert_close(full(got[key].grad), grad, rtol=1e-4, atol=1e-6, msg=f"{name}: {key}")
     return True
 
 
-# dp2 x cp2 x ep2: each expert sharded over 2 ranks (expert_fsdp), its gradient summed over them.
-CASES = [("mixtral", "dp2_ep2", "world2"), ("qwen2_moe", "tp2_sp_dp2_ep2", "world4"),
-         ("qwen3_moe", "cp2_ep2", "world2"), ("mixtral", "tp2_sp_dp2_ep2", "world4"), ("qwen3_moe", "dp2_cp2_ep2", "world4")]
+# dp2 x cp2 x ep2: each expert sharded over 2 ranks (expert_fsdp), its gradient summed over them. Each case
+# one batch: left padding or packed documents.
+CASES = [("mixtral", "dp2_ep2", "left_padded", "world2"), ("qwen2_moe", "tp2_sp_dp2_ep2", "packed", "world4"),
+         ("qwen3_moe", "cp2_ep2", "packed", "world2"), ("mixtral", "tp2_sp_dp2_ep2", "left_padded", "world4"),
+         ("qwen3_moe", "dp2_cp2_ep2", "left_padded", "world4")]
 
 
-@pytest.mark.parametrize("family, layout, world", CASES, ids=[f"{f}-{layout}" for f, layout, _ in CASES])
-def test_moe_model_matches_single_process(family, layout, world, request):
-    assert all(request.getfixturevalue(world).run(check_moe_model, family, layout))
+@pytest.mark.parametrize("family, layout, batch, world", CASES, ids=[f"{c[0]}-{c[1]}-{c[2]}" for c in CASES])
+def test_moe_model_matches_single_process(family, layout, batch, world, request):
+    assert all(request.getfixturevalue(world).run(check_moe_model, family, layout, batch))
 
 
 def refuse_moe(case: str):
