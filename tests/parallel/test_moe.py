@@ -267,8 +267,8 @@ def run_compiled(capacity_factor, routing):
     return True
 
 
-@pytest.mark.parametrize("capacity_factor, routing", [(None, {}), (1.25, {}), (None, DEEPSEEK_ROUTING)],
-                         ids=["dropless", "capacity", "deepseek-routing"])
+@pytest.mark.parametrize("capacity_factor, routing", [(None, {}), (1.25, DEEPSEEK_ROUTING)],
+                         ids=["dropless", "capacity-deepseek-routing"])
 def test_compile_fullgraph_without_recompiles(world2, capacity_factor, routing):
     assert all(world2.run(run_compiled, capacity_factor, routing))
 
