@@ -115,16 +115,20 @@ def test_routing_equals_the_hf_module(kind, world, request):
 
 
 def update_after_a_forward(rate: float):
-    """The bias moves by rate * sign(mean - load), the loads those of HF's routing of every rank's tokens."""
+    """The bias moves by rate * sign(mean - load), the loads the slots every rank's training forward routed
+    (exactly), which are HF's routing of the same tokens (bounded: GEMMs blocked otherwise on another CPU may
+    flip a near tie, one token's slot moving between two experts)."""
     n, r = dist.get_world_size(), dist.get_rank()
     block = hf_block("deepseek-v3")
     x_full = torch.randn(n, TOKENS, DIM, generator=torch.Generator().manual_seed(1))
     moe = ours(block, "deepseek-v3", cached_mesh((n,), ("ep",)))
     moe(x_full[r]).sum().backward()
+    load = moe.last_tokens_per_expert.float()
+    dist.all_reduce(load)
     with torch.no_grad():
         moe(x_full[r])  # without autograd: not counted
         _, _, chosen = block.gate(x_full.view(-1, DIM))
-    load = torch.bincount(chosen.flatten(), minlength=EXPERTS).float()
+    assert (load - torch.bincount(chosen.flatten(), minlength=EXPERTS)).abs().sum() <= 2
     before = moe.e_score_correction_bias.clone()
     assert torch.equal(moe.update_correction_bias(rate, group=dist.group.WORLD), load)
     assert torch.equal(moe.e_score_correction_bias, before + rate * torch.sign(load.mean() - load))
