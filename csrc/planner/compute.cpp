@@ -44,6 +44,9 @@ struct Work {
     gemm += o.gemm, attention += o.attention, memory_bytes += o.memory_bytes, memory_kernels += o.memory_kernels;
     return *this;
   }
+  Work scaled(double share) const {
+    return {gemm * share, attention * share, memory_bytes * share, memory_kernels * share};
+  }
 };
 
 // The sizes one GPU sees for one micro-batch.
@@ -190,7 +193,8 @@ Work moe_mlp(const ModelSpec& model, const Layout& l, const Local& s, const GpuS
 // The fp8 casts of an MoE half: the experts' w1, w3 and w2 on the routed rows and the shared experts' on
 // every token (the router stays in 16 or 32 bits).
 Work moe_casts(const ModelSpec& model, const Layout& l, const Local& s) {
-  const double f = static_cast<double>(model.moe_ffn_hidden), shared = static_cast<double>(model.num_shared_experts) * f;
+  const double f = static_cast<double>(model.moe_ffn_hidden);
+  const double shared = static_cast<double>(model.num_shared_experts) * f;
   const double rows = s.tokens * static_cast<double>(model.experts_per_token) * l.expert_imbalance;
   Work w = fp8_casts(s, {{rows, s.h, f}, {rows, s.h, f}, {rows, f, s.h}});
   if (shared > 0) w += fp8_casts(s, {{s.tokens, s.h, shared}, {s.tokens, s.h, shared}, {s.tokens, shared, s.h}});
@@ -243,19 +247,13 @@ ComputeTime compute_on(const ModelSpec& model, const Layout& l, const GpuSpec& g
     const double f = static_cast<double>(model.ffn_hidden) / static_cast<double>(l.tp), T = s.tokens;
     if (fp8 && model.fused_projections) dense += fp8_casts(s, {{T, s.h, 2 * f}, {T, f, s.h}});
     if (fp8 && !model.fused_projections) dense += fp8_casts(s, {{T, s.h, f}, {T, s.h, f}, {T, f, s.h}});
-    per_layer.gemm += dense.gemm * dense_layers / layers;
-    per_layer.attention += dense.attention * dense_layers / layers;
-    per_layer.memory_bytes += dense.memory_bytes * dense_layers / layers;
-    per_layer.memory_kernels += dense.memory_kernels * dense_layers / layers;
+    per_layer += dense.scaled(dense_layers / layers);
   }
   if (moe_layers > 0) {
     Work moe = block;
     moe += with_backward(moe_mlp(model, l, s, gpu), rerun && l.recompute_experts);
     if (fp8) moe += moe_casts(model, l, s);
-    per_layer.gemm += moe.gemm * moe_layers / layers;
-    per_layer.attention += moe.attention * moe_layers / layers;
-    per_layer.memory_bytes += moe.memory_bytes * moe_layers / layers;
-    per_layer.memory_kernels += moe.memory_kernels * moe_layers / layers;
+    per_layer += moe.scaled(moe_layers / layers);
   }
   const Work ends = model_ends(model, l, s, gpu);
   // Each pipeline rank runs its share of the layers and ends for every micro-batch (ceil(L / pp) layers at

@@ -159,6 +159,15 @@ def full_logits(logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
     return logits
 
 
+def assert_loss_and_logits_match(actual, expected, batch: dict, kwargs: dict, name: str) -> None:
+    """The parallel model's loss equals the single-process one's, and its (gathered) logits on this rank's rows
+    the reference's at every unpadded position."""
+    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
+    keep = batch.get("attention_mask", torch.ones(2, SEQ))[rows(kwargs)].bool()
+    torch.testing.assert_close(full_logits(actual.logits, kwargs)[keep], expected.logits[rows(kwargs)][keep],
+                               rtol=1e-5, atol=1e-5, msg=f"{name}: logits")
+
+
 def check_matches_single_process(family: str, layout: str, tied: bool, kinds=None, **options):
     kwargs = meshes(layout)
     for name, batch in batches().items():
@@ -171,10 +180,7 @@ def check_matches_single_process(family: str, layout: str, tied: bool, kinds=Non
         expected.loss.backward()
         actual = model(**local_inputs(batch, kwargs))
         actual.loss.backward()
-        torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
-        keep = batch.get("attention_mask", torch.ones(2, SEQ))[rows(kwargs)].bool()
-        torch.testing.assert_close(full_logits(actual.logits, kwargs)[keep], expected.logits[rows(kwargs)][keep],
-                                   rtol=1e-5, atol=1e-5, msg=f"{name}: logits")
+        assert_loss_and_logits_match(actual, expected, batch, kwargs, name)
         parameters = dict(model.named_parameters())
         assert parameters.keys() == dict(reference.named_parameters()).keys()
         for key, want in reference.named_parameters():

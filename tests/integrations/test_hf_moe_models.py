@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 import transformers
 
-from tests.integrations.test_hf import SEQ, VOCAB, batches, full, full_logits, local_inputs, rows
+from tests.integrations.test_hf import VOCAB, assert_loss_and_logits_match, batches, full, local_inputs
 from torchdist_ext.integrations.hf import parallelize_hf_model, save_hf_checkpoint
 from torchdist_ext.parallel import ParallelDims
 
@@ -75,10 +75,7 @@ def check_moe_model(family: str, layout: str, name: str):
     expected.loss.backward()
     actual = model(**local_inputs(batch, views))
     actual.loss.backward()
-    torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
-    keep = batch.get("attention_mask", torch.ones(2, SEQ))[rows(views)].bool()
-    torch.testing.assert_close(full_logits(actual.logits, views)[keep], expected.logits[rows(views)][keep],
-                               rtol=1e-5, atol=1e-5, msg=f"{name}: logits")
+    assert_loss_and_logits_match(actual, expected, batch, views, name)
     want = hf_gradients(reference)
     got = dict(model.named_parameters())
     assert got.keys() == want.keys()
