@@ -63,23 +63,31 @@ TORCH_LIBRARY(tdx, m) {
   // log-sum-exp [B, Hq, S_local] (fp32; fp64 for fp64 inputs).
   // document_ids [B, S_local] (integer; optional): per-token documents of packed sequences, sharded like the
   // tokens; a token attends only to its own document, a negative id is padding (output and gradients 0).
+  // positions [B, S_local] (integer; optional, order then 'contiguous'): the tokens' global positions (a
+  // balanced sequence plan's shard); the causal mask compares them instead of the order's.
   m.def(
       "ring_attention_fwd(Tensor q, Tensor k, Tensor v, str group_name, bool causal, float scale, "
-      "str order, Tensor? document_ids=None) -> (Tensor out, Tensor lse)");
+      "str order, Tensor? document_ids=None, Tensor? positions=None) -> (Tensor out, Tensor lse)");
   m.def(
       "ring_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "str group_name, bool causal, float scale, str order, Tensor? document_ids=None) "
+      "str group_name, bool causal, float scale, str order, Tensor? document_ids=None, Tensor? positions=None) "
       "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
-  // The same masked attention on one rank's whole sequence, document_ids [B, S] (Ulysses' local attention).
+  // The same masked attention on one rank's whole sequence, document_ids (and positions) [B, S] (Ulysses'
+  // local attention).
   m.def(
-      "document_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor document_ids, bool causal, float scale) "
-      "-> (Tensor out, Tensor lse)");
+      "document_attention_fwd(Tensor q, Tensor k, Tensor v, Tensor document_ids, bool causal, float scale, "
+      "Tensor? positions=None) -> (Tensor out, Tensor lse)");
   m.def(
       "document_attention_bwd(Tensor grad_out, Tensor q, Tensor k, Tensor v, Tensor out, Tensor lse, "
-      "Tensor document_ids, bool causal, float scale) -> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
+      "Tensor document_ids, bool causal, float scale, Tensor? positions=None) "
+      "-> (Tensor grad_q, Tensor grad_k, Tensor grad_v)");
   // [ranks, ranks] int64 on the CPU: the attention scores ring rank r computes for the key block of rank s,
   // for the document ids [B, S] of the whole sequence in order (the per-rank work spread of a document mix).
   m.def("context_attention_work(Tensor document_ids, int ranks, str order, bool causal) -> Tensor");
+  // (indices [B, ranks, S / ranks], costs [B, ranks]) int64 on the CPU: per batch row, the global positions each
+  // rank holds (ascending) and its causal work, balanced over the documents of document_ids [B, S]
+  // (ops/sequence_plan.h).
+  m.def("balanced_sequence_plan(Tensor document_ids, int ranks) -> (Tensor indices, Tensor costs)");
   // Merges a partial attention result into an accumulator by log-sum-exp, in place:
   // out [..., rows, D] and lse [..., rows] (fp32, fp64 for fp64 blocks); block_out any float dtype.
   m.def("lse_merge_(Tensor(a!) out, Tensor(b!) lse, Tensor block_out, Tensor block_lse) -> ()");

@@ -16,7 +16,9 @@
 // rectangles where query and key documents agree: blocks no document spans are
 // skipped, padding rows are never touched (their output and gradients are 0).
 // document_attention_fwd / _bwd run the same tasks on one rank's whole sequence
-// (Ulysses' local attention).
+// (Ulysses' local attention). With positions (a balanced sequence plan's shards,
+// ops/sequence_plan.h) the rows carry their global positions, gathered like the
+// ids, and the causal mask compares them (plan_by_position).
 
 #include <ATen/ATen.h>
 
@@ -29,6 +31,7 @@
 #include "ops/attention_plan.h"
 #include "ops/device.h"
 #include "ops/sequence_order.h"
+#include "ops/sequence_plan.h"
 
 namespace tdx::ops {
 namespace {
@@ -248,42 +251,78 @@ void attend_backward(const AttentionTask& task, const at::Tensor& grad_out, cons
 
 // ---- document ids ----
 
-void check_document_ids(const char* op, const at::Tensor& ids, const at::Tensor& q) {
+// document_ids and positions: [batch, seq_local] integers on q's device.
+void check_token_rows(const char* op, const char* name, const at::Tensor& rows, const at::Tensor& q) {
   TORCH_CHECK_TYPE(
-      at::isIntegralType(ids.scalar_type(), /*includeBool=*/false), op,
-      ": document_ids must be an integer tensor, got ", ids.scalar_type());
+      at::isIntegralType(rows.scalar_type(), /*includeBool=*/false), op, ": ", name,
+      " must be an integer tensor, got ", rows.scalar_type());
   TORCH_CHECK(
-      ids.dim() == 2 && ids.size(0) == q.size(0) && ids.size(1) == q.size(2), op, ": document_ids ", ids.sizes(),
+      rows.dim() == 2 && rows.size(0) == q.size(0) && rows.size(1) == q.size(2), op, ": ", name, " ", rows.sizes(),
       " must be [batch, seq_local] = [", q.size(0), ", ", q.size(2), "]");
-  TORCH_CHECK(ids.device() == q.device(), op, ": document_ids must be on q's device (", q.device(), "), got ",
-              ids.device());
+  TORCH_CHECK(rows.device() == q.device(), op, ": ", name, " must be on q's device (", q.device(), "), got ",
+              rows.device());
 }
 
-// The document ids of every ring rank, [ring size, batch, seq_local] int64 on the host (one small all-gather;
-// a GPU's ids are copied to the host, which waits for them).
-at::Tensor gather_ring_document_ids(comm::Ring& ring, const at::Tensor& ids) {
-  auto local = ids.to(at::kLong).contiguous();
-  auto all = at::empty({ring.size() * local.size(0), local.size(1)}, local.options());  // rank-major rows
+void check_document_ids(const char* op, const at::Tensor& ids, const at::Tensor& q) {
+  check_token_rows(op, "document_ids", ids, q);
+}
+
+void check_positions(const char* op, const std::optional<at::Tensor>& positions, const at::Tensor& q,
+                     Order order) {
+  if (!positions) return;
+  check_token_rows(op, "positions", *positions, q);
+  TORCH_CHECK_VALUE(order == Order::kContiguous, op, ": with positions the order must be 'contiguous' (the ",
+                    "positions replace it), got 'zigzag'");
+}
+
+// The rows' document ids and positions of every ring rank: each [ring size, batch, seq_local] int64 on the host,
+// undefined when not given (one small all-gather; a GPU's are copied to the host, which waits for them).
+struct RingRows {
+  at::Tensor ids, positions;
+};
+
+RingRows gather_ring_rows(comm::Ring& ring, const std::optional<at::Tensor>& ids,
+                          const std::optional<at::Tensor>& positions) {
+  std::vector<at::Tensor> given;
+  if (ids) given.push_back(ids->to(at::kLong));
+  if (positions) given.push_back(positions->to(at::kLong));
+  if (given.empty()) return {};
+  auto local = at::stack(given).contiguous();  // [fields, batch, seq_local]
+  auto all = at::empty({ring.size() * local.size(0), local.size(1), local.size(2)}, local.options());  // rank-major
   ring.group()._allgather_base(all, local)->wait();
-  return all.to(at::kCPU).contiguous().view({ring.size(), local.size(0), local.size(1)});
+  all = all.to(at::kCPU).view({ring.size(), local.size(0), local.size(1), local.size(2)});
+  RingRows rows;
+  int64_t field = 0;
+  if (ids) rows.ids = all.select(1, field++).contiguous();
+  if (positions) rows.positions = all.select(1, field).contiguous();
+  return rows;
 }
 
 // What every rank of the ring must agree on: every argument but the tensors' values.
 comm::Agreement ring_call(const char* op, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, bool causal,
-                          double scale, c10::string_view order, const std::optional<at::Tensor>& document_ids) {
+                          double scale, c10::string_view order, const std::optional<at::Tensor>& document_ids,
+                          const std::optional<at::Tensor>& positions) {
   comm::Agreement call(op);
   call.tensor("q", q).tensor("k", k).tensor("v", v).flag("causal", causal).value("scale", scale);
-  call.text("order", order).tensor("document_ids", document_ids);
+  call.text("order", order).tensor("document_ids", document_ids).tensor("positions", positions);
   return call;
 }
 
-// The tasks of the key block of ring rank `source`, cut by documents when `ids` (gathered) is defined.
+const int64_t* row_data(const at::Tensor& gathered, int rank) {
+  return gathered.defined() ? gathered[rank].const_data_ptr<int64_t>() : nullptr;
+}
+
+// The tasks of the key block of ring rank `source`: by the gathered positions when given, else by the order,
+// cut by the gathered documents when given.
 std::vector<AttentionTask> ring_block_tasks(const comm::Ring& ring, int source, bool causal, Order order,
-                                            int64_t seq, const at::Tensor& ids) {
+                                            int64_t batch, int64_t seq, const RingRows& rows) {
+  if (rows.positions.defined()) {
+    return plan_by_position(row_data(rows.positions, ring.rank()), row_data(rows.positions, source),
+                            row_data(rows.ids, ring.rank()), row_data(rows.ids, source), batch, seq, causal);
+  }
   auto tasks = plan_ring_block(causal, order == Order::kZigzag, ring.rank(), source, seq);
-  if (!ids.defined()) return tasks;
-  return split_by_document(tasks, ids[ring.rank()].const_data_ptr<int64_t>(), ids[source].const_data_ptr<int64_t>(),
-                           ids.size(1), seq);
+  if (!rows.ids.defined()) return tasks;
+  return split_by_document(tasks, row_data(rows.ids, ring.rank()), row_data(rows.ids, source), batch, seq);
 }
 
 // ---- the ring ----
@@ -291,22 +330,25 @@ std::vector<AttentionTask> ring_block_tasks(const comm::Ring& ring, int source, 
 std::tuple<at::Tensor, at::Tensor> ring_attention_fwd(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v,
                                                       c10::string_view group_name, bool causal, double scale,
                                                       c10::string_view order_name,
-                                                      const std::optional<at::Tensor>& document_ids) {
+                                                      const std::optional<at::Tensor>& document_ids,
+                                                      const std::optional<at::Tensor>& positions) {
   comm::Ring ring(group_name);
   Order order = Order::kContiguous;
-  ring_call(kForward, q, k, v, causal, scale, order_name, document_ids).check(ring.group(), q.device(), [&] {
+  auto call = ring_call(kForward, q, k, v, causal, scale, order_name, document_ids, positions);
+  call.check(ring.group(), q.device(), [&] {
     order = parse_sequence_order(kForward, order_name);
     check_qkv(kForward, q, k, v, order);
     if (document_ids) check_document_ids(kForward, *document_ids, q);
+    check_positions(kForward, positions, q, order);
   });
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto out = at::zeros(q.sizes(), acc_options);
   auto lse = at::full({q.size(0), q.size(1), seq}, -std::numeric_limits<double>::infinity(), acc_options);
   if (q.numel() == 0) return {out.to(q.scalar_type()), lse};  // no rows (the ATen kernels reject them)
-  const auto ids = document_ids ? gather_ring_document_ids(ring, *document_ids) : at::Tensor();
+  const auto rows = gather_ring_rows(ring, document_ids, positions);
   comm::for_each_ring_block(ring, at::stack({k, v}), [&](const at::Tensor& kv, int source) {
-    for (const auto& task : ring_block_tasks(ring, source, causal, order, seq, ids)) {
+    for (const auto& task : ring_block_tasks(ring, source, causal, order, q.size(0), seq, rows)) {
       attend(task, q, kv[0], kv[1], out, lse, scale);
     }
   });
@@ -326,18 +368,19 @@ void check_backward_operands(const char* op, const at::Tensor& grad_out, const a
 std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
     const at::Tensor& lse, c10::string_view group_name, bool causal, double scale, c10::string_view order_name,
-    const std::optional<at::Tensor>& document_ids) {
+    const std::optional<at::Tensor>& document_ids, const std::optional<at::Tensor>& positions) {
   comm::Ring ring(group_name);
   Order order = Order::kContiguous;
-  auto call = ring_call(kBackward, q, k, v, causal, scale, order_name, document_ids);
+  auto call = ring_call(kBackward, q, k, v, causal, scale, order_name, document_ids, positions);
   call.tensor("grad_out", grad_out).tensor("out", out).tensor("lse", lse).check(ring.group(), q.device(), [&] {
     order = parse_sequence_order(kBackward, order_name);
     check_qkv(kBackward, q, k, v, order);
     check_backward_operands(kBackward, grad_out, q, out, lse);
     if (document_ids) check_document_ids(kBackward, *document_ids, q);
+    check_positions(kBackward, positions, q, order);
   });
   if (q.numel() == 0) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
-  const auto ids = document_ids ? gather_ring_document_ids(ring, *document_ids) : at::Tensor();
+  const auto rows = gather_ring_rows(ring, document_ids, positions);
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto dq = at::zeros(q.sizes(), acc_options);
@@ -347,7 +390,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
   comm::for_each_ring_block(ring, kv_local, [&](const at::Tensor& kv, int source) {
     const auto& partial = dkv.contribution();
     partial.zero_();
-    for (const auto& task : ring_block_tasks(ring, source, causal, order, seq, ids)) {
+    for (const auto& task : ring_block_tasks(ring, source, causal, order, q.size(0), seq, rows)) {
       attend_backward(task, grad_out, q, kv[0], kv[1], out, lse, dq, partial[0], partial[1], scale);
     }
     dkv.pass();
@@ -360,38 +403,48 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
 
 // ---- document attention on one rank (the Ulysses path: every token of the sequence, a head shard) ----
 
-std::vector<AttentionTask> document_tasks(const at::Tensor& document_ids, bool causal) {
+std::vector<AttentionTask> document_tasks(const at::Tensor& document_ids, const std::optional<at::Tensor>& positions,
+                                          bool causal) {
   const auto ids = document_ids.to(at::kCPU, at::kLong).contiguous();
   const int64_t seq = ids.size(1);
+  if (positions) {
+    const auto pos = positions->to(at::kCPU, at::kLong).contiguous();
+    return plan_by_position(pos.const_data_ptr<int64_t>(), pos.const_data_ptr<int64_t>(), ids.const_data_ptr<int64_t>(),
+                            ids.const_data_ptr<int64_t>(), ids.size(0), seq, causal);
+  }
   return split_by_document(plan_ring_block(causal, false, 0, 0, seq), ids.const_data_ptr<int64_t>(),
                            ids.const_data_ptr<int64_t>(), ids.size(0), seq);
 }
 
 std::tuple<at::Tensor, at::Tensor> document_attention_fwd(const at::Tensor& q, const at::Tensor& k,
                                                           const at::Tensor& v, const at::Tensor& document_ids,
-                                                          bool causal, double scale) {
+                                                          bool causal, double scale,
+                                                          const std::optional<at::Tensor>& positions) {
   check_qkv(kDocumentForward, q, k, v, Order::kContiguous);
   check_document_ids(kDocumentForward, document_ids, q);
+  check_positions(kDocumentForward, positions, q, Order::kContiguous);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto out = at::zeros(q.sizes(), acc_options);
   auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<double>::infinity(), acc_options);
   if (q.numel() == 0) return {out.to(q.scalar_type()), lse};
-  for (const auto& task : document_tasks(document_ids, causal)) attend(task, q, k, v, out, lse, scale);
+  for (const auto& task : document_tasks(document_ids, positions, causal)) attend(task, q, k, v, out, lse, scale);
   return {out.to(q.scalar_type()), lse};
 }
 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> document_attention_bwd(
     const at::Tensor& grad_out, const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& out,
-    const at::Tensor& lse, const at::Tensor& document_ids, bool causal, double scale) {
+    const at::Tensor& lse, const at::Tensor& document_ids, bool causal, double scale,
+    const std::optional<at::Tensor>& positions) {
   check_qkv(kDocumentBackward, q, k, v, Order::kContiguous);
   check_backward_operands(kDocumentBackward, grad_out, q, out, lse);
   check_document_ids(kDocumentBackward, document_ids, q);
+  check_positions(kDocumentBackward, positions, q, Order::kContiguous);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto dq = at::zeros(q.sizes(), acc_options);
   auto dk = at::zeros(k.sizes(), acc_options);
   auto dv = at::zeros(v.sizes(), acc_options);
   if (q.numel() != 0) {
-    for (const auto& task : document_tasks(document_ids, causal)) {
+    for (const auto& task : document_tasks(document_ids, positions, causal)) {
       attend_backward(task, grad_out, q, k, v, out, lse, dq, dk, dv, scale);
     }
   }
@@ -419,6 +472,29 @@ at::Tensor context_attention_work(const at::Tensor& document_ids, int64_t ranks,
   return at::tensor(work, at::kLong).view({ranks, ranks});
 }
 
+// ---- the balanced sequence plan ----
+
+std::tuple<at::Tensor, at::Tensor> balanced_sequence_plan(const at::Tensor& document_ids, int64_t ranks) {
+  constexpr const char* op = "balanced_sequence_plan";
+  TORCH_CHECK_TYPE(
+      at::isIntegralType(document_ids.scalar_type(), /*includeBool=*/false), op,
+      ": document_ids must be an integer tensor, got ", document_ids.scalar_type());
+  TORCH_CHECK_VALUE(document_ids.dim() == 2, op, ": document_ids must be [batch, seq], got ", document_ids.sizes());
+  TORCH_CHECK_VALUE(ranks > 0, op, ": ranks must be positive, got ", ranks);
+  const int64_t batch = document_ids.size(0), seq = document_ids.size(1);
+  TORCH_CHECK_VALUE(seq % ranks == 0, op, ": the sequence (", seq, ") must split into ", ranks,
+                    " equal shards, one per rank");
+  const auto ids = document_ids.to(at::kCPU, at::kLong).contiguous();
+  auto indices = at::empty({batch, ranks, seq / ranks}, ids.options());
+  auto costs = at::empty({batch, ranks}, ids.options());
+  for (int64_t b = 0; b < batch; ++b) {
+    const auto plan = balanced_row_plan(ids.const_data_ptr<int64_t>() + b * seq, seq, static_cast<int>(ranks));
+    std::copy(plan.indices.begin(), plan.indices.end(), indices.mutable_data_ptr<int64_t>() + b * seq);
+    std::copy(plan.costs.begin(), plan.costs.end(), costs.mutable_data_ptr<int64_t>() + b * ranks);
+  }
+  return {indices, costs};
+}
+
 }  // namespace
 
 TDX_IMPL_ON_EVERY_DEVICE(register_attention) {
@@ -428,6 +504,7 @@ TDX_IMPL_ON_EVERY_DEVICE(register_attention) {
   m.impl("document_attention_fwd", &document_attention_fwd);
   m.impl("document_attention_bwd", &document_attention_bwd);
   m.impl("context_attention_work", &context_attention_work);  // the plan runs on the host: a CPU result
+  m.impl("balanced_sequence_plan", &balanced_sequence_plan);  // likewise
 }
 
 }  // namespace tdx::ops

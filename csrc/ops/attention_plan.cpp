@@ -22,7 +22,61 @@ std::vector<Run> document_runs(const int64_t* ids, int64_t start, int64_t len) {
   return runs;
 }
 
+// An interval of global positions [pos, pos + len) of one document at local rows [row, row + len).
+struct Interval {
+  int64_t row, len, pos, id;
+};
+
+// Maximal runs of rows of one non-negative id and consecutive positions (ids null: id 0).
+std::vector<Interval> position_runs(const int64_t* pos, const int64_t* ids, int64_t seq) {
+  const auto id_at = [&](int64_t i) { return ids == nullptr ? int64_t{0} : ids[i]; };
+  std::vector<Interval> runs;
+  for (int64_t i = 0; i < seq;) {
+    int64_t end = i + 1;
+    while (end < seq && id_at(end) == id_at(i) && pos[end] == pos[end - 1] + 1) ++end;
+    if (id_at(i) >= 0) runs.push_back({i, end - i, pos[i], id_at(i)});
+    i = end;
+  }
+  return runs;
+}
+
+// The tasks of query interval q over key interval k of the same document, in batch row b.
+void add_interval_tasks(std::vector<AttentionTask>& tasks, int64_t b, const Interval& q, const Interval& k,
+                        bool causal) {
+  if (!causal) {
+    tasks.push_back({b, q.row, q.len, k.row, k.len, false});
+    return;
+  }
+  const int64_t before = std::min(k.pos + k.len, q.pos) - k.pos;  // keys before the first query: seen by all
+  if (before > 0) tasks.push_back({b, q.row, q.len, k.row, before, false});
+  const int64_t shared = std::max(q.pos, k.pos);  // positions both hold: [shared, shared + both)
+  const int64_t both = std::min(q.pos + q.len, k.pos + k.len) - shared;
+  if (both <= 0) return;  // (keys after the last query are never seen)
+  const int64_t q_off = shared - q.pos, k_off = shared - k.pos;
+  tasks.push_back({b, q.row + q_off, both, k.row + k_off, both, true});
+  const int64_t after = q.len - q_off - both;  // queries after the shared keys see all of them
+  if (after > 0) tasks.push_back({b, q.row + q_off + both, after, k.row + k_off, both, false});
+}
+
 }  // namespace
+
+std::vector<AttentionTask> plan_by_position(const int64_t* q_pos, const int64_t* k_pos, const int64_t* q_ids,
+                                            const int64_t* k_ids, int64_t batch, int64_t seq, bool causal) {
+  std::vector<AttentionTask> tasks;
+  for (int64_t b = 0; b < batch; ++b) {
+    const int64_t offset = b * seq;
+    std::unordered_map<int64_t, std::vector<Interval>> key_runs;
+    for (const auto& run : position_runs(k_pos + offset, k_ids ? k_ids + offset : nullptr, seq)) {
+      key_runs[run.id].push_back(run);
+    }
+    for (const auto& q : position_runs(q_pos + offset, q_ids ? q_ids + offset : nullptr, seq)) {
+      const auto found = key_runs.find(q.id);
+      if (found == key_runs.end()) continue;
+      for (const auto& k : found->second) add_interval_tasks(tasks, b, q, k, causal);
+    }
+  }
+  return tasks;
+}
 
 std::vector<AttentionTask> plan_ring_block(bool causal, bool zigzag, int rank, int source, int64_t seq) {
   const AttentionTask all{-1, 0, seq, 0, seq, false};

@@ -15,6 +15,14 @@
 // in the local rows become rectangles; a query run and a key run of one
 // document on the diagonal are either the same run (causal), earlier keys
 // (fully visible) or later keys (skipped).
+//
+// Positions: with a sequence plan (ops/sequence_plan.h) a rank's rows are not
+// one of the two orders but any set of global positions, carried per row. A
+// query then sees the keys of its document at positions <= its own. Runs of
+// consecutive positions in one document become intervals; a query interval
+// and a key interval meet in at most three tasks: the keys before every query
+// (fully visible), the positions both hold (causal, square) and the queries
+// after those keys (fully visible).
 
 #include <cstdint>
 #include <vector>
@@ -40,6 +48,13 @@ std::vector<AttentionTask> plan_ring_block(bool causal, bool zigzag, int rank, i
 // ids and those of the block's keys.
 std::vector<AttentionTask> split_by_document(const std::vector<AttentionTask>& block, const int64_t* q_ids,
                                              const int64_t* k_ids, int64_t batch, int64_t seq);
+
+// The tasks of a query block over a key block whose rows carry global
+// positions `q_pos` / `k_pos` and documents `q_ids` / `k_ids` (null: one
+// document), all [batch, seq] row-major (one rank's rows against another's, or
+// a whole sequence against itself).
+std::vector<AttentionTask> plan_by_position(const int64_t* q_pos, const int64_t* k_pos, const int64_t* q_ids,
+                                            const int64_t* k_ids, int64_t batch, int64_t seq, bool causal);
 
 // Ring rank `rank`'s shard ([batch, total_seq / ranks] row-major) of the ids
 // [batch, total_seq] of the sequence in order.

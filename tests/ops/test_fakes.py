@@ -61,6 +61,16 @@ def ring_document_ids_shape():
     return tdx.ring_attention_fwd, (q, q, q, group(), True, 0.5, "zigzag", torch.zeros(1, 6, dtype=torch.long))
 
 
+def ring_positions_with_zigzag():
+    q = randn(1, 2, 4, 8)
+    return tdx.ring_attention_fwd, (q, q, q, group(), True, 0.5, "zigzag", None, torch.zeros(1, 4, dtype=torch.long))
+
+
+def document_attention_positions_float():
+    q = randn(1, 2, 4, 8)
+    return tdx.document_attention_fwd, (q, q, q, torch.zeros(1, 4, dtype=torch.long), True, 0.5, randn(1, 4))
+
+
 def document_attention_ids_shape():
     q = randn(2, 2, 4, 8)
     return tdx.document_attention_fwd, (q, q, q, torch.zeros(1, 4, dtype=torch.long), True, 0.5)
@@ -150,6 +160,8 @@ CASES = [
     (ring_bad_order, ValueError, "order must be 'contiguous' or 'zigzag'"),
     (ring_document_ids_float, TypeError, "document_ids must be an integer tensor"),
     (ring_document_ids_shape, RuntimeError, r"document_ids \[1, 6\] must be \[batch, seq_local\] = \[1, 4\]"),
+    (ring_positions_with_zigzag, ValueError, "with positions the order must be 'contiguous'"),
+    (document_attention_positions_float, TypeError, "positions must be an integer tensor"),
     (document_attention_ids_shape, RuntimeError, r"document_ids \[1, 4\] must be \[batch, seq_local\] = \[2, 4\]"),
     (document_attention_bwd_lse_shape, RuntimeError, r"lse .* must be \[batch, q heads, seq\]"),
     (ring_odd_zigzag, RuntimeError, "the zigzag order needs an even local sequence"),

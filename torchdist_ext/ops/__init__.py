@@ -8,6 +8,7 @@ every backward calls registered ops only.
 
 from torchdist_ext.ops.all_to_all import all_to_all_heads_to_seq, all_to_all_seq_to_heads
 from torchdist_ext.ops.attention import (
+    balanced_sequence_plan,
     context_attention_work,
     document_attention_fwd,
     lse_merge_,
@@ -32,6 +33,7 @@ __all__ = [
     "all_gather_weight_grad",
     "all_to_all_heads_to_seq",
     "all_to_all_seq_to_heads",
+    "balanced_sequence_plan",
     "context_attention_work",
     "counter_trunc_normal_",
     "document_attention_fwd",

@@ -8,7 +8,9 @@ kernel).
 import torch
 from torch import Tensor
 
-__all__ = ["context_attention_work", "document_attention_fwd", "lse_merge_", "ring_attention_fwd"]
+__all__ = [
+    "balanced_sequence_plan", "context_attention_work", "document_attention_fwd", "lse_merge_", "ring_attention_fwd",
+]
 
 _FLOAT_DTYPES = (torch.float32, torch.float64, torch.bfloat16, torch.float16)
 _ORDERS = ("contiguous", "zigzag")
@@ -16,7 +18,7 @@ _ORDERS = ("contiguous", "zigzag")
 
 def ring_attention_fwd(
     q: Tensor, k: Tensor, v: Tensor, group_name: str, causal: bool, scale: float, order: str,
-    document_ids: Tensor | None = None,
+    document_ids: Tensor | None = None, positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)``: attention of this rank's queries over the whole sequence.
 
@@ -26,22 +28,25 @@ def ring_attention_fwd(
     block is computed, and partial results merge by log-sum-exp (``lse_merge_``). ``document_ids``
     ``[batch, seq_local]`` (any integer dtype), sharded like the tokens, are the tokens' documents: a token
     attends only to tokens of its own document; a negative id is padding, whose output and gradients are
-    exactly 0; blocks that no document spans are skipped.
+    exactly 0; blocks that no document spans are skipped. ``positions`` ``[batch, seq_local]`` (any integer
+    dtype; ``order`` then "contiguous") are the tokens' global positions, a balanced sequence plan's shard: a
+    query sees the keys of its document at positions at or before its own.
 
     ``out`` is laid out like ``q``; ``lse`` is ``[batch, q_heads, seq_local]`` (fp32,
     fp64 for fp64 inputs; -inf on padding rows) and carries no gradient.
     """
-    return torch.ops.tdx.ring_attention_fwd(q, k, v, group_name, causal, scale, order, document_ids)
+    return torch.ops.tdx.ring_attention_fwd(q, k, v, group_name, causal, scale, order, document_ids, positions)
 
 
 def document_attention_fwd(
-    q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, causal: bool, scale: float
+    q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor, causal: bool, scale: float,
+    positions: Tensor | None = None,
 ) -> tuple[Tensor, Tensor]:
     """``(out, lse)``: attention over the whole local sequence ``[batch, heads, seq, head_dim]``, each token
     over its own document (``document_ids`` ``[batch, seq]``; a negative id is padding, whose output and
-    gradients are exactly 0), causal or not: the same masked attention as ``ring_attention_fwd`` on one rank
-    (Ulysses' local attention)."""
-    return torch.ops.tdx.document_attention_fwd(q, k, v, document_ids, causal, scale)
+    gradients are exactly 0), causal or not, by row order or by ``positions`` ``[batch, seq]``: the same masked
+    attention as ``ring_attention_fwd`` on one rank (Ulysses' local attention)."""
+    return torch.ops.tdx.document_attention_fwd(q, k, v, document_ids, causal, scale, positions)
 
 
 def context_attention_work(document_ids: Tensor, ranks: int, order: str, causal: bool) -> Tensor:
@@ -51,6 +56,16 @@ def context_attention_work(document_ids: Tensor, ranks: int, order: str, causal:
     if isinstance(ranks, bool) or not isinstance(ranks, int):
         raise TypeError(f"ranks must be an int, got {type(ranks).__name__}")
     return torch.ops.tdx.context_attention_work(document_ids, ranks, order, causal)
+
+
+def balanced_sequence_plan(document_ids: Tensor, ranks: int) -> tuple[Tensor, Tensor]:
+    """``(indices [batch, ranks, seq / ranks], costs [batch, ranks])``, int64 on the CPU: per row of
+    ``document_ids`` ``[batch, seq]``, the global positions each rank holds (ascending) and its causal attention
+    work, every rank holding ``seq / ranks`` tokens and about the same work (the algorithm and its bound:
+    csrc/ops/sequence_plan.h). ``torchdist_ext.parallel.balanced_sequence_plan`` is the user's face."""
+    if isinstance(ranks, bool) or not isinstance(ranks, int):
+        raise TypeError(f"ranks must be an int, got {type(ranks).__name__}")
+    return torch.ops.tdx.balanced_sequence_plan(document_ids, ranks)
 
 
 def lse_merge_(out: Tensor, lse: Tensor, block_out: Tensor, block_lse: Tensor) -> None:
@@ -103,18 +118,31 @@ def _check_qkv(op: str, q: Tensor, k: Tensor, v: Tensor, order: str) -> None:
     )
 
 
-def _check_document_ids(op: str, ids: Tensor | None, q: Tensor) -> None:
-    if ids is None:
+def _check_token_rows(op: str, name: str, rows: Tensor | None, q: Tensor) -> None:
+    """document_ids and positions: [batch, seq_local] integers on q's device."""
+    if rows is None:
         return
     torch._check_type(
-        not ids.dtype.is_floating_point and not ids.dtype.is_complex and ids.dtype != torch.bool,
-        lambda: f"{op}: document_ids must be an integer tensor, got {ids.dtype}",
+        not rows.dtype.is_floating_point and not rows.dtype.is_complex and rows.dtype != torch.bool,
+        lambda: f"{op}: {name} must be an integer tensor, got {rows.dtype}",
     )
     torch._check(
-        ids.dim() == 2 and ids.shape[0] == q.shape[0] and ids.shape[1] == q.shape[2],
-        lambda: f"{op}: document_ids {list(ids.shape)} must be [batch, seq_local] = [{q.shape[0]}, {q.shape[2]}]",
+        rows.dim() == 2 and rows.shape[0] == q.shape[0] and rows.shape[1] == q.shape[2],
+        lambda: f"{op}: {name} {list(rows.shape)} must be [batch, seq_local] = [{q.shape[0]}, {q.shape[2]}]",
     )
-    torch._check(ids.device == q.device, lambda: f"{op}: document_ids must be on q's device ({q.device}), got {ids.device}")
+    torch._check(rows.device == q.device, lambda: f"{op}: {name} must be on q's device ({q.device}), got {rows.device}")
+
+
+def _check_document_ids(op: str, ids: Tensor | None, q: Tensor) -> None:
+    _check_token_rows(op, "document_ids", ids, q)
+
+
+def _check_positions(op: str, positions: Tensor | None, q: Tensor, order: str) -> None:
+    _check_token_rows(op, "positions", positions, q)
+    torch._check_value(
+        positions is None or order == "contiguous",
+        lambda: f"{op}: with positions the order must be 'contiguous' (the positions replace it), got {order!r}",
+    )
 
 
 def _forward_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
@@ -124,22 +152,25 @@ def _forward_outputs(q: Tensor) -> tuple[Tensor, Tensor]:
 
 
 @torch.library.register_fake("tdx::ring_attention_fwd")
-def _(q, k, v, group_name, causal, scale, order, document_ids=None):
+def _(q, k, v, group_name, causal, scale, order, document_ids=None, positions=None):
     _check_qkv("ring_attention_fwd", q, k, v, order)
     _check_document_ids("ring_attention_fwd", document_ids, q)
+    _check_positions("ring_attention_fwd", positions, q, order)
     return _forward_outputs(q)
 
 
 @torch.library.register_fake("tdx::document_attention_fwd")
-def _(q, k, v, document_ids, causal, scale):
+def _(q, k, v, document_ids, causal, scale, positions=None):
     _check_qkv("document_attention_fwd", q, k, v, "contiguous")
     _check_document_ids("document_attention_fwd", document_ids, q)
+    _check_positions("document_attention_fwd", positions, q, "contiguous")
     return _forward_outputs(q)
 
 
-def _check_backward(op, grad_out, q, k, v, out, lse, order, document_ids):
+def _check_backward(op, grad_out, q, k, v, out, lse, order, document_ids, positions):
     _check_qkv(op, q, k, v, order)
     _check_document_ids(op, document_ids, q)
+    _check_positions(op, positions, q, order)
     torch._check(
         grad_out.shape == q.shape and out.shape == q.shape,
         lambda: f"{op}: grad_out {tuple(grad_out.shape)} and out {tuple(out.shape)} must have q's shape "
@@ -152,19 +183,26 @@ def _check_backward(op, grad_out, q, k, v, out, lse, order, document_ids):
 
 
 @torch.library.register_fake("tdx::ring_attention_bwd")
-def _(grad_out, q, k, v, out, lse, group_name, causal, scale, order, document_ids=None):
-    return _check_backward("ring_attention_bwd", grad_out, q, k, v, out, lse, order, document_ids)
+def _(grad_out, q, k, v, out, lse, group_name, causal, scale, order, document_ids=None, positions=None):
+    return _check_backward("ring_attention_bwd", grad_out, q, k, v, out, lse, order, document_ids, positions)
 
 
 @torch.library.register_fake("tdx::document_attention_bwd")
-def _(grad_out, q, k, v, out, lse, document_ids, causal, scale):
-    return _check_backward("document_attention_bwd", grad_out, q, k, v, out, lse, "contiguous", document_ids)
+def _(grad_out, q, k, v, out, lse, document_ids, causal, scale, positions=None):
+    return _check_backward("document_attention_bwd", grad_out, q, k, v, out, lse, "contiguous", document_ids,
+                           positions)
 
 
 @torch.library.register_fake("tdx::context_attention_work")
 def _(document_ids, ranks, order, causal):
     raise ValueError("context_attention_work reads the ids' values on the host: it cannot run on meta or fake "
                      "tensors (call it outside torch.compile)")
+
+
+@torch.library.register_fake("tdx::balanced_sequence_plan")
+def _(document_ids, ranks):
+    raise ValueError("balanced_sequence_plan reads the ids' values on the host: it cannot run on meta or fake "
+                     "tensors (plan outside torch.compile, in the data path)")
 
 
 @torch.library.register_fake("tdx::lse_merge_")
@@ -211,35 +249,35 @@ def _(out, lse, block_out, block_lse):
 
 
 def _ring_setup_context(ctx, inputs, output):
-    q, k, v, group_name, causal, scale, order, *document_ids = inputs
+    q, k, v, group_name, causal, scale, order, document_ids, positions = (*inputs, None, None)[:9]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, *document_ids)
+    ctx.save_for_backward(q, k, v, out, lse, document_ids, positions)
     ctx.args = (group_name, causal, scale, order)
     ctx.mark_non_differentiable(lse)
 
 
 def _ring_backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, *document_ids = ctx.saved_tensors
+    q, k, v, out, lse, document_ids, positions = ctx.saved_tensors
     grad_q, grad_k, grad_v = torch.ops.tdx.ring_attention_bwd(
-        grad_out.contiguous(), q, k, v, out, lse, *ctx.args, *document_ids
+        grad_out.contiguous(), q, k, v, out, lse, *ctx.args, document_ids, positions
     )
-    return grad_q, grad_k, grad_v, None, None, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None, None, None
 
 
 def _document_setup_context(ctx, inputs, output):
-    q, k, v, document_ids, causal, scale = inputs
+    q, k, v, document_ids, causal, scale, positions = (*inputs, None)[:7]
     out, lse = output
-    ctx.save_for_backward(q, k, v, out, lse, document_ids)
+    ctx.save_for_backward(q, k, v, out, lse, document_ids, positions)
     ctx.args = (causal, scale)
     ctx.mark_non_differentiable(lse)
 
 
 def _document_backward(ctx, grad_out, _grad_lse):
-    q, k, v, out, lse, document_ids = ctx.saved_tensors
+    q, k, v, out, lse, document_ids, positions = ctx.saved_tensors
     grad_q, grad_k, grad_v = torch.ops.tdx.document_attention_bwd(
-        grad_out.contiguous(), q, k, v, out, lse, document_ids, *ctx.args
+        grad_out.contiguous(), q, k, v, out, lse, document_ids, *ctx.args, positions
     )
-    return grad_q, grad_k, grad_v, None, None, None
+    return grad_q, grad_k, grad_v, None, None, None, None
 
 
 torch.library.register_autograd("tdx::ring_attention_fwd", _ring_backward, setup_context=_ring_setup_context)

@@ -3,7 +3,8 @@
 - Tensor parallelism (``tp_mesh``, Megatron semantics, optional sequence parallelism): ``ColumnParallelLinear``,
   ``RowParallelLinear``, ``VocabParallelEmbedding``, ``RMSNorm``, ``vocab_parallel_cross_entropy``.
 - Context parallelism (``cp_mesh``; the sequence cut in ``order`` "zigzag" or "contiguous"):
-  ``ring_attention``, ``ulysses_attention``, ``hybrid_attention``, ``shard_sequence``, ``unshard_sequence``.
+  ``ring_attention``, ``ulysses_attention``, ``hybrid_attention``, ``shard_sequence``, ``unshard_sequence``;
+  packed documents balanced over the ranks: ``balanced_sequence_plan`` (a ``SequencePlan``).
 - Expert parallelism (``ep_mesh``): ``MoE``, ``fully_shard_moe``.
 - Activation recompute: ``recompute(module, mode)``, ``mode`` in ``RECOMPUTE_MODES``.
 - The axes of a run and their meshes, built once: ``ParallelDims``, ``ParallelMeshes``.
@@ -21,6 +22,7 @@ from torchdist_ext.parallel.linear import ColumnParallelLinear, RowParallelLinea
 from torchdist_ext.parallel.moe import MoE, fully_shard_moe
 from torchdist_ext.parallel.norm import RMSNorm
 from torchdist_ext.parallel.recompute import RECOMPUTE_MODES, recompute
+from torchdist_ext.parallel.sequence_plan import SequencePlan, balanced_sequence_plan
 from torchdist_ext.parallel.sequence_sharding import shard_sequence, unshard_sequence
 
 __all__ = [
@@ -31,7 +33,9 @@ __all__ = [
     "ParallelMeshes",
     "RMSNorm",
     "RowParallelLinear",
+    "SequencePlan",
     "VocabParallelEmbedding",
+    "balanced_sequence_plan",
     "fully_shard_moe",
     "hybrid_attention",
     "recompute",

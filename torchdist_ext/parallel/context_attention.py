@@ -46,20 +46,35 @@ def _check_qkv(q: Tensor, k: Tensor, v: Tensor) -> None:
         raise ValueError(f"q heads ({q.shape[1]}) must be a multiple of kv heads ({k.shape[1]})")
 
 
-def _check_document_ids(document_ids: Tensor | None, q: Tensor) -> None:
-    if document_ids is None:
+def _check_token_rows(rows: Tensor | None, q: Tensor, name: str) -> None:
+    """document_ids and positions: None, or this rank's [batch, seq_local] integers on q's device."""
+    if rows is None:
         return
-    if not isinstance(document_ids, Tensor):
-        raise TypeError(f"document_ids must be a torch.Tensor or None, got {type(document_ids).__name__}")
-    if document_ids.dtype.is_floating_point or document_ids.dtype.is_complex or document_ids.dtype == torch.bool:
-        raise TypeError(f"document_ids must be an integer tensor, got {document_ids.dtype}")
-    if tuple(document_ids.shape) != (q.shape[0], q.shape[2]):
+    if not isinstance(rows, Tensor):
+        raise TypeError(f"{name} must be a torch.Tensor or None, got {type(rows).__name__}")
+    if rows.dtype.is_floating_point or rows.dtype.is_complex or rows.dtype == torch.bool:
+        raise TypeError(f"{name} must be an integer tensor, got {rows.dtype}")
+    if tuple(rows.shape) != (q.shape[0], q.shape[2]):
         raise ValueError(
-            f"document_ids has shape {tuple(document_ids.shape)}; it must be [batch, seq_local] = "
-            f"[{q.shape[0]}, {q.shape[2]}], this rank's shard of the ids (shard_sequence with dim=1)"
+            f"{name} has shape {tuple(rows.shape)}; it must be [batch, seq_local] = "
+            f"[{q.shape[0]}, {q.shape[2]}], this rank's shard (shard_sequence or a SequencePlan's shard, dim=1)"
         )
-    if document_ids.device != q.device:
-        raise ValueError(f"document_ids is on {document_ids.device}; it must be on q's device {q.device}")
+    if rows.device != q.device:
+        raise ValueError(f"{name} is on {rows.device}; it must be on q's device {q.device}")
+
+
+def _check_document_ids(document_ids: Tensor | None, q: Tensor) -> None:
+    _check_token_rows(document_ids, q, "document_ids")
+
+
+def _resolve_order(order: str | None, positions: Tensor | None) -> str:
+    """The order the sequence was cut in: ``order`` (default "zigzag"), or "contiguous" rows carrying their
+    ``positions``."""
+    if positions is None:
+        return "zigzag" if order is None else order
+    if order is not None:
+        raise ValueError(f"order={order!r} and positions are exclusive: a plan's positions replace the order")
+    return "contiguous"
 
 
 def _check_zigzag(q: Tensor, order: str) -> None:
@@ -68,6 +83,17 @@ def _check_zigzag(q: Tensor, order: str) -> None:
             f"the zigzag order gives every rank two equal chunks, so the local sequence must be even, "
             f"got q.shape[2]={q.shape[2]}"
         )
+
+
+def _check_call(q, k, v, order, document_ids, positions, even_zigzag: bool = True) -> None:
+    _check_qkv(q, k, v)
+    if order is not None:
+        check_order(order)
+    _check_document_ids(document_ids, q)
+    _check_token_rows(positions, q, "positions")
+    order = _resolve_order(order, positions)
+    if even_zigzag:
+        _check_zigzag(q, order)
 
 
 def _scale(q: Tensor, scale: float | None) -> float:
@@ -81,26 +107,28 @@ def _one_dim(cp_mesh: DeviceMesh, function: str) -> MeshGroup:
     return ring
 
 
-def _agree(group: MeshGroup, function: str, q, k, v, causal, scale, order, document_ids, validate) -> None:
+def _agree(group: MeshGroup, function: str, q, k, v, causal, scale, order, document_ids, positions,
+           validate) -> None:
     """Runs ``validate`` and the rank-agreement check over ``group`` on the call: the all-to-alls carry the
-    tensors' shapes and dtypes but not ``causal``, ``scale`` or the document ids, which must agree as well
-    (and an all-gather of the ids on some ranks only would cross the all-to-alls)."""
+    tensors' shapes and dtypes but not ``causal``, ``scale``, the document ids or the positions, which must
+    agree as well (and an all-gather of the ids on some ranks only would cross the all-to-alls)."""
     fields = {"q": q, "k": k, "v": v, "causal": causal, "scale": scale, "order": order,
-              "document_ids": document_ids}
+              "document_ids": document_ids, "positions": positions}
     check_agreement(group.name, function, fields, validate)
 
 
 def _ring(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, causal: bool, scale: float, order: str,
-          document_ids: Tensor | None) -> Tensor:
-    out, _ = ops.ring_attention_fwd(q, k, v, group.name, bool(causal), scale, order, document_ids)
+          document_ids: Tensor | None, positions: Tensor | None) -> Tensor:
+    out, _ = ops.ring_attention_fwd(q, k, v, group.name, bool(causal), scale, order, document_ids, positions)
     return out
 
 
-def _local_documents(document_ids: Tensor, causal: bool, scale: float):
-    """Attention of a head shard of the whole sequence over the documents ``document_ids`` [batch, seq]."""
+def _local_documents(document_ids: Tensor, causal: bool, scale: float, positions: Tensor | None = None):
+    """Attention of a head shard of the whole sequence over the documents ``document_ids`` [batch, seq] (by
+    ``positions`` [batch, seq] when given, else by row order)."""
 
     def attend(q_h: Tensor, k_h: Tensor, v_h: Tensor) -> Tensor:
-        out, _ = ops.document_attention_fwd(q_h, k_h, v_h, document_ids, bool(causal), scale)
+        out, _ = ops.document_attention_fwd(q_h, k_h, v_h, document_ids, bool(causal), scale, positions)
         return out
 
     return attend
@@ -139,7 +167,8 @@ def _ulysses(q: Tensor, k: Tensor, v: Tensor, group: MeshGroup, arg: str, order:
 
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                   scale: float | None = None, order: str = "zigzag", document_ids: Tensor | None = None) -> Tensor:
+                   scale: float | None = None, order: str | None = None, document_ids: Tensor | None = None,
+                   positions: Tensor | None = None) -> Tensor:
     """Attention of this rank's sequence shard over the whole sequence: K/V blocks circulate the ring of the 1-D
     ``cp_mesh`` (at kv heads), overlapped with the block attention; any head count.
 
@@ -152,14 +181,19 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, caus
         cp_mesh: 1-D DeviceMesh of the context-parallel ranks.
         causal: each token attends only to tokens at or before its position in the full sequence.
         scale: the softmax scale (None: ``1 / sqrt(head_dim)``).
-        order: how ``shard_sequence`` cut the sequence over the ranks: "zigzag" (rank r holds chunks r and
-            2N-1-r of 2N; balances causal work) or "contiguous" (block r of N).
+        order: how ``shard_sequence`` cut the sequence over the ranks: "zigzag" (the default: rank r holds chunks
+            r and 2N-1-r of 2N; balances one causal document) or "contiguous" (block r of N). Not with
+            ``positions``.
         document_ids: None, or ``[batch, seq_local]`` integers: the documents of this rank's tokens, cut by
             ``shard_sequence`` exactly like the tokens (same ``cp_mesh`` and ``order``, ``dim=1``). A token
             attends only to tokens of its own document (and, with ``causal``, only to earlier ones); a negative
             id marks padding, whose output and gradients are exactly 0. The ring skips blocks that no document
             spans (``ops.context_attention_work`` reports the per-rank work of a document mix); the ids may
             change every step without a recompile.
+        positions: None, or ``[batch, seq_local]`` integers: the global positions of this rank's tokens, from a
+            ``SequencePlan`` (``plan.positions(cp_mesh=...)``, with q, k, v, ids cut by ``plan.shard``), which
+            balances packed documents over the ranks. The causal mask compares positions; they may change every
+            step without a recompile.
 
     Returns:
         ``[batch, q_heads, seq_local, head_dim]``, laid out like ``q``.
@@ -167,27 +201,33 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, caus
     group = _one_dim(cp_mesh, "ring_attention")
     # This rank's checks run inside the agreement, so that a refusal stops every rank (the op's own agreement
     # comes after them).
-    _agree(group, "ring_attention", q, k, v, causal, scale, order, document_ids, lambda: (
-        _check_qkv(q, k, v), check_order(order), _check_document_ids(document_ids, q), _check_zigzag(q, order)))
-    return _ring(q, k, v, group, causal, _scale(q, scale), order, document_ids)
+    _agree(group, "ring_attention", q, k, v, causal, scale, order, document_ids, positions,
+           lambda: _check_call(q, k, v, order, document_ids, positions))
+    return _ring(q, k, v, group, causal, _scale(q, scale), _resolve_order(order, positions), document_ids, positions)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                      scale: float | None = None, order: str = "zigzag",
-                      document_ids: Tensor | None = None) -> Tensor:
+                      scale: float | None = None, order: str | None = None,
+                      document_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
     """Attention via one all-to-all to head shards over the 1-D ``cp_mesh`` and one back.
 
     The all-to-all makes each rank hold H/N of the heads for the whole sequence, in sequence order whatever
     ``order`` cut it, so causal attention is plain causal SDPA on every rank; with ``document_ids`` the ids
-    are all-gathered (in order) and each rank attends document by document.
+    are all-gathered (in order) and each rank attends document by document; with ``positions`` the rows stay in
+    the ranks' order and the gathered positions mask them.
 
     Arguments and result as ``ring_attention``'s, with q heads divisible by the size N of ``cp_mesh`` and kv
     heads dividing N or divisible by it (too few kv heads are replicated as little as needed).
     """
     group = _one_dim(cp_mesh, "ulysses_attention")
-    _agree(group, "ulysses_attention", q, k, v, causal, scale, order, document_ids, lambda: (
-        _check_qkv(q, k, v), check_order(order), _check_document_ids(document_ids, q), _check_zigzag(q, order)))
-    if document_ids is None:
+    _agree(group, "ulysses_attention", q, k, v, causal, scale, order, document_ids, positions,
+           lambda: _check_call(q, k, v, order, document_ids, positions))
+    order = _resolve_order(order, positions)
+    if positions is not None:
+        ids = torch.zeros_like(positions) if document_ids is None else document_ids
+        attend = _local_documents(gather_from_region(ids, group, 1), causal, _scale(q, scale),
+                                  gather_from_region(positions, group, 1))
+    elif document_ids is None:
         attend = _local_sdpa(causal, _scale(q, scale))
     else:
         attend = _local_documents(unshard_sequence(document_ids, cp_mesh=cp_mesh, dim=1, order=order), causal,
@@ -196,12 +236,13 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, c
 
 
 def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, causal: bool = False,
-                     scale: float | None = None, order: str = "zigzag",
-                     document_ids: Tensor | None = None) -> Tensor:
+                     scale: float | None = None, order: str | None = None,
+                     document_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
     """Ulysses over dim 1 of the 2-D ``cp_mesh`` ``[ring, ulysses]`` around ring attention over dim 0.
 
     ``order`` cuts the sequence over the ring ranks; each ring shard is split contiguously over the
-    Ulysses ranks (``shard_sequence`` with the same 2-D ``cp_mesh`` does both).
+    Ulysses ranks (``shard_sequence`` with the same 2-D ``cp_mesh`` does both; so does a "hybrid"
+    ``SequencePlan``'s ``shard``, whose ``positions`` replace the order).
 
     Arguments and result as ``ring_attention``'s, with ``cp_mesh`` 2-D ``[ring, ulysses]`` (e.g.
     ``world_mesh["ring", "ulysses"]``) and the head counts as ``ulysses_attention`` needs them over dim 1.
@@ -216,8 +257,8 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, ca
     # the ranks of the others too, which would otherwise wait in the ring for it.
     refusal = None
     try:
-        _agree(ulysses, "hybrid_attention", q, k, v, causal, scale, order, document_ids, lambda: (
-            _check_qkv(q, k, v), check_order(order), _check_document_ids(document_ids, q)))
+        _agree(ulysses, "hybrid_attention", q, k, v, causal, scale, order, document_ids, positions,
+               lambda: _check_call(q, k, v, order, document_ids, positions, even_zigzag=False))
     except (ValueError, TypeError, RuntimeError) as error:
         refusal = error
 
@@ -227,11 +268,13 @@ def hybrid_attention(q: Tensor, k: Tensor, v: Tensor, *, cp_mesh: DeviceMesh, ca
 
     check_agreement(ring.name, "hybrid_attention", {}, carry_refusal)
     scale = _scale(q, scale)
-    # The ids of this ring rank's shard: the Ulysses ranks' contiguous pieces, in order.
+    order = _resolve_order(order, positions)
+    # The ids and positions of this ring rank's shard: the Ulysses ranks' contiguous pieces, in order.
     ring_ids = None if document_ids is None else gather_from_region(document_ids, ulysses, 1)
+    ring_positions = None if positions is None else gather_from_region(positions, ulysses, 1)
 
     def ring_over_heads(q_h: Tensor, k_h: Tensor, v_h: Tensor) -> Tensor:
         _check_zigzag(q_h, order)
-        return _ring(q_h, k_h, v_h, ring, causal, scale, order, ring_ids)
+        return _ring(q_h, k_h, v_h, ring, causal, scale, order, ring_ids, ring_positions)
 
     return _ulysses(q, k, v, ulysses, "cp_mesh dim 1 (ulysses)", "contiguous", ring_over_heads)

@@ -1,4 +1,4 @@
-"""pytest fixtures ``world2`` and ``world4``: persistent worlds shared by a whole pytest run.
+"""pytest fixtures ``world2``, ``world4`` and ``world8``: persistent worlds shared by a whole pytest run.
 
 Enable them in a ``conftest.py`` with::
 
@@ -53,3 +53,8 @@ def world2(world_pool) -> World:
 @pytest.fixture
 def world4(world_pool) -> World:
     return world_pool.get(4)
+
+
+@pytest.fixture
+def world8(world_pool) -> World:
+    return world_pool.get(8)
