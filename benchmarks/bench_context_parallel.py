@@ -2,14 +2,20 @@
 against an all-gather-K/V baseline and single-process SDPA on the full sequence.
 
     python -m benchmarks.bench_context_parallel [--worlds 2 4] [--seqs 4096 8192 16384] [--repeats 3]
-    python -m benchmarks.bench_context_parallel --packed [--worlds 4] [--seqs 16384]
+    python -m benchmarks.bench_context_parallel --packed [--worlds 4] [--seqs 16384] [--methods ring_zigzag ...]
 
 --packed: the sequence packs documents drawn from a long-tailed length mix
 (log-normal, median 400 tokens, clipped to [16, seq]; fixed seed), passed as
-``document_ids``; the baselines use the same block-diagonal causal mask. Its
-"spread" is that of the attention scores per rank (ops.context_attention_work:
-the ring's block plan cut by documents) and "skipped" the share of ring blocks
-no document spans.
+``document_ids``; the baselines use the same block-diagonal causal mask.
+"ring_balanced" shards it by ``balanced_sequence_plan`` (with ``positions``).
+Its "spread" is max / mean - 1 of the attention scores per rank
+(ops.context_attention_work: the ring's block plan cut by documents; the plan's
+costs), "t_spread" the same of each rank's measured CPU time for forward +
+backward (process CPU time: its own work, not the time it waits for the others
+or, with more ranks than cores, for a core), "cpu ms" the slowest rank's,
+"vs zigzag" ring_zigzag's fwd+bwd time over the row's and "cpu vs zigzag" the
+same of "cpu ms" (the step on one core per rank, where the slowest rank's work
+sets the step), and "skipped" the share of ring blocks no document spans.
 
 Shapes: batch 1, 8 query heads, 2 kv heads (GQA), head_dim 64, fp32; the total
 sequence is sharded over the ranks. Per case (the slowest rank's median):
@@ -37,7 +43,13 @@ import torchdist_ext  # noqa: F401
 from benchmarks.peak_memory import PeakMemory
 from benchmarks.report import arguments, emit, print_table
 from torchdist_ext.ops import context_attention_work
-from torchdist_ext.parallel import hybrid_attention, ring_attention, shard_sequence, ulysses_attention
+from torchdist_ext.parallel import (
+    balanced_sequence_plan,
+    hybrid_attention,
+    ring_attention,
+    shard_sequence,
+    ulysses_attention,
+)
 from torchdist_ext.parallel.sequence_sharding import zigzag_order
 from torchdist_ext.testing import cached_mesh, spawn_world
 
@@ -149,6 +161,24 @@ def ring_comm_only(k, v):
         current = incoming
 
 
+def median_cpu_seconds(fn, repeats: int) -> float:
+    """The median CPU time of ``fn()`` in this rank's process (every thread): its own work, without the time
+    it waits for other ranks or, with more ranks than cores, for a core."""
+    times = []
+    for _ in range(repeats):
+        dist.barrier()
+        start = time.process_time()
+        fn()
+        times.append(time.process_time() - start)
+    return statistics.median(times)
+
+
+def spread(values: torch.Tensor) -> float:
+    """max / mean - 1: how much longer the slowest rank takes than the average."""
+    values = values.double()
+    return float(values.max() / values.mean() - 1)
+
+
 def run_case(seq_total: int, method: str, repeats: int, packed: bool = False) -> dict:
     """Runs on every rank; this rank's measurements."""
     torch.manual_seed(0)
@@ -168,6 +198,15 @@ def run_case(seq_total: int, method: str, repeats: int, packed: bool = False) ->
         else:
             def fwd():
                 return None
+    elif method == "ring_balanced":
+        cp = cached_mesh((n,), ("cp",))
+        plan = balanced_sequence_plan(ids[None], n)
+        q, k, v = (plan.shard(t, dim=2, cp_mesh=cp).detach().requires_grad_(True) for t in full)
+        local_ids, positions = plan.shard(ids[None], dim=1, cp_mesh=cp), plan.positions(cp_mesh=cp)
+        result["work_spread"] = plan.spread
+
+        def fwd():
+            return ring_attention(q, k, v, cp_mesh=cp, causal=True, document_ids=local_ids, positions=positions)
     else:
         order = {"ring_contiguous": "contiguous", "ring_zigzag": "zigzag", "ulysses": "contiguous",
                   "hybrid": "zigzag", "allgather_kv": "zigzag"}[method]
@@ -187,8 +226,7 @@ def run_case(seq_total: int, method: str, repeats: int, packed: bool = False) ->
                 return allgather_kv_autograd(q, k, v, mask)
         if method.startswith("ring") and packed:
             work = context_attention_work(ids[None], n, order, True)
-            result.update(work_spread=float((work.sum(1).max() - work.sum(1).min()) / work.sum(1).max()),
-                          skipped=float((work == 0).float().mean()))
+            result.update(work_spread=spread(work.sum(1)), skipped=float((work == 0).float().mean()))
         elif method.startswith("ring"):
             with torch.no_grad():
                 compute = median_seconds(lambda: ring_compute_only(q, k, v, order), repeats)
@@ -203,6 +241,8 @@ def run_case(seq_total: int, method: str, repeats: int, packed: bool = False) ->
     with torch.no_grad():
         result["fwd_s"] = median_seconds(fwd, repeats)
     result["fwd_bwd_s"] = median_seconds(fwd_bwd, repeats)
+    if packed and method.startswith("ring"):
+        result["cpu_s"] = median_cpu_seconds(fwd_bwd, repeats)
     with PeakMemory() as memory:
         fwd_bwd()
     result["peak_mb"] = memory.peak_mb
@@ -213,27 +253,40 @@ def table(rows: list[dict]) -> list[tuple]:
     """The table's columns; "vs single" and "vs allgather" divide a row's fwd_bwd_ms by that method's in the same
     world at the same seq."""
     def versus(method: str):
-        def ratio(r: dict) -> float:
-            same = next(x for x in rows if (x["world"], x["seq"], x["method"]) == (r["world"], r["seq"], method))
-            return r["fwd_bwd_ms"] / same["fwd_bwd_ms"]
+        def ratio(r: dict) -> float | None:
+            same = [x for x in rows if (x["world"], x["seq"], x["method"]) == (r["world"], r["seq"], method)]
+            return r["fwd_bwd_ms"] / same[0]["fwd_bwd_ms"] if same else None
+        return ratio
+
+    def speedup_over_zigzag(key: str):
+        def ratio(r: dict):
+            zigzag = [x for x in rows if (x["world"], x["seq"], x["method"]) == (r["world"], r["seq"], "ring_zigzag")]
+            return zigzag[0][key] / r[key] if "t_spread" in r and zigzag else None
         return ratio
 
     return [("world", 5, "world"), ("seq", 6, "seq"), ("method", 16, "method"), ("fwd ms", 9, "fwd_ms", ".1f"),
             ("fwd+bwd ms", 11, "fwd_bwd_ms", ".1f"), ("vs single", 9, versus("single"), ".3f"),
-            ("vs allgather", 12, versus("allgather_kv"), ".3f"), ("peak MB", 8, "peak_mb", ".1f"),
-            ("spread", 7, "spread", ".3f"), ("hidden", 7, "hidden", ".3f"), ("skipped", 7, "skipped", ".3f")]
+            ("vs allgather", 12, versus("allgather_kv"), ".3f"), ("vs zigzag", 9, speedup_over_zigzag("fwd_bwd_ms"), ".3f"),
+            ("peak MB", 8, "peak_mb", ".1f"), ("spread", 7, "spread", ".3f"), ("t_spread", 8, "t_spread", ".3f"),
+            ("cpu ms", 8, "cpu_ms", ".1f"), ("cpu vs zigzag", 13, speedup_over_zigzag("cpu_ms"), ".3f"),
+            ("hidden", 7, "hidden", ".3f"), ("skipped", 7, "skipped", ".3f")]
 
 
 def main() -> None:
     parser = arguments(__doc__, worlds=[2, 4], repeats=3)
     parser.add_argument("--seqs", type=int, nargs="+", default=[4096, 8192, 16384])
     parser.add_argument("--packed", action="store_true", help="packed documents of a long-tailed length mix")
+    parser.add_argument("--methods", nargs="+", default=None, help="run only these methods (default: all)")
     args = parser.parse_args()
     rows = []
     for world_size in args.worlds:
         methods = ["ring_contiguous", "ring_zigzag", "ulysses", "allgather_kv", "single"]
+        if args.packed:
+            methods.insert(2, "ring_balanced")
         if world_size >= 4:
             methods.insert(3, "hybrid")
+        if args.methods:
+            methods = [m for m in methods if m in args.methods]
         with spawn_world(world_size, timeout=3600.0) as world:
             for seq in args.seqs:
                 for method in methods:
@@ -255,7 +308,12 @@ def main() -> None:
                         row["hidden"] = round(min(1.0, max(0.0, hidden)), 3)
                     if "work_spread" in per_rank[0]:
                         row["spread"] = round(per_rank[0]["work_spread"], 3)
+                    if "skipped" in per_rank[0]:
                         row["skipped"] = round(per_rank[0]["skipped"], 3)
+                    if "cpu_s" in per_rank[0]:
+                        cpu = torch.tensor([r["cpu_s"] for r in per_rank])
+                        row["t_spread"] = round(spread(cpu), 3)
+                        row["cpu_ms"] = round(float(cpu.max()) * 1e3, 1)
                     emit(row, rows)
     print()
     print_table(rows, table(rows))

@@ -69,6 +69,14 @@ def rope_tables(head_dim: int, seq_len: int, theta: float) -> tuple[Tensor, Tens
     return angles.cos().float(), angles.sin().float()
 
 
+def rope_at(cos: Tensor, sin: Tensor, positions: Tensor) -> tuple[Tensor, Tensor]:
+    """The tables' rows at ``positions`` ``[seq]`` (``[seq, head_dim / 2]``, every row alike) or ``[batch, seq]``
+    (``[batch, 1, seq, head_dim / 2]``: per row, broadcast over the heads)."""
+    if positions.dim() == 2:
+        return cos[positions].unsqueeze(1), sin[positions].unsqueeze(1)
+    return cos[positions], sin[positions]
+
+
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     """Rotates channel pairs (2i, 2i+1) of ``x`` ``[batch, heads, seq, head_dim]`` by position."""
     pairs = x.float().unflatten(-1, (-1, 2))
@@ -77,20 +85,27 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     return rotated.flatten(-2).type_as(x)
 
 
-def causal_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None) -> Tensor:
+def causal_attention(q: Tensor, k: Tensor, v: Tensor, document_ids: Tensor | None = None,
+                     positions: Tensor | None = None) -> Tensor:
     """Causal attention of q ``[batch, heads, seq, head_dim]`` over k, v ``[batch, kv_heads, seq, head_dim]``;
-    with ``document_ids`` ``[batch, seq]`` a query sees only the keys of its own document."""
-    if document_ids is None:
+    with ``document_ids`` ``[batch, seq]`` a query sees only the keys of its own document, and with
+    ``positions`` ``[batch, seq]`` (rows in any order) only the keys at or before its position."""
+    if document_ids is None and positions is None:
         return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
     seq = q.shape[2]
-    causal = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
-    same_document = document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2)  # [batch, seq (query), seq (key)]
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=(same_document & causal).unsqueeze(1), enable_gqa=True)
+    if positions is None:
+        mask = torch.ones(seq, seq, dtype=torch.bool, device=q.device).tril()
+    else:
+        mask = positions.unsqueeze(-2) <= positions.unsqueeze(-1)  # [batch, seq (query), seq (key)]
+    if document_ids is not None:
+        mask = mask & (document_ids.unsqueeze(-1) == document_ids.unsqueeze(-2))
+    mask = mask if mask.dim() == 3 else mask.expand(q.shape[0], seq, seq)
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask.unsqueeze(1), enable_gqa=True)
 
 
 class Attention(nn.Module):
     """Grouped-query causal attention; ``attend`` maps q, k, v ``[batch, heads, seq, head_dim]`` (and the
-    tokens' ``document_ids`` ``[batch, seq]``, when given, as a keyword) to the output."""
+    tokens' ``document_ids`` and ``positions`` ``[batch, seq]``, when given, as keywords) to the output."""
 
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -101,12 +116,14 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.num_heads * cfg.head_dim, cfg.dim, bias=False)
         self.attend: Callable[[Tensor, Tensor, Tensor], Tensor] = causal_attention
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None,
+                positions: Tensor | None = None) -> Tensor:
         # Under tensor parallelism q/k/v hold this rank's heads; under context parallelism this
         # rank's tokens, whose positions cos/sin (and documents) already follow.
         q, k, v = (proj(x).unflatten(-1, (-1, self.head_dim)).transpose(1, 2) for proj in (self.wq, self.wk, self.wv))
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = self.attend(q, k, v) if document_ids is None else self.attend(q, k, v, document_ids=document_ids)
+        rows = {name: t for name, t in (("document_ids", document_ids), ("positions", positions)) if t is not None}
+        out = self.attend(q, k, v, **rows)
         return self.wo(out.transpose(1, 2).flatten(-2))
 
 
@@ -189,8 +206,9 @@ class TransformerBlock(nn.Module):
         self.ffn_norm = nn.RMSNorm(cfg.dim, eps=cfg.norm_eps)
         self.feed_forward = MixtureOfExperts(cfg) if cfg.num_experts else FeedForward(cfg)
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None) -> Tensor:
-        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, document_ids: Tensor | None = None,
+                positions: Tensor | None = None) -> Tensor:
+        x = x + self.attention(self.attention_norm(x), cos, sin, document_ids, positions)
         return x + self.feed_forward(self.ffn_norm(x))
 
 
@@ -201,9 +219,11 @@ def cross_entropy(logits: Tensor, target: Tensor) -> Tensor:
 class Llama(nn.Module):
     """tokens ``[batch, seq]`` -> mean next-token loss against ``target`` ``[batch, seq]``.
 
-    ``positions`` ``[seq]`` are the tokens' positions in the full sequence (default
-    ``0..seq-1``); a context-parallel rank passes those of its shard. ``document_ids`` ``[batch, seq]`` (the
-    documents packed in each row, sharded as the tokens): attention stays within a document.
+    ``positions`` are the tokens' positions in the full sequence (default ``0..seq-1``): ``[seq]`` for RoPE
+    alone (a context-parallel rank passes those of its ``shard_sequence`` shard, whose order the attention
+    knows), or ``[batch, seq]`` per row, for RoPE and the attention's causal mask (a ``SequencePlan``'s shard).
+    ``document_ids`` ``[batch, seq]`` (the documents packed in each row, sharded as the tokens): attention
+    stays within a document.
     """
 
     def __init__(self, cfg: LlamaConfig):
@@ -223,10 +243,11 @@ class Llama(nn.Module):
                 document_ids: Tensor | None = None) -> Tensor:
         if positions is None:
             positions = torch.arange(tokens.shape[1], device=tokens.device)
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, positions)
+        mask_positions = positions if positions.dim() == 2 else None
         h = self.tok_embeddings(tokens)
         for layer in self.layers.values():
-            h = layer(h, cos, sin, document_ids)
+            h = layer(h, cos, sin, document_ids, mask_positions)
         return self.loss_fn(self.output(self.norm(h)), target)
 
 
@@ -238,8 +259,9 @@ class LlamaStage(nn.Module):
     forward: tokens ``[batch, seq]`` (first stage) or the hidden states ``[batch, seq, dim]`` (sharded as
     the blocks pass them on) -> the hidden states, or the logits ``[batch, seq, vocab]`` on the last stage.
     ``positions`` ``[seq]``: the RoPE positions of the step's tokens (set before each step, as for
-    ``Llama.forward``); ``document_ids`` ``[batch, seq]``: the micro-batch's documents (the pipeline's
-    ``stage_inputs``); ``loss_fn(logits, target)`` is the model's.
+    ``Llama.forward``), or per row ``[batch, seq]`` as a keyword (a ``SequencePlan``'s, the pipeline's
+    ``stage_inputs``, which then also mask the attention); ``document_ids`` ``[batch, seq]``: the
+    micro-batch's documents (``stage_inputs`` too); ``loss_fn(logits, target)`` is the model's.
     """
 
     def __init__(self, model: Llama, layers: range, *, first: bool, last: bool):
@@ -253,14 +275,14 @@ class LlamaStage(nn.Module):
         self.register_buffer("rope_sin", model.rope_sin, persistent=False)
         self.positions: Tensor | None = None
 
-    def forward(self, x: Tensor, document_ids: Tensor | None = None) -> Tensor:
-        if self.positions is None:
+    def forward(self, x: Tensor, document_ids: Tensor | None = None, positions: Tensor | None = None) -> Tensor:
+        if positions is None and self.positions is None:
             raise ValueError("LlamaStage.positions must be set to the step's RoPE positions before the forward")
-        cos, sin = self.rope_cos[self.positions], self.rope_sin[self.positions]
+        cos, sin = rope_at(self.rope_cos, self.rope_sin, self.positions if positions is None else positions)
         if self.tok_embeddings is not None:
             x = self.tok_embeddings(x)
         for layer in self.layers.values():
-            x = layer(x, cos, sin, document_ids)
+            x = layer(x, cos, sin, document_ids, positions)
         return x if self.output is None else self.output(self.norm(x))
 
 

@@ -31,7 +31,9 @@ in global batches, a new permutation each epoch (``torchdist_ext.data.DataParall
 rank d reads its block of each, and context-parallel
 ranks split its sequence (tokens, targets and RoPE positions) zigzag, which
 balances causal work (for the hybrid: zigzag over the ring ranks, contiguous
-over the Ulysses ranks inside each ring shard). The loss printed is
+over the Ulysses ranks inside each ring shard); ``--cp-balance`` splits each
+step's rows by a plan of their documents instead (``balanced_sequence_plan``:
+long documents cut zigzag, short ones placed whole). The loss printed is
 the global mean. ``--check`` then trains the plain model in one process
 (rank 0, fp32) on the whole batches and prints the largest relative loss
 difference over the steps; it exits non-zero above ``--check-tolerance``.
@@ -173,6 +175,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--cp-method", choices=("ring", "ulysses", "hybrid"), default="ring")
     parser.add_argument("--cp-ulysses", type=positive_int, default=2,
                         help="with --cp-method hybrid: the Ulysses degree inside (the ring gets cp / this)")
+    parser.add_argument("--cp-balance", action="store_true",
+                        help="with --cp: shard each step's rows by a balanced_sequence_plan of their documents "
+                             "instead of zigzag, so packed documents of any lengths give every cp rank the same "
+                             "attention work")
     parser.add_argument("--no-sequence-parallel", dest="sequence_parallel", action="store_false",
                         help="replicate activations between blocks instead of sharding them along the sequence")
     parser.add_argument("--steps", type=positive_int, default=50,
@@ -583,8 +589,32 @@ def parallel_dims(args, world_size: int) -> ParallelDims:
     if dp % args.dp_replicate:
         raise ValueError(f"--dp-replicate {args.dp_replicate} must divide dp={dp}")
     check_expert_parallel(args, dp // args.dp_replicate * args.cp)
+    if args.cp_balance and args.cp == 1:
+        raise ValueError("--cp-balance plans the sequence over the cp ranks: it needs --cp > 1")
+    if args.cp_balance and args.check and args.experts and args.capacity_factor is not None:
+        raise ValueError("--cp-balance with --check and --capacity-factor: the single process routes each rank's "
+                         "tokens in the zigzag shards' groups, which each step's plan changes; use dropless experts")
     return ParallelDims(world_size=world_size, dp_replicate=args.dp_replicate, dp_shard=dp // args.dp_replicate,
                         cp=args.cp, cp_ulysses=ulysses, tp=args.tp, pp=args.pp, ep=args.ep if args.experts else 1)
+
+
+def shard_step(args, meshes, tokens, target, documents, zigzag_positions):
+    """(tokens, target, documents, positions) of this rank for one step: its cp shard of the rows (zigzag, or
+    with --cp-balance the rows' balanced plan, whose positions [batch, seq_local] then also mask the
+    attention), on the device; ``zigzag_positions`` [seq_local] otherwise."""
+    device = zigzag_positions.device
+    if meshes.cp is not None and args.cp_balance:
+        plan = meshes.sequence_plan(torch.zeros_like(tokens) if documents is None else documents)
+        tokens, target, documents = (t if t is None else plan.shard(t, dim=1, cp_mesh=meshes.cp)
+                                     for t in (tokens, target, documents))
+        positions = plan.positions(cp_mesh=meshes.cp)
+    elif meshes.cp is not None:
+        tokens, target, documents = (t if t is None else shard_sequence(t, cp_mesh=meshes.cp, dim=1, order="zigzag")
+                                     for t in (tokens, target, documents))
+        positions = zigzag_positions
+    else:
+        positions = zigzag_positions
+    return tuple(t if t is None else t.to(device) for t in (tokens, target, documents, positions))
 
 
 def accumulate_gradients(model, tokens: torch.Tensor, target: torch.Tensor, positions: torch.Tensor,
@@ -594,9 +624,12 @@ def accumulate_gradients(model, tokens: torch.Tensor, target: torch.Tensor, posi
     own accumulation API: no manual ``no_sync``). Returns the mean loss."""
     total = torch.zeros((), device=tokens.device)
     parts = documents.chunk(micro_steps) if documents is not None else [None] * micro_steps
-    for index, (rows, targets, part) in enumerate(zip(tokens.chunk(micro_steps), target.chunk(micro_steps), parts)):
+    # Per-row positions (--cp-balance) are split with the rows; a shared [seq] serves every part.
+    position_parts = positions.chunk(micro_steps) if positions.dim() == 2 else [positions] * micro_steps
+    for index, (rows, targets, part, part_positions) in enumerate(
+            zip(tokens.chunk(micro_steps), target.chunk(micro_steps), parts, position_parts)):
         model.set_requires_gradient_sync(index == micro_steps - 1)
-        loss = model(rows, targets, positions, part) / micro_steps
+        loss = model(rows, targets, part_positions, part) / micro_steps
         loss.backward()
         total += loss.detach().float()
     return total
@@ -668,25 +701,26 @@ def train_parallel(args, world_size: int, rank: int, device: torch.device) -> li
               f"{' on pipeline rank 0' if args.pp > 1 else ''}", flush=True)
     # --ledger measures the last step against the planner (examples/predicted_vs_measured.py).
     probe = LedgerProbe(meshes, parts, device, args.steps - 1, bool(args.experts)) if args.ledger else None
-    positions = torch.arange(args.seq, device=device)
+    zigzag_positions = torch.arange(args.seq, device=device)
     if meshes.cp is not None:
-        positions = shard_sequence(positions, cp_mesh=meshes.cp, dim=0, order="zigzag")
+        zigzag_positions = shard_sequence(zigzag_positions, cp_mesh=meshes.cp, dim=0, order="zigzag")
     losses, kept = [], []  # kept: this rank's pipeline timeline of each step
     data = batches(windows, sampler)
     for step in range(first_step, args.steps):
         if probe is not None:
             probe.start(step)
         start = time.perf_counter()
-        tokens, target, documents = (t if t is None else t.to(device) for t in next(data))
-        if meshes.cp is not None:
-            tokens, target, documents = (t if t is None else shard_sequence(t, cp_mesh=meshes.cp, dim=1, order="zigzag")
-                                         for t in (tokens, target, documents))
+        tokens, target, documents = next(data)
+        tokens, target, documents, positions = shard_step(args, meshes, tokens, target, documents, zigzag_positions)
         if pipe is None:
             loss = accumulate_gradients(model, tokens, target, positions, documents, args.grad_accum)
         else:
-            for stage in pipe.stages.values():
-                stage.positions = positions
-            loss = pipe.step(tokens, target, None if documents is None else {"document_ids": documents})
+            stage_inputs = {name: t for name, t in (("document_ids", documents), ("positions", positions))
+                            if t is not None and t.dim() == 2}
+            if positions.dim() == 1:  # shared by every micro-batch; per-row ones travel in stage_inputs
+                for stage in pipe.stages.values():
+                    stage.positions = positions
+            loss = pipe.step(tokens, target, stage_inputs or None)
         # The norm of the whole model's gradient (every mesh, every stage), as one process would clip.
         grad_norm = clip_grad_norm_(parts, args.max_grad_norm, pp_mesh=meshes.pp)
         lr = optimizers[0].param_groups[0]["lr"]

@@ -57,11 +57,16 @@ def test_a_local_tokenizer(texts, tmp_path):
 
 @pytest.mark.parametrize("layout", [("--dp", "2", "--cp", "2", "--cp-method", "ring", "--tp", "1"),
                                     ("--pp", "2", "--cp", "2", "--cp-method", "ulysses", "--tp", "1",
-                                     "--microbatches", "2")],
-                         ids=["dp2-cp2-ring", "pp2-cp2-ulysses"])
+                                     "--microbatches", "2"),
+                                    ("--pp", "2", "--cp", "2", "--cp-method", "ring", "--tp", "1",
+                                     "--microbatches", "2", "--cp-balance"),
+                                    ("--cp", "4", "--cp-method", "hybrid", "--cp-ulysses", "2", "--tp", "1",
+                                     "--cp-balance", "--compile")],
+                         ids=["dp2-cp2-ring", "pp2-cp2-ulysses", "pp2-cp2-ring-balanced", "cp4-hybrid-balanced-compiled"])
 def test_the_main_job_trains_on_a_token_file(layout, texts, tmp_path, monkeypatch, capsys):
     """Windows of 8 tokens hold one to three documents: context-parallel attention (and the pipeline's stages)
-    keep them apart as the one process's masked attention does."""
+    keep them apart as the one process's masked attention does, sharded zigzag or by each step's balanced plan
+    (--cp-balance, whose per-row positions reach RoPE and the attention)."""
     word_tokenizer(tmp_path / "tokenizer.json", vocab_size=300)
     prepare([*map(str, texts * 8), "--out", str(tmp_path / "words.npy"), "--tokenizer", str(tmp_path / "tokenizer.json")])
     data = ("--data", str(tmp_path / "words.npy"), "--seq", "8")

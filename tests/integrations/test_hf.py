@@ -29,13 +29,14 @@ from torchdist_ext.fp8 import (
     fp8_step,
 )
 from torchdist_ext.integrations.hf import (
+    document_ids_from,
     global_num_items,
     load_hf_checkpoint,
     parallelize_hf_model,
     save_hf_checkpoint,
     shard_hf_batch,
 )
-from torchdist_ext.parallel import ParallelDims, RMSNorm, unshard_sequence
+from torchdist_ext.parallel import ParallelDims, RMSNorm, balanced_sequence_plan, unshard_sequence
 from torchdist_ext.testing import cached_mesh
 
 VOCAB, SEQ = 64, 16
@@ -97,6 +98,8 @@ def batches() -> dict[str, dict]:
 def meshes(layout: str) -> dict:
     """parallelize_hf_model's mesh arguments for one layout name (hsdp...: one ParallelMeshes, 2 replicas)."""
     n = dist.get_world_size()
+    if layout.endswith("_balanced"):
+        return {**meshes(layout.removesuffix("_balanced")), "cp_order": "balanced"}
     if layout.startswith("hsdp"):
         cp, tp = (2, 1) if layout.endswith("cp2") else (1, 2)
         built = ParallelDims(world_size=n, dp_replicate=2, cp=cp, tp=tp).build_meshes("cpu")
@@ -140,21 +143,36 @@ def local_inputs(batch: dict, kwargs: dict) -> dict:
     """What this rank feeds the parallel model: its dp rows, sharded over cp by shard_hf_batch."""
     mine = {key: value[rows(kwargs)] for key, value in batch.items()}
     cp_mesh = axis(kwargs, "cp_mesh")
-    return shard_hf_batch(mine, cp_mesh=cp_mesh) if cp_mesh is not None else mine
+    return shard_hf_batch(mine, cp_mesh=cp_mesh, order=kwargs.get("cp_order", "zigzag")) if cp_mesh is not None \
+        else mine
+
+
+def balanced_plan(batch: dict, kwargs: dict):
+    """The plan shard_hf_batch(order="balanced") makes of this rank's rows (a ring plan over a 1-D cp mesh, a
+    hybrid one over a 2-D mesh)."""
+    mine = {key: value[rows(kwargs)] for key, value in batch.items()}
+    position_ids = mine.get("position_ids", torch.arange(SEQ)[None])
+    ids = document_ids_from(position_ids, mine.get("attention_mask"), mine["input_ids"].shape[0])
+    cp_mesh = axis(kwargs, "cp_mesh")
+    if cp_mesh.ndim == 1:
+        return balanced_sequence_plan(ids, cp_mesh.size())
+    return balanced_sequence_plan(ids, tuple(cp_mesh.shape), method="hybrid")
 
 
 def full(t: torch.Tensor) -> torch.Tensor:
     return t.full_tensor() if isinstance(t, DTensor) else t
 
 
-def full_logits(logits: torch.Tensor, kwargs: dict) -> torch.Tensor:
-    """This rank's rows' [rows, seq, vocab] logits from its vocab (tp) and sequence (cp) shard."""
+def full_logits(logits: torch.Tensor, kwargs: dict, batch: dict) -> torch.Tensor:
+    """This rank's rows' [rows, seq, vocab] logits from its vocab (tp) and sequence (cp) shard of ``batch``."""
     tp_mesh = axis(kwargs, "tp_mesh")
     if tp_mesh is not None and tp_mesh.size() > 1:
         parts = [torch.empty_like(logits) for _ in range(tp_mesh.size())]
         dist.all_gather(parts, logits.contiguous(), group=tp_mesh.get_group())
         logits = torch.cat(parts, dim=-1)
-    if axis(kwargs, "cp_mesh") is not None:
+    if kwargs.get("cp_order") == "balanced":
+        logits = balanced_plan(batch, kwargs).unshard(logits, dim=1, cp_mesh=axis(kwargs, "cp_mesh"))
+    elif axis(kwargs, "cp_mesh") is not None:
         logits = unshard_sequence(logits, cp_mesh=axis(kwargs, "cp_mesh"), dim=1)
     return logits
 
@@ -164,7 +182,7 @@ def assert_loss_and_logits_match(actual, expected, batch: dict, kwargs: dict, na
     the reference's at every unpadded position."""
     torch.testing.assert_close(actual.loss, expected.loss, rtol=1e-5, atol=1e-6, msg=f"{name}: loss")
     keep = batch.get("attention_mask", torch.ones(2, SEQ))[rows(kwargs)].bool()
-    torch.testing.assert_close(full_logits(actual.logits, kwargs)[keep], expected.logits[rows(kwargs)][keep],
+    torch.testing.assert_close(full_logits(actual.logits, kwargs, batch)[keep], expected.logits[rows(kwargs)][keep],
                                rtol=1e-5, atol=1e-5, msg=f"{name}: logits")
 
 
@@ -193,7 +211,8 @@ def check_matches_single_process(family: str, layout: str, tied: bool, kinds=Non
 
 LAYOUTS = {"tp2": "world2", "tp4": "world4", "tp2_sp": "world2", "cp2_ring": "world2", "cp2_ulysses": "world2",
            "cp4_hybrid": "world4", "dp2": "world2", "dp2_tp2": "world4", "dp2_tp2_sp": "world4",
-           "dp2_cp2": "world4", "cp2_tp2": "world4", "hsdp2_tp2_sp": "world4", "hsdp2_cp2": "world4"}
+           "dp2_cp2": "world4", "cp2_tp2": "world4", "hsdp2_tp2_sp": "world4", "hsdp2_cp2": "world4",
+           "cp2_ring_balanced": "world2", "cp4_hybrid_balanced": "world4"}
 
 
 def matrix() -> list[tuple[str, str, bool]]:
@@ -392,9 +411,9 @@ def check_pipeline(layout: str, schedule: str, num_microbatches: int, fp8: bool 
     if layout == "pp2_tp2_sp":
         mesh = cached_mesh((2, n // 2), ("pp", "tp"))
         kwargs = {"tp_mesh": mesh["tp"], "sequence_parallel": True}
-    elif layout == "pp2_cp2":
+    elif layout.startswith("pp2_cp2"):
         mesh = cached_mesh((2, n // 2), ("pp", "cp"))
-        kwargs = {"cp_mesh": mesh["cp"]}
+        kwargs = {"cp_mesh": mesh["cp"], "cp_order": "balanced" if layout.endswith("balanced") else "zigzag"}
     else:
         mesh = cached_mesh((2, n // 2), ("pp", "dp"))
         kwargs = {"dp_mesh": mesh["dp"]}
@@ -435,7 +454,7 @@ def check_pipeline(layout: str, schedule: str, num_microbatches: int, fp8: bool 
 
 @pytest.mark.parametrize("layout, schedule, num_microbatches", [
     ("pp2_tp2_sp", "1f1b", 2), ("pp2_dp2", "zb-h1", 2), ("pp2_tp2_sp", "interleaved-1f1b", 2),
-    ("pp2_cp2", "gpipe", 4)])
+    ("pp2_cp2", "gpipe", 4), ("pp2_cp2_balanced", "1f1b", 2)])
 def test_pipeline_matches_single_process(world4, layout, schedule, num_microbatches):
     assert all(world4.run(check_pipeline, layout, schedule, num_microbatches))
 

@@ -12,9 +12,11 @@ from dataclasses import dataclass
 from functools import partial
 
 import torch
+from torch import Tensor
 from torch.distributed.device_mesh import init_device_mesh
 
 from torchdist_ext.parallel.context_attention import hybrid_attention, ring_attention, ulysses_attention
+from torchdist_ext.parallel.sequence_plan import SequencePlan, balanced_sequence_plan
 from torchdist_ext.planner import Layout
 
 __all__ = ["ParallelDims", "ParallelMeshes"]
@@ -176,13 +178,23 @@ class ParallelMeshes:
         self.expert_fsdp = (experts["dp_replicate", "expert_dp_shard"] if dims.dp_replicate > 1
                             else experts["expert_dp_shard"])
 
-    def context_attention(self, *, causal: bool = True, order: str = "zigzag"):
+    def context_attention(self, *, causal: bool = True, order: str | None = None):
         """The attention of these dims' cp (``ring_attention``, ``ulysses_attention`` or ``hybrid_attention``
-        over ``cp``, with ``causal`` and the sequence ``order``), a function of (q, k, v); None without cp."""
+        over ``cp``, with ``causal`` and the sequence ``order``: None is zigzag, or the ``positions`` of a
+        ``sequence_plan`` when the call passes them), a function of (q, k, v); None without cp."""
         if self.cp is None:
             return None
         method = {"ring": ring_attention, "ulysses": ulysses_attention, "hybrid": hybrid_attention}[self.dims.cp_method]
         return partial(method, cp_mesh=self.cp, causal=causal, order=order)
+
+    def sequence_plan(self, document_ids: Tensor) -> SequencePlan:
+        """``balanced_sequence_plan`` of the full rows' ``document_ids`` ``[batch, seq]`` over these dims' cp, for
+        their cp method (ring, Ulysses or hybrid)."""
+        if self.cp is None:
+            raise ValueError("sequence_plan needs context parallelism (cp > 1)")
+        method = self.dims.cp_method
+        cp_size = (self.dims.ring, self.dims.cp_ulysses) if method == "hybrid" else self.dims.cp
+        return balanced_sequence_plan(document_ids, cp_size, method=method)
 
     def __repr__(self) -> str:
         sizes = ", ".join(f"{f.name}={getattr(self.dims, f.name)}" for f in dataclasses.fields(self.dims))

@@ -19,7 +19,8 @@ CP_METHODS = {"ring": ring_attention, "ulysses": ulysses_attention, "hybrid": hy
 def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, attention_mask, dropout: float = 0.0,
               scaling: float | None = None, is_causal: bool | None = None, **kwargs) -> tuple[Tensor, None]:
     """HF's attention-function signature: q ``[batch, heads, seq, head_dim]``, k/v at kv heads; returns
-    ``([batch, seq, heads, head_dim], None)``. Causal, over ``document_ids`` when the inputs hook set them."""
+    ``([batch, seq, heads, head_dim], None)``. Causal, over ``document_ids`` when the inputs hook set them (and
+    by ``cp_positions`` under the "balanced" cp order)."""
     if attention_mask is not None:
         raise ValueError(
             f"torchdist_ext attention got a prepared mask of shape {tuple(attention_mask.shape)}; pass the 2-D "
@@ -39,8 +40,14 @@ def attention(module: nn.Module, query: Tensor, key: Tensor, value: Tensor, atte
     context = getattr(module, "_tdx_context_parallel", None)
     if context is not None:
         cp_mesh, method, order = context
+        positions = kwargs.get("cp_positions")
+        if (order == "balanced") != (positions is not None):
+            raise ValueError(f"the model's cp_order is {order!r}, but cp_positions were "
+                             f"{'not ' if positions is None else ''}given: feed it shard_hf_batch(batch, "
+                             f"cp_mesh=..., order={order!r})")
+        order = None if order == "balanced" else order
         out = CP_METHODS[method](query, key, value, cp_mesh=cp_mesh, causal=True, scale=scale, order=order,
-                                 document_ids=document_ids)
+                                 document_ids=document_ids, positions=positions)
     elif document_ids is not None:
         out, _ = ops.document_attention_fwd(query, key, value, document_ids, True, scale)
     else:

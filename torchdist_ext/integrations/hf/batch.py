@@ -9,10 +9,13 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from torchdist_ext import _collectives as collectives
 from torchdist_ext.agreement import check_agreement
-from torchdist_ext.parallel import shard_sequence
-from torchdist_ext.parallel.sequence_sharding import check_order
+from torchdist_ext.parallel import balanced_sequence_plan, shard_sequence
+from torchdist_ext.parallel.sequence_sharding import ORDERS, context_parallel_groups
 
-__all__ = ["IGNORE_INDEX", "document_ids_from", "global_num_items", "shard_hf_batch"]
+__all__ = ["HF_ORDERS", "IGNORE_INDEX", "check_hf_order", "document_ids_from", "global_num_items", "shard_hf_batch"]
+
+# The cp orders of a parallelised HF model: shard_sequence's, or "balanced": each batch's balanced_sequence_plan.
+HF_ORDERS = (*ORDERS, "balanced")
 
 IGNORE_INDEX = -100
 _BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids")
@@ -32,6 +35,11 @@ def shifted_labels(labels: Tensor) -> Tensor:
     return F.pad(labels, (0, 1), value=IGNORE_INDEX)[..., 1:]
 
 
+def check_hf_order(order: str, arg: str = "order") -> None:
+    if order not in HF_ORDERS:
+        raise ValueError(f"{arg} must be one of {HF_ORDERS}, got {order!r}")
+
+
 def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, order: str = "zigzag") -> dict:
     """This rank's part of the batch a user would pass to the single-process model.
 
@@ -42,15 +50,30 @@ def shard_hf_batch(batch: dict, *, cp_mesh: DeviceMesh, order: str = "zigzag") -
     whole sequence before sharding): all sharded along the sequence like
     ``shard_sequence(x, cp_mesh=cp_mesh, dim=1, order=order)``; and ``cp_order``, which the model checks
     against its own. The loss counts the target tokens over every data- and context-parallel rank itself.
+
+    ``order="balanced"`` shards by the ``balanced_sequence_plan`` of the rows' documents (a ring plan over a
+    1-D ``cp_mesh``, which serves Ulysses too; a hybrid plan over a 2-D ``[ring, ulysses]`` one), so packed
+    documents of any lengths give every cp rank the same attention work, and adds ``cp_positions``
+    ``[batch, seq_local]``: the tokens' places in their rows, which the attention's causal mask compares.
     """
-    check_order(order)
-    return prepare_batch(batch, lambda x: shard_sequence(x.contiguous(), cp_mesh=cp_mesh, dim=1, order=order),
-                         order)
+    check_hf_order(order)
+    if order != "balanced":
+        def sharder(document_ids: Tensor):
+            return lambda x: shard_sequence(x.contiguous(), cp_mesh=cp_mesh, dim=1, order=order), {}
+    else:
+        def sharder(document_ids: Tensor):
+            ring, ulysses = context_parallel_groups(cp_mesh)
+            cp_size, method = (ring.size, "ring") if ulysses is None else ((ring.size, ulysses.size), "hybrid")
+            plan = balanced_sequence_plan(document_ids.cpu(), cp_size, method=method)
+            positions = plan.positions(cp_mesh=cp_mesh).to(document_ids.device)
+            return lambda x: plan.shard(x.contiguous(), dim=1, cp_mesh=cp_mesh), {"cp_positions": positions}
+    return prepare_batch(batch, sharder, order)
 
 
-def prepare_batch(batch: dict, shard: Callable[[Tensor], Tensor], order: str | None) -> dict:
-    """``shard_hf_batch``'s work with any ``shard`` of a ``[batch, seq]`` tensor (the identity without
-    context parallelism); ``cp_order`` is ``order``."""
+def prepare_batch(batch: dict, sharder: Callable[[Tensor], tuple[Callable[[Tensor], Tensor], dict]],
+                  order: str | None) -> dict:
+    """``shard_hf_batch``'s work with ``sharder(document_ids)``: a shard of any ``[batch, seq]`` tensor (the
+    identity without context parallelism) and the entries it adds to the result; ``cp_order`` is ``order``."""
     if not isinstance(batch, Mapping):
         raise TypeError(f"batch must be a mapping of tensors (a dict, a tokenizer's BatchEncoding), got "
                         f"{type(batch).__name__}")
@@ -79,12 +102,14 @@ def prepare_batch(batch: dict, shard: Callable[[Tensor], Tensor], order: str | N
         position_ids = torch.arange(seq, device=input_ids.device)[None]
     position_ids = position_ids.expand(size, -1)
     document_ids = document_ids_from(position_ids, batch.get("attention_mask"), size)
+    shard, extra = sharder(document_ids)
     local = {
         "input_ids": shard(input_ids),
         "position_ids": shard(position_ids),
         # One document per row and no padding: plain causal attention, one block call over the batch.
         "document_ids": None if bool((document_ids == 0).all()) else shard(document_ids),
         "cp_order": order,
+        **extra,
     }
     labels = batch.get("labels")
     if labels is not None:

@@ -18,7 +18,7 @@ from torchdist_ext.integrations.hf.attention import (
     sequence_parallel_attention_forward,
     sliding_window,
 )
-from torchdist_ext.integrations.hf.batch import document_ids_from
+from torchdist_ext.integrations.hf.batch import check_hf_order, document_ids_from
 from torchdist_ext.integrations.hf.loss import ParallelCausalLMLoss
 from torchdist_ext.integrations.hf.moe import MOE_MODEL_TYPES, HFMoEBlock, is_moe_block, moe_from_hf_block
 from torchdist_ext.integrations.hf.pipeline import (
@@ -34,10 +34,7 @@ from torchdist_ext.parallel import (
 )
 from torchdist_ext.parallel.dims import ParallelMeshes
 from torchdist_ext.parallel.mesh_group import MeshGroup
-from torchdist_ext.parallel.sequence_sharding import (
-    check_order,
-    context_parallel_groups,
-)
+from torchdist_ext.parallel.sequence_sharding import context_parallel_groups
 from torchdist_ext.pipeline import SCHEDULES, num_stages
 
 __all__ = ["MODEL_TYPES", "parallelize_hf_model"]
@@ -77,6 +74,9 @@ def _inputs_hook(cp_mesh: DeviceMesh | None, cp_order: str):
             if mask is not None:
                 raise ValueError("under context parallelism pass the attention_mask to shard_hf_batch, which turns "
                                  "it into document_ids, not to the model")
+            if (order == "balanced") != (kwargs.get("cp_positions") is not None):
+                raise ValueError("cp_positions come with shard_hf_batch(order='balanced') and only with it: pass the "
+                                 "model the whole dict shard_hf_batch returns")
         elif reference is not None:  # (neither input: HF's own check raises)
             position_ids = kwargs.get("position_ids")
             packed = position_ids is not None
@@ -391,7 +391,8 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
             order=cp_order)``.
         sequence_parallel: shard the residual stream along the sequence over ``tp_mesh`` (needs ``tp_mesh``).
         cp_method: "ring", "ulysses" or "hybrid" (the keys of ``CP_METHODS``).
-        cp_order: how the sequence is cut over the cp ranks: "zigzag" or "contiguous".
+        cp_order: how the sequence is cut over the cp ranks: "zigzag", "contiguous" or "balanced" (each batch
+            by the plan of its documents: ``balanced_sequence_plan``).
         compile: compile each decoder layer (fullgraph).
         fp8: a ``torchdist_ext.fp8`` recipe (``DelayedScaling`` or ``CurrentScaling``) or None; each rank's
             share of every decoder-layer linear must have multiples of 16 features.
@@ -434,7 +435,7 @@ def parallelize_hf_model(model: nn.Module, *, tp_mesh: DeviceMesh | None = None,
                          f"{virtual_stages!r} configure pipeline parallelism, which needs a pp_mesh")
     if cp_method not in CP_METHODS:
         raise ValueError(f"cp_method must be one of {sorted(CP_METHODS)}, got {cp_method!r}")
-    check_order(cp_order)
+    check_hf_order(cp_order, "cp_order")
     if not isinstance(compile, bool):
         raise TypeError(f"compile must be a bool, got {compile!r}")
     if sequence_parallel and tp_mesh is None:

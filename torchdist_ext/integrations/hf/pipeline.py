@@ -29,8 +29,8 @@ class HFStage(nn.Module):
 
     forward: ``x`` (token ids ``[batch, seq]`` on the first stage, else hidden states ``[batch, seq, hidden]``,
     sequence-sharded as the layers pass them on), ``position_ids`` ``[batch, seq]`` (global) and optionally
-    ``document_ids`` ``[batch, seq]`` -> hidden states, or the logits (vocab-sharded under tp) on the last
-    stage."""
+    ``document_ids`` and ``cp_positions`` ``[batch, seq]`` (``shard_hf_batch``'s) -> hidden states, or the
+    logits (vocab-sharded under tp) on the last stage."""
 
     def __init__(self, model: nn.Module, layers: range, *, first: bool, last: bool):
         super().__init__()
@@ -41,13 +41,14 @@ class HFStage(nn.Module):
         self.lm_head = model.lm_head if last else None
         self.rotary_emb = decoder.rotary_emb
 
-    def forward(self, x: Tensor, position_ids: Tensor, document_ids: Tensor | None = None) -> Tensor:
+    def forward(self, x: Tensor, position_ids: Tensor, document_ids: Tensor | None = None,
+                cp_positions: Tensor | None = None) -> Tensor:
         if self.embed_tokens is not None:
             x = self.embed_tokens(x)
         position_embeddings = self.rotary_emb(x, position_ids)
         for layer in self.layers.values():
             x = layer(x, attention_mask=None, position_ids=position_ids, position_embeddings=position_embeddings,
-                      document_ids=document_ids)
+                      document_ids=document_ids, cp_positions=cp_positions)
         return x if self.lm_head is None else self.lm_head(self.norm(x))
 
 
@@ -81,7 +82,7 @@ class HFPipeline:
         local = {}
 
         def validate():
-            local.update(prepare_batch(batch, lambda x: x, None) if self.cp_mesh is None else
+            local.update(prepare_batch(batch, lambda ids: (lambda x: x, {}), None) if self.cp_mesh is None else
                          shard_hf_batch(batch, cp_mesh=self.cp_mesh, order=self.cp_order))
             if local.get("shift_labels") is None:
                 raise ValueError("a pipelined parallelize_hf_model model trains on batches with labels")
@@ -94,8 +95,9 @@ class HFPipeline:
         count = local["count"]
         self._num_items = count if self.data_group is None else collectives.all_reduce(count, self.data_group.name)
         stage_inputs = {"position_ids": local["position_ids"]}
-        if local["document_ids"] is not None:
-            stage_inputs["document_ids"] = local["document_ids"]
+        for key in ("document_ids", "cp_positions"):
+            if local.get(key) is not None:
+                stage_inputs[key] = local[key]
         loss = self.schedule.step(local["input_ids"], local["shift_labels"], stage_inputs=stage_inputs)
         return loss if self.data_group is None else collectives.all_reduce(loss, self.data_group.name)
 
