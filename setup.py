@@ -104,7 +104,7 @@ def planner_extension():
 
     return Extension(
         "torchdist_ext._planner",
-        sources=files("csrc/planner", "*.cpp"),
+        sources=files("csrc/planner", "*.cpp") + ["csrc/ops/sequence_plan.cpp"],  # (torch-free, shared)
         include_dirs=[str(ROOT / "csrc"), pybind11.get_include()],
         extra_compile_args=["-O2", "-std=c++17", "-fvisibility=hidden", "-Wall"],
         language="c++",

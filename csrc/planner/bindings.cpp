@@ -6,6 +6,7 @@
 #include <pybind11/stl.h>
 
 #include "planner/checks.h"
+#include "planner/documents.h"
 #include "planner/estimate.h"
 #include "planner/memory.h"
 #include "planner/pipeline.h"
@@ -39,6 +40,7 @@ PYBIND11_MODULE(_planner, m) {
   options[OptionTable<Fp8GradFormat>::kField] = option_names<Fp8GradFormat>();
   options[OptionTable<AttentionKernel>::kField] = option_names<AttentionKernel>();
   options[OptionTable<NormKernel>::kField] = option_names<NormKernel>();
+  options[OptionTable<CpOrder>::kField] = option_names<CpOrder>();
   m.attr("OPTIONS") = options;
 
   py::class_<ModelSpec>(m, "ModelSpec")
@@ -96,6 +98,8 @@ PYBIND11_MODULE(_planner, m) {
       .def_readwrite("dp", &Layout::dp)
       .def_readwrite("cp", &Layout::cp)
       .def_readwrite("cp_ulysses", &Layout::cp_ulysses)
+      .def_readwrite("document_median", &Layout::document_median)
+      .def_readwrite("document_sigma", &Layout::document_sigma)
       .def_readwrite("dp_replicate", &Layout::dp_replicate)
       .def_readwrite("ep", &Layout::ep)
       .def_readwrite("zero_stage", &Layout::zero_stage)
@@ -116,6 +120,7 @@ PYBIND11_MODULE(_planner, m) {
   def_option(layout, "fp8_grad_format", &Layout::fp8_grad_format);
   def_option(layout, "attention", &Layout::attention);
   def_option(layout, "norm", &Layout::norm);
+  def_option(layout, "cp_order", &Layout::cp_order);
 
   py::class_<ModelStateBytes>(m, "ModelStateBytes")
       .def_readonly("params", &ModelStateBytes::params)
@@ -218,6 +223,14 @@ PYBIND11_MODULE(_planner, m) {
         return gemm_seconds(m_, n, k, gpu, parse_option<Precision>(precision));
       },
       py::arg("m"), py::arg("n"), py::arg("k"), py::arg("gpu"), py::arg("precision"));
+  m.def(
+      "attention_balance",
+      [](int64_t seq_len, int64_t ranks, const std::string& order, double median, double sigma) {
+        if (seq_len < 1 || ranks < 1) throw std::invalid_argument("seq_len and ranks must be positive");
+        const auto balance = attention_balance(seq_len, ranks, parse_option<CpOrder>(order), median, sigma);
+        return std::make_pair(balance.work_share, balance.spread);
+      },
+      py::arg("seq_len"), py::arg("ranks"), py::arg("order"), py::arg("median"), py::arg("sigma"));
   py::class_<Estimate>(m, "Estimate")
       .def_readonly("params", &Estimate::params)
       .def_readonly("grads", &Estimate::grads)
@@ -233,6 +246,7 @@ PYBIND11_MODULE(_planner, m) {
       .def_readonly("model_flops_per_step", &Estimate::model_flops_per_step)
       .def_readonly("compute", &Estimate::compute)
       .def_readonly("bubble", &Estimate::bubble)
+      .def_readonly("attention_spread", &Estimate::attention_spread)
       .def_readonly("comm", &Estimate::comm)
       .def_readonly("step_seconds", &Estimate::step_seconds)
       .def_readonly("mfu", &Estimate::mfu)

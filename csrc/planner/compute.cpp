@@ -6,6 +6,7 @@
 #include <stdexcept>
 #include <string>
 
+#include "planner/documents.h"
 #include "planner/estimate.h"
 #include "planner/memory.h"
 
@@ -96,10 +97,13 @@ Work attention_block(const ModelSpec& model, const Layout& l, const Local& s, co
   }
   w.gemm += linear_seconds(T, s.h, s.q, gpu, l.precision, full_rerun);
   // Causal attention of the rank's T / b queries of each sequence over the whole sequence (the ring brings
-  // the rest; zigzag balances the work): 4 s_q s_k head_dim FLOPs per head forward, halved by the mask.
+  // the rest): 4 s_q s_k head_dim FLOPs per head forward, halved by the mask; packed documents keep their
+  // share of it, and the slowest ring rank pays its spread (documents.h).
   const double b = static_cast<double>(l.micro_batch), seq = static_cast<double>(l.seq_len);
   const double heads = s.q / static_cast<double>(model.head_dim());
-  const double forward = 2 * b * (T / b) * seq * static_cast<double>(model.head_dim()) * heads;
+  const AttentionBalance balance = attention_balance(l);
+  const double forward = 2 * b * (T / b) * seq * static_cast<double>(model.head_dim()) * heads * balance.work_share *
+                         (1 + balance.spread);
   if (l.attention == AttentionKernel::kFlash) {
     w.attention = forward * (1 + full_rerun + kFlashBackwardShare) / (gpu.bf16_flops * gpu.attention_efficiency);
   } else {  // unfused: both triangles' products as GEMMs (their scores' bytes: eager_scores)

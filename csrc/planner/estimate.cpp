@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <stdexcept>
 
+#include "planner/documents.h"
 #include "planner/memory.h"
 #include "planner/pipeline.h"
 
@@ -231,7 +232,7 @@ std::vector<RankMemory> rank_memory(const ModelSpec& model, const Layout& l) {
 
 StepFlops step_flops(const ModelSpec& model, const Layout& l) {
   // FLOPs: 6 N_active per token for the GEMMs, and causal attention 6 L s h per token (QK^T and PV,
-  // half of the score matrix, forward + backward). The model's work, not the hardware's: recomputation,
+  // half of the score matrix, forward + backward), times the share packed documents keep (documents.h). The model's work, not the hardware's: recomputation,
   // a flash backward's rerun of the scores and a skewed ep rank's extra rows are compute_time()'s.
   const ParamCount params = count_params(model);
   const double s = static_cast<double>(l.seq_len), h = static_cast<double>(model.hidden);
@@ -239,7 +240,7 @@ StepFlops step_flops(const ModelSpec& model, const Layout& l) {
   StepFlops flops;
   flops.tokens = static_cast<double>(l.sequences_per_step()) * s;
   flops.gemm = 6 * params.active * flops.tokens;
-  flops.attention = 6 * layers * s * h * flops.tokens;
+  flops.attention = 6 * layers * s * h * flops.tokens * attention_balance(l).work_share;
   return flops;
 }
 
@@ -407,6 +408,7 @@ Estimate estimate(const ModelSpec& model, const ClusterSpec& cluster, const Layo
   const ComputeTime compute = compute_time(model, cluster, l);
   e.compute = compute;
   e.bubble = l.pp > 1 ? bubble_fraction(l.pp, l.num_microbatches, l.schedule, l.virtual_stages) : 0.0;
+  e.attention_spread = attention_balance(l).spread;
 
   // Communication: each axis's bytes at its link's bandwidth, less what hides behind compute.
   auto add = [&](const std::string& axis, double bytes, double hidden_behind) {

@@ -46,6 +46,7 @@ struct Estimate {
   double model_flops_per_step = 0;  // 6 N_active D + causal attention, without recomputation
   ComputeTime compute;              // busy time of one GPU (with recomputation) and its parts
   double bubble = 0;                // idle fraction of the pipeline
+  double attention_spread = 0;      // the ring ranks' attention work, max / mean - 1 (documents.h)
   std::map<std::string, AxisComm> comm;  // tp, cp, ep, dp, pp (axes of size > 1)
   double step_seconds = 0;
   double mfu = 0;

@@ -20,6 +20,9 @@ inline bool uses_fp8_gemms(Precision p) { return p == Precision::kFp8Mixed || p 
 enum class Fp8GradFormat { kE5M2, kE4M3 };
 enum class AttentionKernel { kFlash, kEager };
 enum class NormKernel { kFused, kComposite };
+// How the sequence is cut over the ring ranks of cp (torchdist_ext.parallel): contiguous blocks, zigzag
+// chunks, or each row's balanced_sequence_plan of its documents.
+enum class CpOrder { kContiguous, kZigzag, kBalanced };
 
 template <typename Option>
 struct OptionTable;
@@ -69,6 +72,13 @@ struct OptionTable<NormKernel> {
   static constexpr const char* kField = "norm";
   static constexpr std::array<std::pair<NormKernel, const char*>, 2> kNames{
       {{NormKernel::kFused, "fused"}, {NormKernel::kComposite, "composite"}}};
+};
+
+template <>
+struct OptionTable<CpOrder> {
+  static constexpr const char* kField = "cp_order";
+  static constexpr std::array<std::pair<CpOrder, const char*>, 3> kNames{
+      {{CpOrder::kZigzag, "zigzag"}, {CpOrder::kContiguous, "contiguous"}, {CpOrder::kBalanced, "balanced"}}};
 };
 
 template <typename Option>

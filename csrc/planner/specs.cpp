@@ -187,6 +187,12 @@ void Layout::validate() const {
   require_positive("Layout.virtual_stages", virtual_stages);
   require_positive("Layout.seq_len", seq_len);
   require_positive("Layout.fp8_amax_history", fp8_amax_history);
+  if (!(document_median >= 0 && document_median <= 1e12)) {
+    invalid("Layout.document_median must be >= 0 tokens (0: one document per sequence), got " + str(document_median));
+  }
+  if (!(document_sigma > 0 && document_sigma <= 10)) {
+    invalid("Layout.document_sigma must lie in (0, 10] (the log-normal's deviation), got " + str(document_sigma));
+  }
   if (!(expert_imbalance >= 1 && expert_imbalance <= static_cast<double>(ep))) {
     invalid("Layout.expert_imbalance must lie in [1, ep=" + str(ep) +
             "] (the busiest ep rank's routed rows over the mean), got " + str(expert_imbalance));

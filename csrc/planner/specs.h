@@ -93,6 +93,13 @@ struct Layout {
   // cp Ulysses over all of them, and between the two cp / cp_ulysses ring ranks around Ulysses groups
   // (hybrid_attention). It sets how cp communicates (estimate.cpp), not what a rank holds.
   int64_t cp_ulysses = 1;
+  // How the sequence is cut over the ring ranks (Ulysses ranks share every query, whatever the order), and
+  // the documents packed in each sequence: log-normal lengths of median `document_median` tokens and
+  // log-space deviation `document_sigma` (document_median 0: one document per sequence). They set the
+  // attention's work and its spread over the ring ranks (documents.h), which the slowest rank pays.
+  CpOrder cp_order = CpOrder::kZigzag;
+  double document_median = 0;
+  double document_sigma = 1.2;
   // HSDP: the replicas among the dp ranks (1: none). The ZeRO shards span dp x cp x ep / dp_replicate ranks of
   // one replica (a dp axis of dp / dp_replicate ranks), the replicas all-reduce the sharded gradients across
   // dp_replicate groups (the next axis out, before pp). Needs zero_stage >= 1 and must divide dp.

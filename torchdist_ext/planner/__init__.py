@@ -24,6 +24,7 @@ from torchdist_ext.planner.estimate import (
 )
 from torchdist_ext.planner.formulas import (
     activation_bytes_per_layer,
+    attention_balance,
     bubble_fraction,
     embedding_weight_grad_input_bytes,
     gemm_seconds,
@@ -65,6 +66,7 @@ __all__ = [
     "SCHEDULES",
     "ScheduledPass",
     "activation_bytes_per_layer",
+    "attention_balance",
     "bubble_fraction",
     "check",
     "chunks_per_rank",

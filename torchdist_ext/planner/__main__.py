@@ -34,6 +34,7 @@ from torchdist_ext.planner import (
     search,
     simulate_schedule,
 )
+from torchdist_ext.planner.formulas import attention_balance
 from torchdist_ext.planner.plot import plot_plan, simulated_rows
 from torchdist_ext.planner.schedule import chunks_per_rank
 
@@ -75,6 +76,13 @@ def _parser() -> argparse.ArgumentParser:
         parser.add_argument(f"--{axis}", type=_count, default=None)
     parser.add_argument("--cp-ulysses", type=_count, default=1, metavar="U",
                         help="Ulysses ranks within cp (1: ring attention; cp: Ulysses; between: hybrid)")
+    parser.add_argument("--cp-order", default="zigzag", choices=_planner.OPTIONS["cp_order"],
+                        help="how the sequence is cut over the ring ranks (balanced: balanced_sequence_plan)")
+    parser.add_argument("--document-median", type=float, default=0.0, metavar="TOKENS",
+                        help="packed documents of log-normal lengths with this median (default 0: one document "
+                             "per sequence)")
+    parser.add_argument("--document-sigma", type=float, default=1.2, metavar="S",
+                        help="the documents' log-space deviation (with --document-median)")
     parser.add_argument("--dp-replicate", type=_count, default=1, metavar="R",
                         help="HSDP: replicas among the dp ranks, each sharding over dp / R (needs --zero >= 1)")
     parser.add_argument("--zero", type=int, default=1, choices=[0, 1, 2, 3], help="ZeRO stage")
@@ -102,7 +110,9 @@ def _layout(args, gpus: int) -> Layout:
     per_step = dp * sizes["ep"] * args.micro_batch
     if global_batch % per_step:
         raise ValueError(f"--global-batch {global_batch} must be divisible by dp x ep x micro-batch = {per_step}")
-    return Layout(**sizes, dp=dp, cp_ulysses=args.cp_ulysses, dp_replicate=args.dp_replicate, zero_stage=args.zero, sequence_parallel=args.sp,
+    return Layout(**sizes, dp=dp, cp_ulysses=args.cp_ulysses, cp_order=args.cp_order,
+                  document_median=args.document_median, document_sigma=args.document_sigma,
+                  dp_replicate=args.dp_replicate, zero_stage=args.zero, sequence_parallel=args.sp,
                   recompute=args.recompute, micro_batch=args.micro_batch,
                   num_microbatches=global_batch // per_step, schedule=args.schedule,
                   virtual_stages=args.virtual_stages, seq_len=args.seq, precision=args.precision,
@@ -113,6 +123,8 @@ def _describe(layout: Layout) -> str:
     parts = [f"{axis}={getattr(layout, axis)}" for axis in ("tp", "pp", "dp", "cp", "ep") if getattr(layout, axis) > 1]
     if layout.cp_ulysses > 1:
         parts.append("ulysses" if layout.cp_ulysses == layout.cp else f"ulysses={layout.cp_ulysses}")
+    if layout.cp > layout.cp_ulysses and layout.cp_order != "zigzag":
+        parts.append(layout.cp_order)
     if layout.dp_replicate > 1:
         parts.append(f"hsdp={layout.dp_replicate}")
     parts.append(f"zero{layout.zero_stage}")
@@ -154,6 +166,15 @@ def _print_estimate(model: ModelSpec, layout: Layout, e, findings) -> None:
           f"{c.memory_seconds:.3f}, optimizer {c.optimizer_seconds:.3f}), bubble {100 * e.bubble:.1f}%, step "
           f"{e.step_seconds:.3f} s, {e.tokens_per_second:,.0f} tokens/s "
           f"({e.tokens_per_second / layout.num_gpus:,.0f} per GPU), MFU {100 * e.mfu:.1f}% ({_mfu_basis(layout)})")
+    ring = layout.cp // layout.cp_ulysses
+    if ring > 1 and layout.document_median > 0:
+        spreads = {order: attention_balance(layout.seq_len, ring, order=order, document_median=layout.document_median,
+                                            document_sigma=layout.document_sigma)[1]
+                   for order in _planner.OPTIONS["cp_order"]}
+        print(f"attention over the {ring} ring ranks (documents: median {layout.document_median:g} tokens, sigma "
+              f"{layout.document_sigma:g}), slowest rank's excess: "
+              + ", ".join(f"{order} {100 * spread:.1f}%" for order, spread in spreads.items())
+              + f" (this layout: {layout.cp_order})")
     if e.comm:
         print("communication per GPU per step:")
         for axis, c in e.comm.items():

@@ -95,6 +95,7 @@ class Estimate:
     model_flops_per_step: float  # 6 N_active D + causal attention, without recomputation
     compute: ComputeTime  # busy time of one GPU (with recomputation) and its parts
     bubble: float  # idle fraction of the pipeline
+    attention_spread: float = 0.0  # the ring ranks' attention work, max / mean - 1 (packed documents, cp order)
     comm: dict[str, AxisComm] = field(default_factory=dict)
     step_seconds: float = 0.0
     # the model FLOPs per step over what the GPUs could do in the step at the peak of the unit running each
@@ -112,7 +113,7 @@ class Estimate:
                    fits=e.fits(),
                    params_per_gpu=e.params_per_gpu, tokens_per_step=e.tokens_per_step,
                    model_flops_per_step=e.model_flops_per_step, compute=ComputeTime.from_cpp(e.compute), bubble=e.bubble,
-                   comm=comm, step_seconds=e.step_seconds, mfu=e.mfu, tokens_per_second=e.tokens_per_second(),
+                   attention_spread=e.attention_spread, comm=comm, step_seconds=e.step_seconds, mfu=e.mfu, tokens_per_second=e.tokens_per_second(),
                    pipeline_ranks=[RankMemory(r.params, r.grads, r.optimizer, r.activations, r.backward, r.buffers,
                                               r.total()) for r in e.pipeline_ranks],
                    fullest_pipeline_rank=e.fullest_pipeline_rank)

@@ -1,4 +1,5 @@
-"""The planner's closed forms (csrc/planner/{memory,pipeline,estimate,compute}.h), with keyword arguments."""
+"""The planner's closed forms (csrc/planner/{memory,pipeline,estimate,compute,documents}.h), with keyword
+arguments."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ from torchdist_ext.planner.specs import ClusterSpec, GpuSpec, Layout, ModelSpec
 
 __all__ = [
     "activation_bytes_per_layer",
+    "attention_balance",
     "layer_activation_bytes",
     "layer_rerun_bytes",
     "layer_backward_bytes",
@@ -28,6 +30,17 @@ def gemm_seconds(m: float, n: float, k: float, gpu: GpuSpec, *, precision: str =
     operands at ``fp8_flops x fp8_gemm_efficiency``, TF32 at half the bf16 rate) or its operands' and result's
     bytes at 80 % of the memory bandwidth, whichever is longer (csrc/planner/compute.h)."""
     return _planner.gemm_seconds(float(m), float(n), float(k), gpu.to_cpp(), precision)
+
+
+def attention_balance(seq_len: int, ranks: int, *, order: str = "zigzag", document_median: float = 0.0,
+                      document_sigma: float = 1.2) -> tuple[float, float]:
+    """``(work_share, spread)`` of the attention of sequences of ``seq_len`` tokens packing documents of
+    log-normal lengths (median ``document_median`` tokens, log-space deviation ``document_sigma``; median 0:
+    one document), cut over ``ranks`` ring ranks in ``order`` ("zigzag", "contiguous" or "balanced"): the
+    (query, key) pairs over one causal document's, and the expected max / mean - 1 of the ranks' pairs
+    (sampled rows, a fixed seed: csrc/planner/documents.h)."""
+    return _planner.attention_balance(int(seq_len), int(ranks), order, float(document_median),
+                                      float(document_sigma))
 
 
 def model_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,

@@ -231,7 +231,11 @@ class Layout:
     (csrc/planner/specs.h). ``cp_ulysses``: the Ulysses ranks within cp (1: ring attention over every cp
     rank; cp: Ulysses over every one; between: ``hybrid_attention``'s cp / cp_ulysses ring ranks around
     Ulysses groups), which sets how cp communicates: Ulysses' all-to-alls on the critical path, the ring's
-    K/V hidden behind the attention. ``dp_replicate``: HSDP's replicas among the dp ranks (1: none; needs
+    K/V hidden behind the attention. ``cp_order`` ("zigzag", "contiguous" or "balanced": a
+    ``balanced_sequence_plan``) and the documents packed in each sequence (log-normal lengths of median
+    ``document_median`` tokens, log-space deviation ``document_sigma``; median 0: one document) set the
+    attention's work and its spread over the ring ranks, which the slowest rank pays
+    (csrc/planner/documents.h; ``Estimate.attention_spread``). ``dp_replicate``: HSDP's replicas among the dp ranks (1: none; needs
     ``zero_stage`` >= 1): the ZeRO shards span one replica's dp x cp x ep / dp_replicate ranks, and the replicas
     all-reduce the gradient shards (the ``dp_replicate`` axis of the estimate's communication).
     """
@@ -242,6 +246,9 @@ class Layout:
     cp: int = 1
     ep: int = 1
     cp_ulysses: int = 1
+    cp_order: str = "zigzag"
+    document_median: float = 0.0
+    document_sigma: float = 1.2
     dp_replicate: int = 1
     zero_stage: int = 0
     sequence_parallel: bool = False
