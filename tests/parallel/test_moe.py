@@ -73,8 +73,10 @@ def reference_kept(top_ids, weights, num_experts, capacity_factor, drop_policy, 
 
 
 def reference_moe(x, gate, w1, w3, w2, shared, top_k, score_func, capacity_factor, drop_policy,
-                  capacity_tokens=None):
-    """One rank's chunk through the MoE with a loop over experts; returns (out, aux, z)."""
+                  capacity_tokens=None, sequences=1):
+    """One rank's chunk through the MoE with a loop over experts; returns (out, aux, z). With ``sequences``
+    > 1 the balance loss is DeepSeek-V3's sequence-wise one: each of that many equal sequences of the chunk on
+    its own, averaged."""
     num_experts = gate.shape[0]
     logits, distribution, top_ids, weights = reference_routing(x, gate, top_k, score_func)
     keep = reference_kept(top_ids.detach(), weights.detach(), num_experts, capacity_factor, drop_policy,
@@ -90,9 +92,11 @@ def reference_moe(x, gate, w1, w3, w2, shared, top_k, score_func, capacity_facto
     if shared is not None:
         s1, s3, s2 = (s.double() for s in shared)
         out = out + (F.silu(x.double() @ s1.t()) * (x.double() @ s3.t())) @ s2.t()
-    share = torch.zeros(num_experts, dtype=torch.float64).index_add(
-        0, top_ids.flatten(), torch.ones(top_ids.numel(), dtype=torch.float64)) / top_ids.numel()
-    aux = num_experts * (share * distribution.mean(0)).sum()
+    aux = 0.0
+    for ids, probabilities in zip(top_ids.chunk(sequences), distribution.chunk(sequences)):
+        share = torch.zeros(num_experts, dtype=torch.float64).index_add(
+            0, ids.flatten(), torch.ones(ids.numel(), dtype=torch.float64)) / ids.numel()
+        aux = aux + num_experts * (share * probabilities.mean(0)).sum() / sequences
     z = logits.logsumexp(-1).square().mean()
     return out, aux, z, torch.where(keep, top_ids, -1)
 
@@ -107,7 +111,7 @@ def skew_to_the_first_rank(gate, n):
 
 
 def check_against_reference(num_experts, top_k, score_func, capacity_factor, drop_policy, num_shared, dtype,
-                            aux_coef=0.0, z_coef=0.0, skewed=False):
+                            aux_coef=0.0, z_coef=0.0, skewed=False, aux_loss="switch"):
     n, r = dist.get_world_size(), dist.get_rank()
     weights = full_weights(num_experts, num_shared, dtype)
     if skewed:
@@ -116,7 +120,7 @@ def check_against_reference(num_experts, top_k, score_func, capacity_factor, dro
     x_full = torch.randn(n, TOKENS, DIM, generator=gen, dtype=torch.float64).to(dtype)
     upstream = torch.randn(n, TOKENS, DIM, generator=gen, dtype=torch.float64).to(dtype)
     kwargs = dict(top_k=top_k, score_func=score_func, capacity_factor=capacity_factor, drop_policy=drop_policy,
-                  aux_loss_coef=aux_coef, z_loss_coef=z_coef)
+                  aux_loss=aux_loss, aux_loss_coef=aux_coef, z_loss_coef=z_coef)
     gate, w1, w3, w2, shared = weights
     moe = MoE.from_experts(gate, w1, w3, w2, ep_mesh=ep_mesh(), shared=shared, **kwargs)
     x = x_full[r].clone().view(2, TOKENS // 2, DIM).requires_grad_(True)
@@ -129,7 +133,7 @@ def check_against_reference(num_experts, top_k, score_func, capacity_factor, dro
     total = 0.0
     for chunk in range(n):
         ref, aux, z, kept = reference_moe(xs[chunk], *params, shared_params, top_k, score_func, capacity_factor,
-                                          drop_policy)
+                                          drop_policy, sequences=2 if aux_loss == "sequence" else 1)
         total = total + (ref * upstream[chunk].double()).sum() + aux_coef * aux + z_coef * z
         if chunk == r:
             ref_out, ref_aux, ref_z, ref_kept = ref.detach(), aux.detach(), z.detach(), kept
@@ -181,6 +185,14 @@ def test_idle_experts_and_ranks_that_receive_nothing(world, capacity_factor, dro
 @pytest.mark.parametrize("capacity_factor, drop_policy", CAPACITY)
 def test_shared_experts_and_auxiliary_losses(world2, capacity_factor, drop_policy):
     world2.run(check_against_reference, 4, 2, "softmax", capacity_factor, drop_policy, 1, torch.float32, 0.1, 0.01)
+
+
+@pytest.mark.parametrize("score_func", ["softmax", "sigmoid"])
+def test_sequence_wise_balance_loss(world2, score_func):
+    """DeepSeek-V3's complementary sequence-wise loss (aux_loss="sequence"): each of a rank's two sequences
+    balanced on its own; the loss and every gradient (the gate's carries it) against the reference."""
+    world2.run(check_against_reference, 4, 2, score_func, None, "probs", 0, torch.float32, 0.1, 0.0, False,
+               "sequence")
 
 
 @pytest.mark.parametrize("capacity_factor, drop_policy", CAPACITY[:2])
@@ -354,6 +366,18 @@ def wrong_width():
     MoE(DIM, FFN, 4, ep_mesh=ep_mesh())(torch.randn(2, 3, DIM + 1))
 
 
+def unknown_aux_loss():
+    MoE(DIM, FFN, 4, ep_mesh=ep_mesh(), aux_loss="global")
+
+
+def coefficient_without_aux_loss():
+    MoE(DIM, FFN, 4, ep_mesh=ep_mesh(), aux_loss=None, aux_loss_coef=0.01)
+
+
+def sequence_loss_of_flat_tokens():
+    MoE(DIM, FFN, 4, ep_mesh=ep_mesh(), aux_loss="sequence", aux_loss_coef=0.01)(torch.randn(6, DIM))
+
+
 BAD = [
     (experts_not_divisible, ValueError, "num_experts=7 must be divisible by the expert-parallel size 2"),
     (top_k_too_large, ValueError, r"top_k must be an int in \[1, num_experts=4\], got 5"),
@@ -363,6 +387,10 @@ BAD = [
     (unknown_score_func, ValueError, "score_func must be one of .* got 'relu'"),
     (nan_router_logits, ValueError, r"moe_dispatch: the router weights hold NaN, at \(flattened\) \[10\]"),
     (wrong_width, ValueError, r"its last dim must be 16 \(dim\)"),
+    (unknown_aux_loss, ValueError, r"aux_loss must be one of \('switch', 'sequence'\) or None, got 'global'"),
+    (coefficient_without_aux_loss, ValueError, "aux_loss=None computes no load-balancing loss, but aux_loss_coef"),
+    (sequence_loss_of_flat_tokens, ValueError, r"aux_loss='sequence' balances each sequence: the input must be "
+                                               r"\[..., seq, dim\], got shape \(6, 16\)"),
 ]
 
 

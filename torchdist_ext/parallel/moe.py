@@ -27,6 +27,7 @@ __all__ = ["GroupedExperts", "MoE", "fully_shard_moe"]
 
 SCORE_FUNCS = ("softmax", "sigmoid")
 DROP_POLICIES = ("probs", "position")
+AUX_LOSSES = ("switch", "sequence")
 
 
 class _AddAuxiliaryLoss(torch.autograd.Function):
@@ -62,8 +63,8 @@ def _positive_int(arg: str, value) -> None:
 
 def _check_configuration(ep_size: int, *, dim, ffn_dim, num_experts, top_k, capacity_factor, drop_policy,
                          score_func, norm_topk_prob, routed_scaling_factor, n_group, topk_group,
-                         score_correction_bias, aux_loss_coef, z_loss_coef, num_shared_experts, shared_expert_gate,
-                         dtype) -> None:
+                         score_correction_bias, aux_loss, aux_loss_coef, z_loss_coef, num_shared_experts,
+                         shared_expert_gate, dtype) -> None:
     """Raises ValueError / TypeError for an MoE argument out of its documented range."""
     for arg, value in (("dim", dim), ("ffn_dim", ffn_dim), ("num_experts", num_experts)):
         _positive_int(arg, value)
@@ -99,6 +100,11 @@ def _check_configuration(ep_size: int, *, dim, ffn_dim, num_experts, top_k, capa
     for arg, value in (("aux_loss_coef", aux_loss_coef), ("z_loss_coef", z_loss_coef)):
         if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0:
             raise ValueError(f"{arg} must be a number >= 0, got {value!r}")
+    if aux_loss is not None and aux_loss not in AUX_LOSSES:
+        raise ValueError(f"aux_loss must be one of {AUX_LOSSES} or None, got {aux_loss!r}")
+    if aux_loss is None and aux_loss_coef:
+        raise ValueError(f"aux_loss=None computes no load-balancing loss, but aux_loss_coef={aux_loss_coef!r}; "
+                         "pass aux_loss_coef=0 or an aux_loss")
     if not isinstance(num_shared_experts, int) or isinstance(num_shared_experts, bool) or num_shared_experts < 0:
         raise ValueError(f"num_shared_experts must be an int >= 0, got {num_shared_experts!r}")
     check_floating_dtype(dtype)
@@ -178,9 +184,13 @@ class MoE(nn.Module):
         score_correction_bias: a per-expert bias ``e_score_correction_bias`` (fp32 buffer, saved with the model)
             added to the scores for choosing the experts, not for weighting them: DeepSeek-V3's auxiliary-loss-free
             balancing, which ``update_correction_bias`` moves after each step.
-        aux_loss_coef: weight (>= 0) of the Switch load-balancing loss ``E * sum_e f_e P_e``: f_e the share of
-            the T*k top-k slots (before dropping) that chose e, P_e the mean over tokens of e's routing
-            probability (softmax probabilities; sigmoid scores divided by their sum over E).
+        aux_loss: the load-balancing loss ``E * sum_e f_e P_e``: f_e the share of the top-k slots (before
+            dropping) that chose e, P_e the mean of e's routing probability (softmax probabilities; sigmoid
+            scores divided by their sum over E). "switch" (Switch Transformer): over all of this rank's tokens;
+            "sequence" (DeepSeek-V3's complementary sequence-wise loss, section 2.1.2): over each sequence
+            (dim -2 of the input ``[..., seq, dim]``) on its own, averaged over the sequences; None: none
+            (``last_aux_loss`` stays None).
+        aux_loss_coef: its weight (>= 0; 0 with ``aux_loss=None``).
         z_loss_coef: weight (>= 0) of the router z-loss ``mean(logsumexp(logits)^2)``.
         num_shared_experts: S: a dense SwiGLU of width ``S * ffn_dim`` on every token, added (0: none).
         shared_expert_gate: the shared experts' output scaled by ``sigmoid(x . shared_gate)``, a token's own
@@ -203,16 +213,16 @@ class MoE(nn.Module):
     def __init__(self, dim: int, ffn_dim: int, num_experts: int, *, top_k: int = 2, ep_mesh: DeviceMesh,
                  capacity_factor: float | None = None, drop_policy: str = "probs", score_func: str = "softmax",
                  norm_topk_prob: bool | None = None, routed_scaling_factor: float = 1.0, n_group: int = 1,
-                 topk_group: int = 1, score_correction_bias: bool = False, aux_loss_coef: float = 0.0,
-                 z_loss_coef: float = 0.0, num_shared_experts: int = 0, shared_expert_gate: bool = False,
-                 device=None, dtype=None):
+                 topk_group: int = 1, score_correction_bias: bool = False, aux_loss: str | None = "switch",
+                 aux_loss_coef: float = 0.0, z_loss_coef: float = 0.0, num_shared_experts: int = 0,
+                 shared_expert_gate: bool = False, device=None, dtype=None):
         super().__init__()
         self.ep = MeshGroup.of(ep_mesh, "ep_mesh")
         configuration = dict(dim=dim, ffn_dim=ffn_dim, num_experts=num_experts, top_k=top_k,
                              capacity_factor=capacity_factor, drop_policy=drop_policy, score_func=score_func,
                              norm_topk_prob=norm_topk_prob, routed_scaling_factor=routed_scaling_factor,
                              n_group=n_group, topk_group=topk_group, score_correction_bias=score_correction_bias,
-                             aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
+                             aux_loss=aux_loss, aux_loss_coef=aux_loss_coef, z_loss_coef=z_loss_coef,
                              num_shared_experts=num_shared_experts, shared_expert_gate=shared_expert_gate,
                              dtype=dtype)
         # Every ep rank refuses, or none does: the ranks then exchange the weights' first draw.
@@ -224,7 +234,7 @@ class MoE(nn.Module):
         self.norm_topk_prob = (score_func == "sigmoid" or top_k > 1) if norm_topk_prob is None else norm_topk_prob
         self.routed_scaling_factor = float(routed_scaling_factor)
         self.n_group, self.topk_group = n_group, topk_group
-        self.aux_loss_coef, self.z_loss_coef = float(aux_loss_coef), float(z_loss_coef)
+        self.aux_loss, self.aux_loss_coef, self.z_loss_coef = aux_loss, float(aux_loss_coef), float(z_loss_coef)
         self.num_shared_experts = num_shared_experts
         factory = dict(device=device, dtype=dtype)
 
@@ -311,13 +321,16 @@ class MoE(nn.Module):
         def validate():
             check_floating_input(x, "input", self.gate.dtype)
             check_features(x, "input", self.dim, "dim")
+            if self.aux_loss == "sequence" and x.dim() < 3:
+                raise ValueError(f"aux_loss='sequence' balances each sequence: the input must be [..., seq, dim], "
+                                 f"got shape {tuple(x.shape)}")
 
         # every ep rank learns of one rank's bad input before the exchanges
         check_agreement(self.ep.name, "MoE.forward",
                         lambda: {"input dtype": x.dtype, "input features": x.shape[-1]}, validate)
         tokens = x.reshape(-1, self.dim)
         capacity = -1 if self.capacity_factor is None else self._capacity(tokens)
-        expert_ids, weights, auxiliary = self._route(tokens, capacity)
+        expert_ids, weights, auxiliary = self._route(tokens, capacity, x.shape[-2] if x.dim() >= 3 else 1)
         out = self._experts(tokens, expert_ids, weights, auxiliary, x.shape[:-1], capacity)  # [..., dim], not a view
         if self.num_shared_experts:
             shared = F.linear(F.silu(F.linear(x, self.shared_w1)) * F.linear(x, self.shared_w3), self.shared_w2)
@@ -326,9 +339,10 @@ class MoE(nn.Module):
             out = out + shared
         return out
 
-    def _route(self, tokens: Tensor, capacity: int) -> tuple[Tensor, Tensor, Tensor | None]:
+    def _route(self, tokens: Tensor, capacity: int, seq_len: int) -> tuple[Tensor, Tensor, Tensor | None]:
         """(expert_ids [T, k] int64, -1 where dropped; weights [T, k] in the accumulator type; the weighted
-        auxiliary losses when they have a gradient to add, else None)."""
+        auxiliary losses when they have a gradient to add, else None). ``tokens`` are sequences of
+        ``seq_len``."""
         logits = F.linear(tokens.float(), self.gate.float())  # NaN here: moe_dispatch refuses it on every rank
         if self.score_func == "softmax":
             scores = logits.softmax(-1)
@@ -344,7 +358,7 @@ class MoE(nn.Module):
             weights = weights * self.routed_scaling_factor
         if self.routed_load is not None and torch.is_grad_enabled():  # training forwards
             self.routed_load.scatter_add_(0, top_ids.flatten(), torch.ones(top_ids.numel(), device=top_ids.device))
-        auxiliary = self._losses(logits, distribution, top_ids)
+        auxiliary = self._losses(logits, distribution, top_ids, seq_len)
         kept = top_ids if capacity < 0 else self._drop_over_capacity(top_ids, weights, capacity)
         self.last_tokens_per_expert = torch.zeros(self.num_experts + 1, dtype=torch.int64, device=kept.device)
         self.last_tokens_per_expert.scatter_add_(0, torch.where(kept >= 0, kept, self.num_experts).flatten(),
@@ -403,19 +417,26 @@ class MoE(nn.Module):
         self.routed_load.zero_()
         return load
 
-    def _losses(self, logits: Tensor, distribution: Tensor, top_ids: Tensor) -> Tensor | None:
-        """Records the load-balancing and z losses of this rank's tokens; returns their weighted sum when it has
-        a gradient to add (a coefficient > 0 and autograd on)."""
-        num_tokens = logits.shape[0]
-        slots = torch.zeros(self.num_experts, dtype=torch.float32, device=logits.device)
-        slots.scatter_add_(0, top_ids.flatten(), torch.ones(top_ids.numel(), device=logits.device))
-        share = slots / max(1, num_tokens * self.top_k)
-        aux = self.num_experts * (share * distribution.mean(0)).sum()
+    def _losses(self, logits: Tensor, distribution: Tensor, top_ids: Tensor, seq_len: int) -> Tensor | None:
+        """Records the load-balancing and z losses of this rank's tokens (sequences of ``seq_len``); returns their
+        weighted sum when it has a gradient to add (a coefficient > 0 and autograd on)."""
         z = logits.logsumexp(-1).square().mean()
-        self.last_aux_loss, self.last_z_loss = aux.detach(), z.detach()
+        aux = None if self.aux_loss is None else self._balance_loss(distribution, top_ids, seq_len)
+        self.last_aux_loss, self.last_z_loss = None if aux is None else aux.detach(), z.detach()
         if not (self.aux_loss_coef or self.z_loss_coef) or not logits.requires_grad:
             return None
-        return self.aux_loss_coef * aux + self.z_loss_coef * z
+        return self.z_loss_coef * z if aux is None else self.aux_loss_coef * aux + self.z_loss_coef * z
+
+    def _balance_loss(self, distribution: Tensor, top_ids: Tensor, seq_len: int) -> Tensor:
+        """``E * sum_e f_e P_e`` over this rank's tokens ("switch"), or over each sequence of ``seq_len`` tokens
+        and averaged ("sequence")."""
+        rows = 1 if self.aux_loss == "switch" else top_ids.shape[0] // seq_len
+        per_row = top_ids.shape[0] // max(1, rows)
+        slots = torch.zeros(rows, self.num_experts, dtype=torch.float32, device=top_ids.device)
+        slots.scatter_add_(1, top_ids.reshape(rows, -1), torch.ones(rows, per_row * self.top_k, device=top_ids.device))
+        share = slots / max(1, per_row * self.top_k)
+        probability = distribution.reshape(rows, per_row, self.num_experts).mean(1)
+        return self.num_experts * (share * probability).sum(-1).mean()
 
     def _capacity(self, tokens: Tensor) -> int:
         """C = ceil(c * T * k / E) for ``tokens [T_local, dim]``, T the most tokens any ep rank holds (one
