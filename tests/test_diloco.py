@@ -47,17 +47,19 @@ def outer_sgd_lr1(params):
     return torch.optim.SGD(params, lr=1.0)
 
 
-def simulate(steps: int, islands: int, sync_every: int, fragments: list[list[int]], inner, outer,
-             hidden: int = HIDDEN) -> list[nn.Module]:
-    """Each island's model after ``steps`` in one process: inner steps on its own batches, fragment f of the
-    parameters synced at the steps s with s % H == f H / F (the outer optimizer over one copy of the
-    parameters, stepped with the islands' mean pseudo-gradient of that fragment)."""
-    models = [make_model(hidden) for _ in range(islands)]
-    inners = [inner(m.parameters()) for m in models]
-    synced = make_model(hidden)
-    outer_opt = outer(synced.parameters())
-    for step in range(1, steps + 1):
-        for island, (model, optimizer) in enumerate(zip(models, inners)):
+class Simulation:
+    """The islands in one process: inner steps on each island's own batches, fragment f of the parameters synced
+    at the steps s with s % H == f H / F (the outer optimizer over one copy of the parameters, stepped with the
+    islands' mean pseudo-gradient of that fragment)."""
+
+    def __init__(self, islands: int, inner, outer, hidden: int = HIDDEN):
+        self.models = [make_model(hidden) for _ in range(islands)]
+        self.inners = [inner(m.parameters()) for m in self.models]
+        self.synced = make_model(hidden)
+        self.outer = outer(self.synced.parameters())
+
+    def step(self, step: int, sync_every: int, fragments: list[list[int]]) -> None:
+        for island, (model, optimizer) in enumerate(zip(self.models, self.inners)):
             x, y = island_batch(island, step)
             optimizer.zero_grad()
             loss_of(model, x, y).backward()
@@ -65,17 +67,33 @@ def simulate(steps: int, islands: int, sync_every: int, fragments: list[list[int
         phase = step % sync_every
         due = [f for f in range(len(fragments)) if phase == (f * sync_every) // len(fragments)][:1]
         for f in due:
-            params = list(synced.parameters())
+            params = list(self.synced.parameters())
             for p in params:
                 p.grad = None
             for i in fragments[f]:
-                deltas = [params[i].detach() - list(m.parameters())[i].detach() for m in models]
+                deltas = [params[i].detach() - list(m.parameters())[i].detach() for m in self.models]
                 params[i].grad = torch.stack(deltas).mean(0)
-            outer_opt.step()
-            for model in models:
+            self.outer.step()
+            for model in self.models:
                 for i in fragments[f]:
                     list(model.parameters())[i].data.copy_(params[i].detach())
-    return models
+
+    def regroup(self, islands: int, inner) -> None:
+        """Another island count, every island resuming as island 0 (its parameters and inner state)."""
+        self.models = [copy.deepcopy(self.models[0]) for _ in range(islands)]
+        state = self.inners[0].state_dict()
+        self.inners = [inner(m.parameters()) for m in self.models]
+        for optimizer in self.inners:
+            optimizer.load_state_dict(copy.deepcopy(state))
+
+
+def simulate(steps: int, islands: int, sync_every: int, fragments: list[list[int]], inner, outer,
+             hidden: int = HIDDEN) -> list[nn.Module]:
+    """Each island's model after ``steps`` in one process (``Simulation``)."""
+    simulation = Simulation(islands, inner, outer, hidden)
+    for step in range(1, steps + 1):
+        simulation.step(step, sync_every, fragments)
+    return simulation.models
 
 
 def parallel_island_model(kind: str) -> nn.Module:
@@ -222,6 +240,55 @@ def check_resume():
 
 def test_resume(world4):
     world4.run(check_resume)
+
+
+def check_resume_at_another_island_count(islands_after: int, path: str):
+    """2 islands of 2 FSDP2 ranks train 3 steps (H = 2: a sync at step 2, its outer momentum saved) and save;
+    ``islands_after`` islands of 4 / islands_after FSDP2 ranks load it, every island as island 0, and train 3
+    more: each island's parameters equal the simulation's, regrouped alike."""
+    from torchdist_ext import checkpoint
+
+    before = cached_mesh((2, 2), ("island", "inner"))
+    model = fully_shard(make_model(), mesh=before["inner"])
+    optimizer = inner_adamw(model.parameters())
+    diloco = DiLoCo(model, optimizer, island_mesh=before["island"], sync_every=2)
+    for step in range(1, 4):
+        x, y = (t.chunk(2)[before["inner"].get_local_rank()] for t in island_batch(before["island"].get_local_rank(),
+                                                                                  step))
+        loss_of(model, x, y).backward()
+        diloco.step()
+        optimizer.zero_grad()
+    checkpoint.save(path, [model], [optimizer], diloco=diloco)
+
+    inside = 4 // islands_after
+    after = cached_mesh((islands_after, inside), ("island", "inner"))
+    island, inner_rank = after["island"].get_local_rank(), after["inner"].get_local_rank()
+    model = make_model()
+    model = fully_shard(model, mesh=after["inner"]) if inside > 1 else model
+    optimizer = inner_adamw(model.parameters())
+    diloco = DiLoCo(model, optimizer, island_mesh=after["island"], sync_every=2)
+    checkpoint.load(path, [model], [optimizer], diloco=diloco)
+    assert diloco.inner_steps == 3
+    for step in range(4, 7):
+        x, y = (t.chunk(inside)[inner_rank] for t in island_batch(island, step))
+        loss_of(model, x, y).backward()
+        diloco.step()
+        optimizer.zero_grad()
+
+    simulation = Simulation(2, inner_adamw, nesterov)
+    for step in range(1, 4):
+        simulation.step(step, 2, diloco.fragments)
+    simulation.regroup(islands_after, inner_adamw)
+    for step in range(4, 7):
+        simulation.step(step, 2, diloco.fragments)
+    for got, want in zip(model.parameters(), simulation.models[island].parameters()):
+        got = got.full_tensor() if isinstance(got, DTensor) else got.detach()
+        torch.testing.assert_close(got, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("islands_after", [4, 1])
+def test_resume_at_another_island_count(world4, islands_after, tmp_path):
+    world4.run(check_resume_at_another_island_count, islands_after, str(tmp_path / "ckpt"))
 
 
 def refuse(kwargs: dict, message: str):

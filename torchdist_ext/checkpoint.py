@@ -5,12 +5,16 @@ any other layout: another dp / tp / cp / pp split, or one process.
     extra = torchdist_ext.checkpoint.load(path, parts, optimizers, extra={"step": 0, "sampler": {...}})
     step = torchdist_ext.checkpoint.load_extra(path, {"step": 0})["step"]   # no model, no process group
     path = torchdist_ext.checkpoint.latest(directory)   # its step-N checkpoint of the largest N
+    torchdist_ext.checkpoint.save(path, [model], [inner_optimizer], diloco=diloco)   # island 0 writes
 
 Every entry is keyed by the full model's parameter and buffer names (a part must keep them: a pipeline stage
 holds its modules under the names they have in the whole model), the optimizer state flattened per parameter
 (``state.<name>.exp_avg``, ``param_groups.<name>.lr``), so a rank loads exactly the entries of the parts it now
 holds, resharded by ``torch.distributed.checkpoint`` from whatever shards wrote them. Buffers (fp8 amax
 histories) travel with the model. ``extra``: small picklable values (step, data position), written once.
+With ``diloco`` (a ``torchdist_ext.diloco.DiLoCo`` over ``parts``) only island 0 writes, its outer optimizer's
+state, the parameters at their last sync and the inner step count beside its model and inner optimizer; a load
+at any island count gives every island island 0's state.
 A checkpoint that cannot be read (a corrupt or foreign metadata or shard file) raises ValueError naming it.
 """
 
@@ -24,6 +28,7 @@ from os import PathLike
 from pathlib import Path
 from typing import Any
 
+import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch import nn
 from torch.distributed.checkpoint.api import CheckpointException
@@ -32,6 +37,7 @@ from torch.distributed.checkpoint.state_dict import (
     StateDictOptions,
     get_state_dict,
     set_model_state_dict,
+    set_optimizer_state_dict,
     set_state_dict,
 )
 from torch.optim import Optimizer
@@ -133,16 +139,40 @@ def _failure_message(checkpoint_id: str | PathLike, error: CheckpointException, 
     return f"checkpoint {checkpoint_id}: {text}"
 
 
+def _check_diloco(diloco, parts: list[nn.Module]) -> None:
+    from torchdist_ext.diloco import DiLoCo
+
+    if diloco is not None and not isinstance(diloco, DiLoCo):
+        raise TypeError(f"diloco must be a torchdist_ext.diloco.DiLoCo or None, got {type(diloco).__name__}")
+    if diloco is not None and not any(diloco.model is part for part in parts):
+        raise ValueError("diloco's model must be one of parts")
+
+
+def _diloco_state(diloco, *, saving: bool) -> dict[str, Any]:
+    """The DiLoCo's entries: its outer optimizer's flattened state, the synced parameters, the inner steps."""
+    (_, outer), = _per_part([diloco.model], [diloco.outer], saving=saving)
+    return {"outer": outer, "synced": diloco.synced_tensors(), "inner_steps": diloco.inner_steps}
+
+
 def save(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: Sequence[Optimizer], *,
-         extra: dict[str, Any] | None = None) -> None:
+         extra: dict[str, Any] | None = None, diloco=None) -> None:
     """Writes this rank's parts and optimizers (and ``extra``) into the checkpoint ``checkpoint_id`` (a
-    directory); every rank calls it. The optimizers are left as they were (one never stepped saves no state)."""
+    directory); every rank calls it. The optimizers are left as they were (one never stepped saves no state).
+    With ``diloco`` the ranks of island 0 write (and its DiLoCo state), the others wait for them."""
     parts, optimizers = _checked(parts, optimizers)
     _check_extra(extra)
-    try:
-        dcp.save(_merged(_per_part(parts, optimizers, saving=True), extra), checkpoint_id=checkpoint_id)
-    except CheckpointException as error:
-        raise ValueError(_failure_message(checkpoint_id, error, loading=False)) from error
+    _check_diloco(diloco, parts)
+    if diloco is None or diloco.in_first_island:
+        state = _merged(_per_part(parts, optimizers, saving=True), extra)
+        if diloco is not None:
+            state["diloco"] = _diloco_state(diloco, saving=True)
+        try:
+            dcp.save(state, checkpoint_id=checkpoint_id,
+                     process_group=None if diloco is None else diloco.first_island)
+        except CheckpointException as error:
+            raise ValueError(_failure_message(checkpoint_id, error, loading=False)) from error
+    if diloco is not None:
+        dist.barrier()  # the checkpoint is complete before any island reads it
 
 
 def _saved_keys(checkpoint_id: str | PathLike) -> set[str]:
@@ -185,14 +215,17 @@ def _check_hyperparameters(optimizer: Optimizer, part: nn.Module, loaded: dict[s
 
 
 def load(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: Sequence[Optimizer], *,
-         extra: dict[str, Any] | None = None) -> dict[str, Any] | None:
+         extra: dict[str, Any] | None = None, diloco=None) -> dict[str, Any] | None:
     """Loads the checkpoint ``checkpoint_id`` into this rank's parts and optimizers, whatever layout wrote it;
     returns the saved values of ``extra``'s keys (``extra`` gives their structure; it is not changed). An
     optimizer whose parameters have no saved state (saved before its first step) is left without state.
-    Every rank calls it."""
+    With ``diloco``, its state too (island 0's, at any island count). Every rank calls it."""
     parts, optimizers = _checked(parts, optimizers)
     _check_extra(extra)
+    _check_diloco(diloco, parts)
     saved = _saved_keys(checkpoint_id)
+    if diloco is not None and "diloco.inner_steps" not in saved:
+        raise ValueError(f"checkpoint {checkpoint_id} holds no DiLoCo state (it was saved without diloco=)")
     per_part = _per_part(parts, optimizers, saving=False)
     kept = []  # hyperparameters the checkpoint lacks (e.g. a scheduler's initial_lr): this run's values stay
     for _, optimizer_state in per_part:  # state that was never saved stays unloaded
@@ -201,7 +234,12 @@ def load(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: 
         for key in missing:
             del optimizer_state[key]
     state = _merged(per_part, extra)
-    _dcp_load(state, checkpoint_id)  # in place: each entry resharded from the saved shards
+    if diloco is not None:
+        state["diloco"] = _diloco_state(diloco, saving=False)
+        outer = state["diloco"]["outer"]
+        for key in [k for k in outer if f"diloco.outer.{k}" not in saved]:  # never stepped: no state saved
+            del outer[key]
+    _dcp_load(state, checkpoint_id)  # in place: each entry resharded from the saved shards (the synced too)
     for (_, optimizer_state), hyperparameters in zip(per_part, kept):
         optimizer_state.update(hyperparameters)
         state["optimizer"].update(hyperparameters)
@@ -215,7 +253,20 @@ def load(checkpoint_id: str | PathLike, parts: Sequence[nn.Module], optimizers: 
             set_model_state_dict(part, model_state, options=_OPTIONS)
             optimizer.state.clear()
             _set_hyperparameters(optimizer, part, loaded)
+    if diloco is not None:
+        _load_diloco(diloco, state["diloco"])
     return state.get("extra")
+
+
+def _load_diloco(diloco, loaded: dict[str, Any]) -> None:
+    """The outer optimizer's state and the inner step count (the synced parameters were loaded in place)."""
+    outer = loaded["outer"]
+    if any(k.startswith("state.") for k in outer):
+        set_optimizer_state_dict(diloco.model, diloco.outer, outer, options=_OPTIONS)
+    else:
+        diloco.outer.state.clear()
+        _set_hyperparameters(diloco.outer, diloco.model, outer)
+    diloco.inner_steps = int(loaded["inner_steps"])
 
 
 def latest(path: str | PathLike) -> Path:

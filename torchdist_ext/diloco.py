@@ -54,14 +54,17 @@ class DiLoCo:
             to 448); the last two gathered as their bytes (half and a quarter of fp32's) and averaged in fp32.
 
     Construction is collective over the default group (the schedule must agree on every rank) and over
-    ``island_mesh`` (the parameters' shards must agree). State (``state_dict`` / ``load_state_dict``, with
-    the checkpoint): the inner step count, the outer optimizer's state and the parameters at each fragment's
-    last sync (this rank's shards).
+    ``island_mesh`` (the parameters' shards must agree). State (``state_dict`` / ``load_state_dict``): the
+    inner step count, the outer optimizer's state and the parameters at each fragment's last sync (this rank's
+    shards). ``torchdist_ext.checkpoint.save(..., diloco=...)`` writes island 0's model, inner and outer
+    state; ``load(..., diloco=...)`` reads them at any island count and any layout inside the islands (every
+    island resumes as island 0).
     """
 
     def __init__(self, model: nn.Module, inner_optimizer: torch.optim.Optimizer, *, island_mesh: DeviceMesh,
                  sync_every: int, outer_optimizer: Callable[[list], torch.optim.Optimizer] | None = None,
                  fragments: int = 1, outer_dtype: torch.dtype = torch.float32):
+        self.model = model
         self.params = [p for p in model.parameters() if p.requires_grad] if isinstance(model, nn.Module) else []
 
         def validate():
@@ -111,6 +114,20 @@ class DiLoCo:
                 dist.broadcast(_local(param), group=self.islands.mesh.get_group(), group_src=0)
         self.synced = [_local(p).detach().clone() for p in self.params]
         self.inner_steps = 0
+        # The ranks of island 0, which alone write checkpoints (new_group is collective over every rank).
+        islands = [None] * dist.get_world_size()
+        dist.all_gather_object(islands, self.islands.rank)
+        self.first_island = dist.new_group([rank for rank, island in enumerate(islands) if island == 0])
+        self.in_first_island = self.islands.rank == 0
+
+    def synced_tensors(self) -> dict[str, Tensor]:
+        """The parameters at their fragments' last sync, by the model's parameter names, laid out like the
+        parameters (DTensors of this rank's shards where they are DTensors): what a checkpoint holds."""
+        names = {id(p): name for name, p in self.model.named_parameters()}
+        return {names[id(param)]: (DTensor.from_local(synced, param.device_mesh, param.placements, run_check=False,
+                                                      shape=param.shape, stride=param.stride())
+                                   if isinstance(param, DTensor) else synced)
+                for param, synced in zip(self.params, self.synced)}
 
     def _cut(self, count: int) -> list[list[int]]:
         """Parameter indices of ``count`` fragments of consecutive parameters, of about equal element counts
