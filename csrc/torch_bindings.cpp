@@ -149,6 +149,13 @@ TORCH_LIBRARY(tdx, m) {
   m.def(
       "fp8_cast_transpose_amax(Tensor x, Tensor scale, ScalarType fp8_dtype, int row_multiple=1) "
       "-> (Tensor x_fp8, Tensor x_fp8_t, Tensor amax)");
+  // A cast with one scale per block of block_rows x block_cols elements of x [rows, cols] (rowwise: 1 x cols;
+  // DeepSeek-V3's 1 x 128 tiles and 128 x 128 blocks): each block's scale fp8_max / max(amax, eps) (1 where
+  // the amax is not finite; rounded down to a power of two with power_of_2). Returns the fp8 bytes and the
+  // inverse scales [ceil(rows / block_rows), ceil(cols / block_cols)] (fp32).
+  m.def(
+      "fp8_cast_blockwise(Tensor x, int block_rows, int block_cols, ScalarType fp8_dtype, bool power_of_2=False, "
+      "float eps=1e-12) -> (Tensor x_fp8, Tensor inverse_scale)");
 
   // ---- init: counter-based initialisation (layout-independent, no generator state) ----
   // self: a contiguous block at `offsets` of a tensor of shape `whole_shape`; fills it with what the whole

@@ -87,7 +87,14 @@ from predicted_vs_measured import LedgerProbe  # noqa: E402
 from torchdist_ext import checkpoint, clip_grad_norm_, cpu_memory, ledger  # noqa: E402
 from torchdist_ext.data import DataParallelSampler  # noqa: E402
 from torchdist_ext.token_data import TokenWindows  # noqa: E402
-from torchdist_ext.fp8 import CurrentScaling, DelayedScaling, fp8_modules, fp8_step  # noqa: E402
+from torchdist_ext.fp8 import (  # noqa: E402
+    BlockScaling,
+    CurrentScaling,
+    DelayedScaling,
+    RowwiseScaling,
+    fp8_modules,
+    fp8_step,
+)
 from torchdist_ext.lr_schedules import WarmupCosine, WarmupStableDecay, lr_scheduler  # noqa: E402
 from torchdist_ext.parallel import MoE, ParallelDims, shard_sequence  # noqa: E402
 from torchdist_ext.parallel.recompute import RECOMPUTE_MODES  # noqa: E402
@@ -123,7 +130,8 @@ MODEL_ROPE_THETA = {"llama3.2-1b": 5e5, "llama3-8b": 5e5, "llama3-70b": 5e5, "ll
 # boundary of the next cast moves an element by a whole fp8 step, which the updates compound (measured:
 # 5e-6 after 2 steps, 7.7e-5 after 4 and 1.0e-4 after 10 at dp2 x tp2 x pp2 with experts, 2.0e-3 over 50).
 CHECK_TOLERANCE = {"fp32": 1e-4, "bf16": 2e-2, "fp8": 5e-3, "fp8-vs-fp32": 2e-2}
-FP8_RECIPES = {"delayed": DelayedScaling(), "current": CurrentScaling()}
+FP8_RECIPES = {"delayed": DelayedScaling(), "current": CurrentScaling(), "rowwise": RowwiseScaling(),
+               "block": BlockScaling()}
 # The planner's name for this run's precision: (precision(args), fp8 GEMMs) -> Layout.precision.
 PLANNER_PRECISION = {("fp32", False): "fp32", ("bf16", False): "bf16-mixed",
                      ("fp32", True): "fp8-fp32", ("bf16", True): "fp8-mixed"}
@@ -222,9 +230,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--ep", type=positive_int, default=1, help="expert-parallel size, dividing dp x cp")
     parser.add_argument("--capacity-factor", type=float, default=None, help="drop slots past this capacity")
     parser.add_argument("--aux-loss-coef", type=float, default=0.01, help="load-balancing loss weight")
-    parser.add_argument("--fp8", choices=("delayed", "current"), default=None,
-                        help="fp8 GEMMs in every linear but the output head: delayed (TransformerEngine's) or "
-                             "current scaling")
+    parser.add_argument("--fp8", choices=tuple(FP8_RECIPES), default=None,
+                        help="fp8 GEMMs in every linear but the output head: delayed (TransformerEngine's), "
+                             "current, rowwise (torchao's) or block (DeepSeek-V3's 1x128 / 128x128) scaling; the "
+                             "last two on plain linears (--tp 1) and the CPU for now")
     parser.add_argument("--fp8-all-gather", action="store_true",
                         help="with --fp8 delayed: FSDP2 all-gathers the fp8 linears' weights as fp8 bytes")
     parser.add_argument("--losses", type=Path, default=None,

@@ -111,9 +111,41 @@ struct CastTransposeAmaxArgs {
   float* partial_amax;  // [tiles]
 };
 
+// The scale of one block of a blockwise cast: fp8_max / max(amax, eps) (FLT_MAX where that overflows),
+// rounded down to a power of two when power_of_2 (the scale then multiplies exactly); 1 where the amax is
+// inf or NaN (the cast then carries the NaN on, as a tensorwise current scale does).
+TDX_HOST_DEVICE float block_scale(float amax, float eps, Fp8Format format, bool power_of_2) {
+  if (!(amax <= 3.402823466e38f)) return 1.0f;  // inf, or NaN (every comparison with NaN is false)
+  float scale = fp8_max(format) / (amax > eps ? amax : eps);
+  if (!(scale <= 3.402823466e38f)) scale = 3.402823466e38f;
+  if (power_of_2) scale = bits_float(float_bits(scale) & 0xFF800000u);  // positive: keep the exponent
+  return scale;
+}
+
+// A cast with one scale per block of block_rows x block_cols elements of x [rows, cols] (row-major; the
+// blocks at the bottom and right edges may be smaller): rowwise scaling is 1 x cols blocks, columnwise
+// rows x 1, DeepSeek-V3's 1 x 128 activation tiles and 128 x 128 weight blocks. Each block: its amax (NaN
+// wins), its block_scale, every element to_fp8 with it into out [rows, cols]; inverse_scale[block] =
+// 1 / scale, the block grid row-major ([ceil(rows / block_rows), ceil(cols / block_cols)]). Work items:
+// blocks, row-major over the grid.
+struct CastBlockwiseArgs {
+  ElementType type;  // of x: fp32, bf16 or fp16
+  Fp8Format format;
+  int64_t rows;
+  int64_t cols;
+  int64_t block_rows;
+  int64_t block_cols;
+  float eps;
+  bool power_of_2;
+  const void* x;
+  uint8_t* out;           // [rows, cols]
+  float* inverse_scale;   // [ceil(rows / block_rows), ceil(cols / block_cols)]
+};
+
 struct Fp8Kernels {
   void (*cast_amax)(const CastAmaxArgs&, const Launch&);
   void (*cast_transpose_amax)(const CastTransposeAmaxArgs&, const Launch&);
+  void (*cast_blockwise)(const CastBlockwiseArgs&, const Launch&);
 
   static const Fp8Kernels& cpu(CpuIsa isa);  // kernels/cpu/fp8.cpp
   static const Fp8Kernels& cuda();           // kernels/cuda/fp8.cu (CUDA builds)

@@ -3,6 +3,8 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
+
 #include "kernels/fp8.h"
 #include "ops/device.h"
 
@@ -90,11 +92,46 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> fp8_cast_transpose_amax(const at:
   return {out, out_t, amax};
 }
 
+constexpr const char* kCastBlockwise = "fp8_cast_blockwise";
+
+std::tuple<at::Tensor, at::Tensor> fp8_cast_blockwise(const at::Tensor& x, int64_t block_rows, int64_t block_cols,
+                                                      c10::ScalarType fp8_dtype, bool power_of_2, double eps) {
+  const char* op = kCastBlockwise;
+  const auto format = fp8_format(op, fp8_dtype);
+  TORCH_CHECK_TYPE(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16 || x.scalar_type() == at::kHalf,
+                   op, ": x must be float32, bfloat16 or float16, got ", x.scalar_type());
+  TORCH_CHECK_VALUE(x.dim() == 2, op, ": x must be 2-D [rows, cols], got shape ", x.sizes());
+  TORCH_CHECK_VALUE(block_rows >= 1 && block_cols >= 1, op, ": block_rows and block_cols must be >= 1, got ",
+                    block_rows, " and ", block_cols);
+  TORCH_CHECK_VALUE(eps > 0 && eps < 1e38, op, ": eps must be a positive finite fp32 number, got ", eps);
+  const int64_t rows = x.size(0), cols = x.size(1);
+  const int64_t grid_rows = (rows + block_rows - 1) / block_rows, grid_cols = (cols + block_cols - 1) / block_cols;
+  const auto input = x.contiguous();
+  auto out = at::empty({rows, cols}, x.options().dtype(fp8_dtype));
+  auto inverse_scale = at::empty({grid_rows, grid_cols}, x.options().dtype(at::kFloat));
+  const kernels::CastBlockwiseArgs args{element_type(op, x.scalar_type()),
+                                        format,
+                                        rows,
+                                        cols,
+                                        block_rows,
+                                        block_cols,
+                                        static_cast<float>(eps),
+                                        power_of_2,
+                                        input.data_ptr(),
+                                        static_cast<uint8_t*>(out.data_ptr()),
+                                        inverse_scale.data_ptr<float>()};
+  const int64_t per_block = std::min(block_rows, rows) * std::min(block_cols, cols);
+  launch(kernels_for<kernels::Fp8Kernels>(op, x.device()).cast_blockwise, args, x.device(), grid_rows * grid_cols,
+         std::max<int64_t>(1, 16384 / std::max<int64_t>(1, per_block)));
+  return {out, inverse_scale};
+}
+
 }  // namespace
 
 TDX_IMPL_ON_EVERY_DEVICE(register_fp8) {
   m.impl("fp8_cast_amax", &fp8_cast_amax);
   m.impl("fp8_cast_transpose_amax", &fp8_cast_transpose_amax);
+  m.impl("fp8_cast_blockwise", &fp8_cast_blockwise);
 }
 
 }  // namespace tdx::ops

@@ -656,6 +656,62 @@ inline void check_fp8_cast_transpose_amax(const kernels::Fp8Kernels& table, Elem
   }
 }
 
+// cast_blockwise: each block's scale from its own amax (fp8_max / max(amax, eps), 1 where the amax is not
+// finite, a power of two with power_of_2), every element to its nearest fp8 value under it, the inverse
+// scales; rowwise, columnwise, 1 x 128 and 128 x 128 blocks with partial edges, an all-zero block, a NaN.
+inline void check_fp8_cast_blockwise(const kernels::Fp8Kernels& table, ElementType type) {
+  struct Case {
+    int64_t rows, cols, block_rows, block_cols;
+  };
+  for (const auto format : {kernels::Fp8Format::kE4M3, kernels::Fp8Format::kE5M2}) {
+    for (const Case shape : {Case{37, 300, 1, 128}, Case{150, 260, 128, 128}, Case{5, 70, 1, 70},
+                             Case{40, 9, 40, 1}, Case{1, 1, 1, 1}}) {
+      for (const bool power_of_2 : {false, true}) {
+        SCOPED_TRACE(std::string(type_name(type)) + (format == kernels::Fp8Format::kE4M3 ? ", e4m3 " : ", e5m2 ") +
+                     std::to_string(shape.rows) + "x" + std::to_string(shape.cols) + " blocks " +
+                     std::to_string(shape.block_rows) + "x" + std::to_string(shape.block_cols) +
+                     (power_of_2 ? " pow2" : ""));
+        const int64_t count = shape.rows * shape.cols;
+        std::vector<double> values = normal_values(static_cast<size_t>(count), 1.0, 47);
+        for (int64_t i = 0; i < count; ++i) values[i] *= std::ldexp(1.0, static_cast<int>((i / 7) % 30) - 15);
+        for (int64_t c = 0; c < std::min<int64_t>(shape.cols, shape.block_cols); ++c) values[c] = 0.0;  // block 0
+        if (count > 400) values[count - 3] = NAN;
+        const Elements x(type, values);
+        const int64_t grid_rows = (shape.rows + shape.block_rows - 1) / shape.block_rows;
+        const int64_t grid_cols = (shape.cols + shape.block_cols - 1) / shape.block_cols;
+        std::vector<uint8_t> out(count, 0xAA);
+        std::vector<float> inverse(grid_rows * grid_cols, -1.0f);
+        const float eps = 1e-12f;
+        table.cast_blockwise({type, format, shape.rows, shape.cols, shape.block_rows, shape.block_cols, eps,
+                              power_of_2, x.data(), out.data(), inverse.data()},
+                             kernels::Launch{0, grid_rows * grid_cols, nullptr});
+        for (int64_t block = 0; block < grid_rows * grid_cols; ++block) {
+          const int64_t r0 = (block / grid_cols) * shape.block_rows, c0 = (block % grid_cols) * shape.block_cols;
+          const int64_t r1 = std::min(shape.rows, r0 + shape.block_rows), c1 = std::min(shape.cols, c0 + shape.block_cols);
+          double amax = 0;
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t c = c0; c < c1; ++c) {
+              const double v = x.get(r * shape.cols + c);
+              amax = std::isnan(v) || std::isnan(amax) ? NAN : std::max(amax, std::abs(v));
+            }
+          }
+          const float limit = format == kernels::Fp8Format::kE4M3 ? 448.0f : 57344.0f;
+          float scale = std::isfinite(amax) ? limit / std::max(static_cast<float>(amax), eps) : 1.0f;
+          if (power_of_2 && std::isfinite(amax)) scale = std::ldexp(1.0f, std::ilogb(scale));
+          EXPECT_EQ(inverse[block], 1.0f / scale) << "block " << block;
+          for (int64_t r = r0; r < r1; ++r) {
+            for (int64_t c = c0; c < c1; ++c) {
+              const int64_t i = r * shape.cols + c;
+              EXPECT_TRUE(close(fp8_value(out[i], format), expected_fp8(static_cast<float>(x.get(i)), scale, format), 0))
+                  << "element " << r << ", " << c;
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 // trunc_normal: each element of a block is the whole tensor's element at the same position (a function of
 // its whole-tensor index alone), within [a, b], stored as the nearest value of the element type; blocks cut
 // at any offsets of a 3-D tensor, in every element type, launched in two parts.

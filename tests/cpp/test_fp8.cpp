@@ -26,4 +26,11 @@ TEST_P(Fp8Cast, CastsAMatrixInBothLayoutsAndFindsTheAmaxOfEveryTile) {
   }
 }
 
+TEST_P(Fp8Cast, CastsEachBlockWithTheScaleOfItsOwnAmax) {
+  for (const auto type : {tdx::kernels::ElementType::kFloat32, tdx::kernels::ElementType::kBFloat16,
+                          tdx::kernels::ElementType::kFloat16}) {
+    tdx::test::check_fp8_cast_blockwise(tdx::kernels::Fp8Kernels::cpu(isa()), type);
+  }
+}
+
 }  // namespace

@@ -127,7 +127,8 @@ def fp8_run_against_fp32(*flags: str, steps: int, losses: Path) -> list[float]:
     ("--fp8", "current", "--dp", "1", "--cp", "2", "--cp-method", "ulysses"),
     ("--fp8", "delayed", "--bf16", "--compile", "--fp8-all-gather"),
     ("--fp8", "delayed", "--experts", "4", "--ep", "2"),
-], ids=["cp2-ulysses-tp2-current", "bf16-compiled-delayed-fp8-all-gather", "ep2-delayed"])
+    ("--fp8", "block", "--tp", "1", "--cp", "2", "--cp-balance"),
+], ids=["cp2-ulysses-tp2-current", "bf16-compiled-delayed-fp8-all-gather", "ep2-delayed", "dp2-cp2-balanced-block"])
 def test_fp8_matches_the_fp32_process_within_the_fp8_tolerance(flags, tmp_path):
     """(dp2 x tp2 with delayed scaling in fp32: test_fp8_histories_resume_with_the_model. That FSDP2's fp8
     all-gathers train exactly as full-precision gathers: tests/fp8/test_fsdp_all_gather.py.)"""

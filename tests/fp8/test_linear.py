@@ -205,9 +205,9 @@ def test_converting_again_keeps_the_same_settings_and_refuses_others():
 def test_bad_input():
     with pytest.raises(ValueError, match="in_features must be a positive multiple of 16 .fp8 GEMMs., got 24"):
         Fp8Linear(24, 16, recipe=DelayedScaling())
-    with pytest.raises(TypeError, match="recipe must be a DelayedScaling or a CurrentScaling, got str"):
+    with pytest.raises(TypeError, match="recipe must be a DelayedScaling, CurrentScaling, RowwiseScaling or BlockScaling, got str"):
         Fp8Linear(16, 16, recipe="delayed")
-    with pytest.raises(TypeError, match="recipe must be a DelayedScaling or a CurrentScaling, got dict"):
+    with pytest.raises(TypeError, match="recipe must be a DelayedScaling, CurrentScaling, RowwiseScaling or BlockScaling, got dict"):
         convert_to_fp8(nn.Linear(16, 16), {})
     with pytest.raises(ValueError, match=r"x's last dim must be in_features=16, got shape \(2, 8\)"):
         Fp8Linear(16, 16, recipe=DelayedScaling())(torch.randn(2, 8))

@@ -22,7 +22,7 @@ from torch.distributed.tensor import DTensor
 from torchdist_ext.agreement import check_agreement
 from torchdist_ext.fp8.fsdp import enable_fp8_all_gather, fold_gathered_weight_amax_
 from torchdist_ext.fp8.linear import Fp8Linear
-from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
+from torchdist_ext.fp8.recipe import TENSORWISE, BlockScaling, CurrentScaling, DelayedScaling, Recipe, RowwiseScaling
 from torchdist_ext.fp8.scaling import update_delayed_scales_
 from torchdist_ext.fp8.state import Fp8State
 
@@ -90,8 +90,9 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, amax_reduction_mesh=None
     (``recipe``, ``amax_reduction_mesh``, ``fp8_all_gather``), and refused with a ValueError, before anything
     changes, when it asks for others (``filter_fn`` may exclude it)."""
     def validate():
-        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-            raise TypeError(f"recipe must be a DelayedScaling or a CurrentScaling, got {type(recipe).__name__}")
+        if not isinstance(recipe, (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling)):
+            raise TypeError(f"recipe must be a DelayedScaling, CurrentScaling, RowwiseScaling or BlockScaling, got "
+                            f"{type(recipe).__name__}")
         if filter_fn is not None and not callable(filter_fn):
             raise TypeError(f"filter_fn must be callable(name, module) -> bool, got {type(filter_fn).__name__}")
         if not isinstance(fp8_all_gather, bool):
@@ -99,6 +100,13 @@ def convert_to_fp8(model: nn.Module, recipe: Recipe, *, amax_reduction_mesh=None
         if fp8_all_gather and not (isinstance(recipe, DelayedScaling) and recipe.reduce_amax):
             raise ValueError(f"fp8_all_gather=True needs DelayedScaling(reduce_amax=True): every FSDP rank must "
                              f"cast its shard with the same scale, known before the gather; got {recipe}")
+        if not isinstance(recipe, TENSORWISE):
+            parallel = [name for name, module in model.named_modules() if chosen(name, module)
+                        and not isinstance(module, (nn.Linear, Fp8Linear)) and module.tp.size > 1]
+            if parallel:
+                raise ValueError(f"{type(recipe).__name__} runs on unsharded linears for now; these tensor-parallel "
+                                 f"layers (tp > 1) take a tensorwise recipe (DelayedScaling, CurrentScaling): "
+                                 f"{parallel}")
         asked = {"recipe": recipe, "amax_reduction_mesh": amax_reduction_mesh, "fp8_all_gather": fp8_all_gather}
         for name, module in model.named_modules():
             if _converted_settings(module) is not None and (filter_fn is None or filter_fn(name, module)):

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 
 from torchdist_ext.fp8.fsdp import GatheredFp8Weight
 from torchdist_ext.fp8.gemm import scaled_mm
-from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
+from torchdist_ext.fp8.blockwise import blockwise_fp8_linear
+from torchdist_ext.fp8.recipe import TENSORWISE, CurrentScaling, DelayedScaling, Recipe
 from torchdist_ext.fp8.scaling import FP8_MAX, current_scale
 from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.ops import all_gather_scaled_mm, fp8_cast_amax, fp8_cast_transpose_amax, scaled_mm_reduce_scatter
@@ -281,8 +282,14 @@ def fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None, scale: Tensor, am
     """``F.linear(x, weight, bias)`` with fp8 GEMMs (see the module docstring); ``x [..., in]``,
     ``weight [out, in]`` (plain tensors: the local shard under tensor parallelism). ``split_param``: the
     weight's Parameter in split mode (``torchdist_ext._weight_grad``: the weight-gradient GEMM runs
-    in W), or None."""
+    in W), or None. Under ``RowwiseScaling`` / ``BlockScaling`` the GEMMs are ``blockwise_fp8_linear``'s (the
+    scale buffers unused)."""
     _check_split_is_eager(split_param)
+    if not isinstance(recipe, TENSORWISE):
+        if split_param is not None:
+            raise ValueError(f"{type(recipe).__name__} does not split the weight gradient yet (zero-bubble "
+                             f"schedules): use a tensorwise recipe there")
+        return blockwise_fp8_linear(x, weight, bias, recipe)
     return _Fp8LinearFunction.apply(x, weight, bias, scale, amax_history, recipe, (split_param,))
 
 
@@ -294,7 +301,8 @@ class Fp8Linear(SplitsWeightGrad, Fp8State, nn.Linear):
     Args:
         in_features, out_features: both divisible by 16 (the fp8 GEMMs' alignment).
         bias: as ``nn.Linear``.
-        recipe: ``DelayedScaling`` or ``CurrentScaling``: formats, amax history and scale rule.
+        recipe: ``DelayedScaling``, ``CurrentScaling``, ``RowwiseScaling`` or ``BlockScaling``: formats, amax
+            history and scale rule.
         amax_reduction_mesh: the ranks whose amaxes ``fp8_step`` reduces (None: the default process group);
             it must include the tensor-parallel ranks of a sharded weight.
         device, dtype: of the weight and bias (the fp8 state stays fp32).

@@ -1,9 +1,15 @@
 """FP8 recipes: how each tensor role gets its scale.
 
-``DelayedScaling`` (TransformerEngine's recipe): a tensor is cast with a scale computed from the amaxes
-recorded over the previous steps (an amax history per tensor role), so the cast needs no pass over the
-tensor before it. ``CurrentScaling``: the scale comes from the tensor's own amax at the cast (one more
-read of the tensor), for comparison.
+Tensorwise (one scale per tensor): ``DelayedScaling`` (TransformerEngine's recipe): a tensor is cast with a
+scale computed from the amaxes recorded over the previous steps (an amax history per tensor role), so the
+cast needs no pass over the tensor before it. ``CurrentScaling``: the scale comes from the tensor's own amax
+at the cast (one more read of the tensor).
+
+Finer scales, each from its own block's amax at the cast (``tdx::fp8_cast_blockwise``), which an outlier
+channel then cannot flatten for the whole tensor: ``RowwiseScaling`` (torchao's rowwise recipe: one scale per
+row of each GEMM operand along its non-contracted dim) and ``BlockScaling`` (DeepSeek-V3 section 3.3.2:
+1 x 128 tiles for activations and gradients, 128 x 128 blocks for weights; TransformerEngine's
+``Float8BlockScaling``).
 
 Formats: ``"hybrid"`` casts the forward tensors (input, weight) to e4m3 and the gradients to e5m2 (TE's
 default; e5m2 has the range gradients need); ``"e4m3"`` casts everything to e4m3.
@@ -16,7 +22,8 @@ import torch
 
 from torchdist_ext.fp8.scaling import FP8_MAX, max_margin
 
-__all__ = ["AMAX_COMPUTE_ALGOS", "CurrentScaling", "DelayedScaling", "FP8_FORMATS", "Recipe"]
+__all__ = ["AMAX_COMPUTE_ALGOS", "BlockScaling", "CurrentScaling", "DelayedScaling", "FP8_FORMATS", "Recipe",
+           "RowwiseScaling", "TENSORWISE"]
 
 FP8_FORMATS = ("hybrid", "e4m3")
 AMAX_COMPUTE_ALGOS = ("max", "most_recent")
@@ -109,4 +116,90 @@ class CurrentScaling:
         return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
 
 
-Recipe = DelayedScaling | CurrentScaling
+def _check_eps(eps) -> None:
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)):
+        raise TypeError(f"eps must be a positive finite number, got {eps!r}")
+    if not (eps > 0 and math.isfinite(eps)):
+        raise ValueError(f"eps must be a positive finite number, got {eps!r}")
+
+
+def _check_power_of_2(power_of_2_scales) -> None:
+    if not isinstance(power_of_2_scales, bool):
+        raise TypeError(f"power_of_2_scales must be a bool, got {power_of_2_scales!r}")
+
+
+@dataclass(frozen=True)
+class RowwiseScaling:
+    """Rowwise (axiswise) current scaling, torchao's ``Float8LinearConfig.from_recipe_name("rowwise")``: every
+    GEMM operand gets one scale per row along its non-contracted dim (``y = x W^T``: x per token, W per output
+    channel; ``dx = g W``: g per token, W per input channel; ``dW = g^T x``: g per output channel and x per
+    input channel, over the tokens), each from that row's own amax.
+
+    Args:
+        fp8_format: ``"e4m3"`` (torchao's rowwise: e4m3 everywhere) or ``"hybrid"`` (gradients in e5m2).
+        power_of_2_scales: round each scale down to a power of two (torchao's default for rowwise: the
+            scaling multiplies exactly).
+        eps: the smallest amax a scale is computed from, > 0.
+    """
+
+    fp8_format: str = "e4m3"
+    power_of_2_scales: bool = True
+    eps: float = 1e-12
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        _check_power_of_2(self.power_of_2_scales)
+        _check_eps(self.eps)
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
+
+
+@dataclass(frozen=True)
+class BlockScaling:
+    """Blockwise current scaling, DeepSeek-V3's (section 3.3.2) and TransformerEngine's
+    ``Float8BlockScaling``: activations and gradients cast in ``activation_block`` = (1, b) tiles along the
+    GEMM's contracted dim (per token per b channels; for the weight gradient, which contracts over the tokens,
+    b x 1 tiles), weights in ``weight_block`` = (b, b) blocks (which serve both of their GEMMs).
+
+    Args:
+        activation_block: (1, b), b >= 1.
+        weight_block: (b, b), the same b: a GEMM contracts activation tiles against weight blocks.
+        fp8_format: ``"e4m3"`` (DeepSeek-V3: e4m3 everywhere) or ``"hybrid"`` (gradients in e5m2).
+        power_of_2_scales: round each scale down to a power of two (TransformerEngine's default).
+        eps: the smallest amax a scale is computed from, > 0.
+    """
+
+    activation_block: tuple[int, int] = (1, 128)
+    weight_block: tuple[int, int] = (128, 128)
+    fp8_format: str = "e4m3"
+    power_of_2_scales: bool = True
+    eps: float = 1e-12
+
+    def __post_init__(self):
+        _check_format(self.fp8_format)
+        _check_power_of_2(self.power_of_2_scales)
+        _check_eps(self.eps)
+        for name in ("activation_block", "weight_block"):
+            value = getattr(self, name)
+            if not (isinstance(value, tuple) and len(value) == 2 and
+                    all(isinstance(n, int) and not isinstance(n, bool) and n >= 1 for n in value)):
+                raise ValueError(f"{name} must be a tuple of two positive ints, got {value!r}")
+        b = self.activation_block[1]
+        if self.activation_block != (1, b) or self.weight_block != (b, b):
+            raise ValueError(f"activation_block={self.activation_block} and weight_block={self.weight_block} must "
+                             f"be (1, b) and (b, b) with one b: each GEMM contracts b-wide activation tiles against "
+                             f"b-wide weight blocks")
+
+    @property
+    def block(self) -> int:
+        return self.activation_block[1]
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
+
+
+TENSORWISE = (DelayedScaling, CurrentScaling)
+Recipe = DelayedScaling | CurrentScaling | RowwiseScaling | BlockScaling

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from torchdist_ext.fp8.recipe import CurrentScaling, DelayedScaling, Recipe
+from torchdist_ext.fp8.recipe import BlockScaling, CurrentScaling, DelayedScaling, Recipe, RowwiseScaling
 from torchdist_ext.fp8.scaling import FP8_MAX
 
 __all__ = ["ROLES", "Fp8State"]
@@ -28,8 +28,9 @@ class Fp8State:
     def enable_fp8(self: nn.Module, recipe: Recipe, *, amax_reduction_mesh: DeviceMesh | None = None,
                    device=None) -> None:
         """Gives the module its fp8 state: a zero history and scales of 1 (TransformerEngine's start)."""
-        if not isinstance(recipe, (DelayedScaling, CurrentScaling)):
-            raise TypeError(f"recipe must be a DelayedScaling or a CurrentScaling, got {type(recipe).__name__}")
+        if not isinstance(recipe, (DelayedScaling, CurrentScaling, RowwiseScaling, BlockScaling)):
+            raise TypeError(f"recipe must be a DelayedScaling, CurrentScaling, RowwiseScaling or BlockScaling, got "
+                            f"{type(recipe).__name__}")
         if amax_reduction_mesh is not None and not isinstance(amax_reduction_mesh, DeviceMesh):
             raise TypeError(f"amax_reduction_mesh must be a DeviceMesh or None, got {type(amax_reduction_mesh).__name__}")
         if amax_reduction_mesh is not None and amax_reduction_mesh.ndim != 1:

@@ -22,7 +22,7 @@ from torchdist_ext.ops.collective_matmul import (
     scaled_mm_reduce_scatter,
 )
 from torchdist_ext.ops.cross_entropy import vocab_parallel_cross_entropy_fwd
-from torchdist_ext.ops.fp8 import fp8_cast_amax, fp8_cast_transpose_amax
+from torchdist_ext.ops.fp8 import fp8_cast_amax, fp8_cast_blockwise, fp8_cast_transpose_amax
 from torchdist_ext.ops.init import counter_trunc_normal_
 from torchdist_ext.ops.linear_grad import linear_dgrad, linear_wgrad_
 from torchdist_ext.ops.moe import moe_combine, moe_dispatch, moe_grouped_mm, moe_permute, moe_unpermute
@@ -38,6 +38,7 @@ __all__ = [
     "counter_trunc_normal_",
     "document_attention_fwd",
     "fp8_cast_amax",
+    "fp8_cast_blockwise",
     "fp8_cast_transpose_amax",
     "linear_dgrad",
     "linear_wgrad_",

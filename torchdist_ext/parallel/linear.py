@@ -17,6 +17,7 @@ from torch.distributed.tensor import Replicate, Shard
 
 from torchdist_ext import ops
 from torchdist_ext.fp8.linear import fp8_all_gather_linear, fp8_linear, fp8_linear_reduce_scatter, gathers_fp8
+from torchdist_ext.fp8.recipe import TENSORWISE
 from torchdist_ext.fp8.state import Fp8State
 from torchdist_ext.parallel.input_checks import (
     check_divisible,
@@ -91,6 +92,10 @@ class _ParallelLinear(SplitsWeightGrad, Fp8State, nn.Module):
                 raise ValueError(f"amax_reduction_mesh (ranks {sorted(reduced)}) must include the tensor-parallel "
                                  f"ranks {sorted(tp_ranks)} of {type(self).__name__}, or they would cast with "
                                  f"different scales")
+        if not isinstance(recipe, TENSORWISE) and self.tp.size > 1:
+            raise ValueError(f"{type(self).__name__} over {self.tp.size} ranks takes a tensorwise fp8 recipe "
+                             f"(DelayedScaling, CurrentScaling) for now, got {type(recipe).__name__}: the rowwise and "
+                             f"block recipes' scales are not yet cut with the tensor-parallel shards")
         super().enable_fp8(recipe, amax_reduction_mesh=amax_reduction_mesh, device=device)
 
     def _set_full_parameters(self, weight: Tensor, bias: Tensor | None, src_data_rank: int | None) -> None:

@@ -89,11 +89,49 @@ void cast_transpose_amax(const CastTransposeAmaxArgs& args, const Launch& launch
   });
 }
 
+// One block: its amax over the rows' contiguous runs (bit patterns, as cast_chunk), then the cast.
+template <typename T, Fp8Format kFormat>
+void cast_block(const CastBlockwiseArgs& args, const T* x, int64_t item) {
+  const int64_t grid_cols = (args.cols + args.block_cols - 1) / args.block_cols;
+  const int64_t row_begin = (item / grid_cols) * args.block_rows, col_begin = (item % grid_cols) * args.block_cols;
+  const int64_t row_end = row_begin + args.block_rows < args.rows ? row_begin + args.block_rows : args.rows;
+  const int64_t col_end = col_begin + args.block_cols < args.cols ? col_begin + args.block_cols : args.cols;
+  uint32_t amax_bits = 0;
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const T* row = x + r * args.cols;
+    for (int64_t c = col_begin; c < col_end; ++c) {
+      const uint32_t magnitude_bits = float_bits(static_cast<float>(load(row[c]))) & 0x7FFFFFFFu;
+      amax_bits = magnitude_bits > amax_bits ? magnitude_bits : amax_bits;
+    }
+  }
+  const float scale = block_scale(bits_float(amax_bits), args.eps, kFormat, args.power_of_2);
+  for (int64_t r = row_begin; r < row_end; ++r) {
+    const T* row = x + r * args.cols;
+    uint8_t* out = args.out + r * args.cols;
+    for (int64_t c = col_begin; c < col_end; ++c) out[c] = to_fp8(static_cast<float>(load(row[c])), scale, kFormat);
+  }
+  args.inverse_scale[item] = 1.0f / scale;
+}
+
+void cast_blockwise(const CastBlockwiseArgs& args, const Launch& launch) {
+  visit_element_type(args.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    const T* x = static_cast<const T*>(args.x);
+    for (int64_t item = launch.begin; item < launch.end; ++item) {
+      if (args.format == Fp8Format::kE4M3) {
+        cast_block<T, Fp8Format::kE4M3>(args, x, item);
+      } else {
+        cast_block<T, Fp8Format::kE5M2>(args, x, item);
+      }
+    }
+  });
+}
+
 }  // namespace
 }  // namespace cpu
 
 const Fp8Kernels& Fp8Kernels::cpu(CpuIsa isa) {
-  return cpu_kernel_table<Fp8Kernels, &cpu::cast_amax, &cpu::cast_transpose_amax>(isa);
+  return cpu_kernel_table<Fp8Kernels, &cpu::cast_amax, &cpu::cast_transpose_amax, &cpu::cast_blockwise>(isa);
 }
 
 }  // namespace tdx::kernels

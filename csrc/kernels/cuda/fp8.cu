@@ -111,11 +111,51 @@ void cast_transpose_amax(const CastTransposeAmaxArgs& args, const Launch& launch
   check_launch("fp8 cast_transpose_amax");
 }
 
+// One CUDA block per scale block: the threads stride over its elements for the amax (a block-wide max, NaN
+// wins), then again to cast them with the block's scale; thread 0 writes the inverse scale.
+template <typename T>
+__global__ void cast_blockwise_kernel(const T* __restrict__ x, Fp8Format format, int64_t rows, int64_t cols,
+                                      int64_t block_rows, int64_t block_cols, float eps, bool power_of_2,
+                                      uint8_t* __restrict__ out, float* __restrict__ inverse_scale,
+                                      int64_t item_begin) {
+  const int64_t item = item_begin + blockIdx.x;
+  const int64_t grid_cols = (cols + block_cols - 1) / block_cols;
+  const int64_t row_begin = (item / grid_cols) * block_rows, col_begin = (item % grid_cols) * block_cols;
+  const int64_t height = (row_begin + block_rows < rows ? row_begin + block_rows : rows) - row_begin;
+  const int64_t width = (col_begin + block_cols < cols ? col_begin + block_cols : cols) - col_begin;
+  float amax = 0;
+  bool nan = false;
+  for (int64_t i = threadIdx.x; i < height * width; i += blockDim.x) {
+    const float v = static_cast<float>(load(x[(row_begin + i / width) * cols + col_begin + i % width]));
+    const float magnitude = fabsf(v);
+    amax = magnitude > amax ? magnitude : amax;
+    nan |= v != v;
+  }
+  const float scale = block_scale(block_amax(nan ? NAN : amax), eps, format, power_of_2);
+  for (int64_t i = threadIdx.x; i < height * width; i += blockDim.x) {
+    const int64_t at = (row_begin + i / width) * cols + col_begin + i % width;
+    out[at] = to_fp8(static_cast<float>(load(x[at])), scale, format);
+  }
+  if (threadIdx.x == 0) inverse_scale[item] = 1.0f / scale;
+}
+
+void cast_blockwise(const CastBlockwiseArgs& args, const Launch& launch) {
+  const int64_t blocks = launch.end - launch.begin;
+  if (blocks == 0) return;
+  visit_element_type(args.type, [&](auto* tag) {
+    using T = std::remove_pointer_t<decltype(tag)>;
+    TDX_LAUNCH(blocks, kCastThreads, static_cast<cudaStream_t>(launch.stream), cast_blockwise_kernel<T>)(
+        static_cast<const T*>(args.x), args.format, args.rows, args.cols, args.block_rows, args.block_cols,
+        args.eps, args.power_of_2, args.out, args.inverse_scale, launch.begin);
+  });
+  check_launch("fp8 cast_blockwise");
+}
+
 }  // namespace
 }  // namespace cuda
 
 const Fp8Kernels& Fp8Kernels::cuda() {
-  static const Fp8Kernels table{&cuda::cast_amax, &cuda::cast_transpose_amax};
+  static const Fp8Kernels table{&cuda::cast_amax, &cuda::cast_transpose_amax, &cuda::cast_blockwise};
   return table;
 }
 

@@ -195,6 +195,12 @@ TEST(CudaFp8Cast, CastsAMatrixInBothLayoutsAndFindsTheAmaxOfEveryTile) {
   }
 }
 
+TEST(CudaFp8Cast, CastsEachBlockWithTheScaleOfItsOwnAmax) {
+  for (const auto type : {ElementType::kFloat32, ElementType::kBFloat16, ElementType::kFloat16}) {
+    tdx::test::check_fp8_cast_blockwise(Fp8Kernels::cuda(), type);
+  }
+}
+
 TEST(CudaTruncNormal, FillsEachBlockWithTheWholeTensorsValuesInEveryElementType) {
   for (const auto type : tdx::test::kAllTypes) tdx::test::check_trunc_normal(InitKernels::cuda(), type);
 }
