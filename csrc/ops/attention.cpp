@@ -24,6 +24,7 @@
 
 #include <limits>
 #include <string>
+#include <vector>
 
 #include "comm/agreement.h"
 #include "comm/ring_pipeline.h"
@@ -281,8 +282,32 @@ struct RingRows {
   at::Tensor ids, positions;
 };
 
+// positions [ranks, batch, seq_local] (host, int64): per batch row, the ranks' positions together must hold
+// each of 0 .. ranks * seq_local - 1 once (a SequencePlan's shards). Every rank sees the same gathered
+// positions, so every rank refuses alike: shards of plans made from different document ids on different
+// ranks, or positions not from a plan, would otherwise attend silently wrong.
+void check_positions_cover(const char* op, const at::Tensor& positions) {
+  const int64_t ranks = positions.size(0), batch = positions.size(1), seq = positions.size(2);
+  const int64_t total = ranks * seq;
+  const int64_t* data = positions.const_data_ptr<int64_t>();
+  for (int64_t b = 0; b < batch; ++b) {
+    std::vector<char> seen(total, 0);
+    for (int64_t r = 0; r < ranks; ++r) {
+      for (int64_t i = 0; i < seq; ++i) {
+        const int64_t p = data[(r * batch + b) * seq + i];
+        TORCH_CHECK_VALUE(
+            p >= 0 && p < total && !seen[p], op, ": positions of batch row ", b, " must hold each position 0..",
+            total - 1, " exactly once over the ", ranks, " rank(s), but ", p, " (rank ", r, ", row ", i, ") is ",
+            p < 0 || p >= total ? "out of range" : "held twice",
+            ": pass the shards of one SequencePlan, made from the same document_ids on every rank");
+        seen[p] = 1;
+      }
+    }
+  }
+}
+
 RingRows gather_ring_rows(comm::Ring& ring, const std::optional<at::Tensor>& ids,
-                          const std::optional<at::Tensor>& positions) {
+                          const std::optional<at::Tensor>& positions, const char* op) {
   std::vector<at::Tensor> given;
   if (ids) given.push_back(ids->to(at::kLong));
   if (positions) given.push_back(positions->to(at::kLong));
@@ -294,7 +319,10 @@ RingRows gather_ring_rows(comm::Ring& ring, const std::optional<at::Tensor>& ids
   RingRows rows;
   int64_t field = 0;
   if (ids) rows.ids = all.select(1, field++).contiguous();
-  if (positions) rows.positions = all.select(1, field).contiguous();
+  if (positions) {
+    rows.positions = all.select(1, field).contiguous();
+    check_positions_cover(op, rows.positions);
+  }
   return rows;
 }
 
@@ -346,7 +374,7 @@ std::tuple<at::Tensor, at::Tensor> ring_attention_fwd(const at::Tensor& q, const
   auto out = at::zeros(q.sizes(), acc_options);
   auto lse = at::full({q.size(0), q.size(1), seq}, -std::numeric_limits<double>::infinity(), acc_options);
   if (q.numel() == 0) return {out.to(q.scalar_type()), lse};  // no rows (the ATen kernels reject them)
-  const auto rows = gather_ring_rows(ring, document_ids, positions);
+  const auto rows = gather_ring_rows(ring, document_ids, positions, kForward);
   comm::for_each_ring_block(ring, at::stack({k, v}), [&](const at::Tensor& kv, int source) {
     for (const auto& task : ring_block_tasks(ring, source, causal, order, q.size(0), seq, rows)) {
       attend(task, q, kv[0], kv[1], out, lse, scale);
@@ -380,7 +408,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
     check_positions(kBackward, positions, q, order);
   });
   if (q.numel() == 0) return {at::zeros_like(q), at::zeros_like(k), at::zeros_like(v)};
-  const auto rows = gather_ring_rows(ring, document_ids, positions);
+  const auto rows = gather_ring_rows(ring, document_ids, positions, kBackward);
   const int64_t seq = q.size(2);
   const auto acc_options = q.options().dtype(accumulation_dtype(q.scalar_type()));
   auto dq = at::zeros(q.sizes(), acc_options);
@@ -403,12 +431,13 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> ring_attention_bwd(
 
 // ---- document attention on one rank (the Ulysses path: every token of the sequence, a head shard) ----
 
-std::vector<AttentionTask> document_tasks(const at::Tensor& document_ids, const std::optional<at::Tensor>& positions,
-                                          bool causal) {
+std::vector<AttentionTask> document_tasks(const char* op, const at::Tensor& document_ids,
+                                          const std::optional<at::Tensor>& positions, bool causal) {
   const auto ids = document_ids.to(at::kCPU, at::kLong).contiguous();
   const int64_t seq = ids.size(1);
   if (positions) {
     const auto pos = positions->to(at::kCPU, at::kLong).contiguous();
+    check_positions_cover(op, pos.unsqueeze(0));
     return plan_by_position(pos.const_data_ptr<int64_t>(), pos.const_data_ptr<int64_t>(), ids.const_data_ptr<int64_t>(),
                             ids.const_data_ptr<int64_t>(), ids.size(0), seq, causal);
   }
@@ -427,7 +456,9 @@ std::tuple<at::Tensor, at::Tensor> document_attention_fwd(const at::Tensor& q, c
   auto out = at::zeros(q.sizes(), acc_options);
   auto lse = at::full({q.size(0), q.size(1), q.size(2)}, -std::numeric_limits<double>::infinity(), acc_options);
   if (q.numel() == 0) return {out.to(q.scalar_type()), lse};
-  for (const auto& task : document_tasks(document_ids, positions, causal)) attend(task, q, k, v, out, lse, scale);
+  for (const auto& task : document_tasks(kDocumentForward, document_ids, positions, causal)) {
+    attend(task, q, k, v, out, lse, scale);
+  }
   return {out.to(q.scalar_type()), lse};
 }
 
@@ -444,7 +475,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> document_attention_bwd(
   auto dk = at::zeros(k.sizes(), acc_options);
   auto dv = at::zeros(v.sizes(), acc_options);
   if (q.numel() != 0) {
-    for (const auto& task : document_tasks(document_ids, positions, causal)) {
+    for (const auto& task : document_tasks(kDocumentBackward, document_ids, positions, causal)) {
       attend_backward(task, grad_out, q, k, v, out, lse, dq, dk, dv, scale);
     }
   }

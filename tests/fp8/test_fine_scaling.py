@@ -220,3 +220,10 @@ def test_tensor_parallel_layers_refuse_them(world2):
     with pytest.raises(ValueError, match=r"RowwiseScaling runs on unsharded linears for now; these tensor-parallel "
                                          r"layers \(tp > 1\) take a tensorwise recipe .*\['0', '1'\]"):
         world2.run(convert_tensor_parallel_layers)
+
+
+def test_float64_layers_are_refused_by_name():
+    linear = Fp8Linear(32, 32, recipe=RowwiseScaling(), dtype=torch.float64)
+    with pytest.raises(TypeError, match="RowwiseScaling casts float32, bfloat16 or float16 to fp8: the linear's "
+                                        "input is torch.float64"):
+        linear(torch.randn(2, 32, dtype=torch.float64))

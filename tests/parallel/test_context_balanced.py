@@ -14,7 +14,7 @@ import torchdist_ext  # noqa: F401
 from tests.numerics import assert_close_to_scale
 from tests.parallel.test_context_documents import ATTENTIONS, HEAD_DIM, KV_HEADS, cp_mesh_of
 from tests.parallel.test_context_documents import document_mixes, ids_from_lengths, reference
-from torchdist_ext.parallel import balanced_sequence_plan, ring_attention
+from torchdist_ext.parallel import balanced_sequence_plan, ring_attention, ulysses_attention
 from torchdist_ext.testing import cached_mesh
 
 Q_HEADS = 8  # Ulysses over 8 ranks needs 8 q heads (the 2 kv heads are replicated to 8)
@@ -175,19 +175,23 @@ def run_opcheck():
     q, k, v = (torch.randn(2, heads, 6, HEAD_DIM, generator=gen).requires_grad_(True)
                for heads in (Q_HEADS, KV_HEADS, KV_HEADS))
     ids = torch.tensor([[0, 0, 1, 1, 1, -1], [-1, 2, 2, 3, 3, 3]])
-    positions = torch.tensor([[0, 1, 2, 9, 10, 11], [3, 4, 5, 6, 7, 8]]) + 6 * dist.get_rank()
+    # Two ranks' shards of 12 positions: row 0 zigzag-like, row 1 contiguous; one rank's 6 in any order.
+    positions = (torch.tensor([[0, 1, 2, 9, 10, 11], [0, 1, 2, 3, 4, 5]]) if dist.get_rank() == 0 else
+                 torch.tensor([[3, 4, 5, 6, 7, 8], [6, 7, 8, 9, 10, 11]]))
+    local_positions = torch.tensor([[0, 1, 2, 5, 4, 3], [3, 4, 5, 0, 1, 2]])
     for causal in (True, False):
         args = (q, k, v, name, causal, 0.3, "contiguous", ids, positions)
         torch.library.opcheck(torch.ops.tdx.ring_attention_fwd, args)
-        torch.library.opcheck(torch.ops.tdx.document_attention_fwd, (q, k, v, ids, causal, 0.3, positions))
+        torch.library.opcheck(torch.ops.tdx.document_attention_fwd, (q, k, v, ids, causal, 0.3, local_positions))
     out, lse = torchdist_ext.ops.ring_attention_fwd(q.detach(), k.detach(), v.detach(), name, True, 0.3,
                                                     "contiguous", ids, positions)
     grad_args = (torch.ones_like(out), q.detach(), k.detach(), v.detach(), out, lse)
     torch.library.opcheck(torch.ops.tdx.ring_attention_bwd, (*grad_args, name, True, 0.3, "contiguous", ids,
                                                              positions))
-    out, lse = torchdist_ext.ops.document_attention_fwd(q.detach(), k.detach(), v.detach(), ids, True, 0.3, positions)
+    out, lse = torchdist_ext.ops.document_attention_fwd(q.detach(), k.detach(), v.detach(), ids, True, 0.3,
+                                                        local_positions)
     grad_args = (torch.ones_like(out), q.detach(), k.detach(), v.detach(), out, lse)
-    torch.library.opcheck(torch.ops.tdx.document_attention_bwd, (*grad_args, ids, True, 0.3, positions))
+    torch.library.opcheck(torch.ops.tdx.document_attention_bwd, (*grad_args, ids, True, 0.3, local_positions))
     return True
 
 
@@ -249,12 +253,45 @@ def positions_float():
     ring_attention(q, q, q, cp_mesh=mesh, positions=torch.zeros(1, 4))
 
 
+def plans_from_different_ids(method):
+    """Each rank plans its own document ids: the shards' positions no longer cover the sequence once."""
+    mesh = cached_mesh((dist.get_world_size(),), ("cp",))
+    ids = torch.tensor([[0] * 12 + [1] * 4]) if dist.get_rank() == 0 else torch.tensor([[0] * 2 + [1] * 14])
+    plan = balanced_sequence_plan(ids, dist.get_world_size())
+    q = plan.shard(torch.randn(1, 2, 16, 8), dim=2, cp_mesh=mesh)
+    attention = ring_attention if method == "ring" else ulysses_attention
+    attention(q, q, q, cp_mesh=mesh, causal=True, document_ids=plan.shard(ids, dim=1, cp_mesh=mesh),
+              positions=plan.positions(cp_mesh=mesh))
+
+
+def duplicate_positions():
+    mesh = cached_mesh((dist.get_world_size(),), ("cp",))
+    q = torch.randn(1, 2, 4, 8)
+    ring_attention(q, q, q, cp_mesh=mesh, causal=True, positions=torch.zeros(1, 4, dtype=torch.long))
+
+
+@pytest.mark.parametrize("method", ["ring", "ulysses"])
+def test_plans_of_different_ids_are_refused_on_every_rank(world2, method):
+    errors = world2.run(refused, plans_from_different_ids, method)
+    assert all("must hold each position 0..15 exactly once over the" in error for error in errors), errors
+
+
+def refused(fn, *args) -> str:
+    try:
+        fn(*args)
+    except ValueError as error:
+        return str(error)
+    raise AssertionError("nothing was raised")
+
+
 BAD_CALLS = [
     (plan_for_another_mesh, ValueError, r"cp_mesh has shape \(2,\); this ring plan is for a mesh of shape \(4,\)"),
     (plan_shards_batch_dim, ValueError, "dim=0 is the batch dim"),
     (plan_shards_wrong_length, ValueError, r"x has shape \(1, 16\); the plan needs 1 rows at dim 0 and 32 tokens"),
     (order_with_positions, ValueError, "order='zigzag' and positions are exclusive"),
     (positions_float, TypeError, "positions must be an integer tensor, got torch.float32"),
+    (duplicate_positions, ValueError, r"positions of batch row 0 must hold each position 0..7 exactly once over the "
+                                      r"2 rank\(s\), but 0 \(rank 0, row 1\) is held twice"),
 ]
 
 

@@ -85,3 +85,17 @@ def test_the_estimate_pays_the_share_and_the_slowest_rank():
 def test_bad_layouts(field, value, message):
     with pytest.raises(ValueError, match=message):
         Layout(cp=2, **{field: value})
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(seq_len=4096, ranks=4, document_median=-5.0), "Layout.document_median must be >= 0 tokens"),
+    (dict(seq_len=4096, ranks=4, document_median=float("nan")), "Layout.document_median must be >= 0 tokens"),
+    (dict(seq_len=4096, ranks=4, document_median=512.0, document_sigma=-1.0), r"document_sigma must lie in \(0, 10\]"),
+    (dict(seq_len=4096, ranks=4.0), "ranks must be a positive int, got 4.0"),
+    (dict(seq_len=4, ranks=8), "ranks=8 must not exceed seq_len=4"),
+    (dict(seq_len=4096, ranks=4, order="striped"), "cp_order must be one of zigzag, contiguous, balanced"),
+])
+def test_attention_balance_refuses_what_a_layout_refuses(kwargs, message):
+    seq_len, ranks = kwargs.pop("seq_len"), kwargs.pop("ranks")
+    with pytest.raises(ValueError, match=message):
+        attention_balance(seq_len, ranks, **kwargs)

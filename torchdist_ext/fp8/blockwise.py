@@ -107,4 +107,8 @@ def blockwise_fp8_linear(x: Tensor, weight: Tensor, bias: Tensor | None,
                          recipe: RowwiseScaling | BlockScaling) -> Tensor:
     """``F.linear(x, weight, bias)`` with its three GEMMs on operands cast under ``recipe`` (``x [..., in]``,
     ``weight [out, in]``; out ``[..., out]`` in x's dtype, the gradients in their tensors' dtypes)."""
+    for name, t in (("input", x), ("weight", weight)):
+        if t.dtype not in (torch.float32, torch.bfloat16, torch.float16):
+            raise TypeError(f"{type(recipe).__name__} casts float32, bfloat16 or float16 to fp8: the linear's "
+                            f"{name} is {t.dtype}")
     return _BlockwiseFp8Linear.apply(x, weight, bias, recipe)

@@ -43,8 +43,9 @@ def fp8_cast_blockwise(x: Tensor, block_rows: int, block_cols: int, fp8_dtype: t
     block_cols`` elements (the edge blocks may be smaller), in one kernel: each block's scale is
     ``fp8_max / max(amax, eps)`` (its own amax; 1 where that is inf or NaN), rounded down to a power of two
     with ``power_of_2``; ``x_fp8`` is x's shape in ``fp8_dtype``, ``inverse_scale`` fp32
-    ``[ceil(rows / block_rows), ceil(cols / block_cols)]`` (1 / scale: the dequantisation factors). The
-    bytes equal ``(x_block.float() * scale).clamp(-max, max).to(fp8_dtype)`` block by block."""
+    ``[ceil(rows / block_rows), ceil(cols / block_cols)]`` (1 / scale: the dequantisation factors). Finite
+    elements: ``(x_block.float() * scale).clamp(-max, max).to(fp8_dtype)`` block by block; inf and NaN become
+    NaN, as in ``fp8_cast_amax``, so that a non-finite input reaches the loss."""
     return torch.ops.tdx.fp8_cast_blockwise(x, block_rows, block_cols, fp8_dtype, power_of_2, eps)
 
 

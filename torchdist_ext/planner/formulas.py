@@ -38,9 +38,15 @@ def attention_balance(seq_len: int, ranks: int, *, order: str = "zigzag", docume
     log-normal lengths (median ``document_median`` tokens, log-space deviation ``document_sigma``; median 0:
     one document), cut over ``ranks`` ring ranks in ``order`` ("zigzag", "contiguous" or "balanced"): the
     (query, key) pairs over one causal document's, and the expected max / mean - 1 of the ranks' pairs
-    (sampled rows, a fixed seed: csrc/planner/documents.h)."""
-    return _planner.attention_balance(int(seq_len), int(ranks), order, float(document_median),
-                                      float(document_sigma))
+    (sampled rows, a fixed seed: csrc/planner/documents.h). The arguments follow ``Layout``'s rules."""
+    for name, value in (("seq_len", seq_len), ("ranks", ranks)):
+        if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+            raise ValueError(f"{name} must be a positive int, got {value!r}")
+    if ranks > seq_len:
+        raise ValueError(f"ranks={ranks} must not exceed seq_len={seq_len}: every rank holds at least one token")
+    Layout(cp=ranks, seq_len=seq_len, cp_order=order, document_median=document_median,
+           document_sigma=document_sigma)  # the same rules for the order and the documents
+    return _planner.attention_balance(seq_len, ranks, order, float(document_median), float(document_sigma))
 
 
 def model_state_bytes(num_params: float, *, zero_stage: int = 0, dp: int = 1,
