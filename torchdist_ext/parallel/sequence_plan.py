@@ -72,8 +72,8 @@ class SequencePlan:
         return x.gather(dim, self._index(self.indices.flatten(1).argsort(dim=1), x, dim))
 
     def positions(self, *, cp_mesh: DeviceMesh) -> Tensor:
-        """``[batch, seq_local]`` int64: the global positions of this rank's tokens (the attention's
-        ``positions``, and the RoPE positions of its tokens)."""
+        """``[batch, seq_local]`` int64 on the CPU (move it to the attention's device): the global positions of
+        this rank's tokens (the attention's ``positions``, and the RoPE positions of its tokens)."""
         batch, seq = self.indices.shape[0], self.indices.shape[1] * self.indices.shape[2]
         return self.shard(torch.arange(seq).expand(batch, seq), dim=1, cp_mesh=cp_mesh)
 
