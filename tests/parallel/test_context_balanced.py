@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torchdist_ext  # noqa: F401
 from tests.numerics import assert_close_to_scale
 from tests.parallel.test_context_documents import ATTENTIONS, HEAD_DIM, KV_HEADS, cp_mesh_of
+from tests.parallel.test_context_documents import assert_compiled_matches_eager_without_recompiles
 from tests.parallel.test_context_documents import document_mixes, ids_from_lengths, reference
 from torchdist_ext.parallel import balanced_sequence_plan, ring_attention, ulysses_attention
 from torchdist_ext.testing import cached_mesh
@@ -146,21 +147,16 @@ def run_compiled_with_moving_plans(method):
     def attend(q, k, v, ids, positions):
         return attention(q, k, v, cp_mesh=cp_mesh, causal=True, document_ids=ids, positions=positions)
 
-    compiled = torch.compile(attend, fullgraph=True)
     gen = torch.Generator().manual_seed(7)
     full = [torch.randn(2, heads, seq, HEAD_DIM, generator=gen) for heads in (Q_HEADS, KV_HEADS, KV_HEADS)]
-    for step, ids in enumerate([long_tailed_ids(2, seq, seed=s) for s in range(3)]):
-        plan = balanced_sequence_plan(ids, cp_size, method=method)
-        inputs = [plan.shard(t, dim=2, cp_mesh=cp_mesh).requires_grad_(True) for t in full]
-        local = (plan.shard(ids, dim=1, cp_mesh=cp_mesh), plan.positions(cp_mesh=cp_mesh))
-        eager = attend(*inputs, *local)
-        eager_grads = torch.autograd.grad(eager.square().sum(), inputs)
-        with torch.compiler.set_stance("fail_on_recompile" if step else "default"):
-            out = compiled(*inputs, *local)
-        grads = torch.autograd.grad(out.square().sum(), inputs)
-        torch.testing.assert_close(out, eager)
-        for got, want in zip(grads, eager_grads):
-            torch.testing.assert_close(got, want)
+
+    def steps():
+        for ids in (long_tailed_ids(2, seq, seed=s) for s in range(3)):
+            plan = balanced_sequence_plan(ids, cp_size, method=method)
+            yield ([plan.shard(t, dim=2, cp_mesh=cp_mesh) for t in full],
+                   (plan.shard(ids, dim=1, cp_mesh=cp_mesh), plan.positions(cp_mesh=cp_mesh)))
+
+    assert_compiled_matches_eager_without_recompiles(attend, steps())
     return True
 
 

@@ -146,21 +146,28 @@ def run_compiled_with_moving_boundaries(method):
     def attend(q, k, v, ids):
         return attention(q, k, v, cp_mesh=cp_mesh, causal=True, document_ids=ids)
 
-    compiled = torch.compile(attend, fullgraph=True)
     gen = torch.Generator().manual_seed(2)
     full = [torch.randn(2, heads, seq, HEAD_DIM, generator=gen) for heads in (Q_HEADS, KV_HEADS, KV_HEADS)]
-    for step, mix in enumerate(document_mixes(seq).values()):
-        ids = shard_sequence(mix, cp_mesh=cp_mesh, dim=1)
-        inputs = [shard_sequence(t, cp_mesh=cp_mesh, dim=2).requires_grad_(True) for t in full]
-        eager = attend(*inputs, ids)
+    steps = (([shard_sequence(t, cp_mesh=cp_mesh, dim=2) for t in full], (shard_sequence(mix, cp_mesh=cp_mesh, dim=1),))
+             for mix in document_mixes(seq).values())
+    assert_compiled_matches_eager_without_recompiles(attend, steps)
+    return True
+
+
+def assert_compiled_matches_eager_without_recompiles(attend, steps) -> None:
+    """``attend(q, k, v, *rows)`` compiled fullgraph equals eager, output and gradients, at every step of
+    ``steps`` ((q, k, v), rows) after the first without a recompile."""
+    compiled = torch.compile(attend, fullgraph=True)
+    for step, (qkv, rows) in enumerate(steps):
+        inputs = [t.detach().requires_grad_(True) for t in qkv]
+        eager = attend(*inputs, *rows)
         eager_grads = torch.autograd.grad(eager.square().sum(), inputs)
         with torch.compiler.set_stance("fail_on_recompile" if step else "default"):
-            out = compiled(*inputs, ids)
+            out = compiled(*inputs, *rows)
         grads = torch.autograd.grad(out.square().sum(), inputs)
         torch.testing.assert_close(out, eager)
         for got, want in zip(grads, eager_grads):
             torch.testing.assert_close(got, want)
-    return True
 
 
 @pytest.mark.parametrize("method", ["ring", "ulysses", "hybrid"])

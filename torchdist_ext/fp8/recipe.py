@@ -31,6 +31,16 @@ AMAX_COMPUTE_ALGOS = ("max", "most_recent")
 _FORMAT_DTYPES = {"hybrid": (torch.float8_e4m3fn, torch.float8_e5m2), "e4m3": (torch.float8_e4m3fn,)}
 
 
+class _GradFormat:
+    """``grad_dtype``: the gradients' fp8 format under ``fp8_format`` (e5m2 for "hybrid", else e4m3)."""
+
+    fp8_format: str
+
+    @property
+    def grad_dtype(self) -> torch.dtype:
+        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
+
+
 def _check_format(fp8_format) -> None:
     if fp8_format not in FP8_FORMATS:
         raise ValueError(f"fp8_format must be one of {FP8_FORMATS}, got {fp8_format!r}")
@@ -54,7 +64,7 @@ def _check_margin(margin, fp8_format: str) -> None:
 
 
 @dataclass(frozen=True)
-class DelayedScaling:
+class DelayedScaling(_GradFormat):
     """Delayed scaling with an amax history of ``amax_history_len`` steps per tensor role.
 
     Args:
@@ -87,13 +97,9 @@ class DelayedScaling:
         if not isinstance(self.reduce_amax, bool):
             raise TypeError(f"reduce_amax must be a bool, got {self.reduce_amax!r}")
 
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
-
 
 @dataclass(frozen=True)
-class CurrentScaling:
+class CurrentScaling(_GradFormat):
     """Current (dynamic, tensorwise) scaling: ``scale = fp8_max / max(amax, eps)`` from each tensor's own amax.
 
     Args:
@@ -111,10 +117,6 @@ class CurrentScaling:
         if not (self.eps > 0 and math.isfinite(self.eps)):
             raise ValueError(f"eps must be a positive finite number, got {self.eps!r}")
 
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
-
 
 def _check_eps(eps) -> None:
     if isinstance(eps, bool) or not isinstance(eps, (int, float)):
@@ -129,7 +131,7 @@ def _check_power_of_2(power_of_2_scales) -> None:
 
 
 @dataclass(frozen=True)
-class RowwiseScaling:
+class RowwiseScaling(_GradFormat):
     """Rowwise (axiswise) current scaling, torchao's ``Float8LinearConfig.from_recipe_name("rowwise")``: every
     GEMM operand gets one scale per row along its non-contracted dim (``y = x W^T``: x per token, W per output
     channel; ``dx = g W``: g per token, W per input channel; ``dW = g^T x``: g per output channel and x per
@@ -151,13 +153,9 @@ class RowwiseScaling:
         _check_power_of_2(self.power_of_2_scales)
         _check_eps(self.eps)
 
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
-
 
 @dataclass(frozen=True)
-class BlockScaling:
+class BlockScaling(_GradFormat):
     """Blockwise current scaling, DeepSeek-V3's (section 3.3.2) and TransformerEngine's
     ``Float8BlockScaling``: activations and gradients cast in ``activation_block`` = (1, b) tiles along the
     GEMM's contracted dim (per token per b channels; for the weight gradient, which contracts over the tokens,
@@ -195,10 +193,6 @@ class BlockScaling:
     @property
     def block(self) -> int:
         return self.activation_block[1]
-
-    @property
-    def grad_dtype(self) -> torch.dtype:
-        return torch.float8_e5m2 if self.fp8_format == "hybrid" else torch.float8_e4m3fn
 
 
 TENSORWISE = (DelayedScaling, CurrentScaling)

@@ -136,13 +136,13 @@ def balanced_sequence_plan(document_ids: Tensor, cp_size, *, method: str = "ring
     seq = document_ids.shape[1]
     if seq % (ring * ulysses):
         raise ValueError(f"the sequence ({seq}) must split into {ring * ulysses} equal shards, one per cp rank")
-    indices, costs = ops.balanced_sequence_plan(document_ids, ring)
-    if method == "ulysses":
+    if method == "ulysses":  # the sequence's whole work (a one-rank plan's), shared by heads
+        _, total = ops.balanced_sequence_plan(document_ids, 1)
         batch = document_ids.shape[0]
         indices = torch.arange(seq).expand(batch, seq).reshape(batch, ring, seq // ring).contiguous()
-        per_rank = costs.sum().double() / ring
-        costs = per_rank.expand(ring).clone()
+        costs = (total.sum().double() / ring).expand(ring).clone()
     else:
+        indices, costs = ops.balanced_sequence_plan(document_ids, ring)
         costs = (costs.sum(0).double() / ulysses).repeat_interleave(ulysses)
     return SequencePlan(indices=indices, costs=costs, method=method, ulysses=ulysses)
 
