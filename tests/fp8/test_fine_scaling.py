@@ -32,8 +32,8 @@ def reference_cast(x: torch.Tensor, block: tuple[int, int], dtype: torch.dtype, 
             amax = tile.abs().amax()
             if amax.isfinite():
                 scale = torch.tensor(FP8_MAX[dtype], dtype=torch.float32) / amax.clamp_min(eps)
-                if power_of_2:
-                    scale = torch.exp2(torch.floor(torch.log2(scale)))
+                if power_of_2:  # frexp: exact, where log2 may round differently on another CPU
+                    scale = torch.ldexp(torch.tensor(0.5), torch.frexp(scale).exponent)
             else:
                 scale = torch.tensor(1.0)
             scaled = (tile * scale).clamp(-FP8_MAX[dtype], FP8_MAX[dtype])
